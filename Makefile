@@ -1,0 +1,56 @@
+# The only command surface. `make test` and `make demo` set up .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/rpcdist/v1/*.proto)
+
+.PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not multiprocess and not slow"
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+bench: $(STAMP)
+	-$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installable: baselines skipped"
+	$(BIN)/python benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check rpcdist tests examples benchmarks
+	$(BIN)/ruff format --check rpcdist tests examples benchmarks
+	$(BIN)/mypy
+
+fmt: $(STAMP)
+	$(BIN)/ruff format rpcdist tests examples benchmarks
+	$(BIN)/ruff check --fix rpcdist tests examples benchmarks
+
+proto: $(STAMP)
+	rm -rf build/proto_gen && mkdir -p build/proto_gen
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=build/proto_gen --pyi_out=build/proto_gen $(PROTOS)
+	cp build/proto_gen/rpcdist/v1/*_pb2.py build/proto_gen/rpcdist/v1/*_pb2.pyi rpcdist/_proto/
+
+proto-check: $(STAMP)
+	rm -rf build/proto_check && mkdir -p build/proto_check
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=build/proto_check --pyi_out=build/proto_check $(PROTOS)
+	for f in build/proto_check/rpcdist/v1/*_pb2.py build/proto_check/rpcdist/v1/*_pb2.pyi; do \
+	  diff -u rpcdist/_proto/$$(basename $$f) $$f || { echo "proto drift: run make proto"; exit 1; }; done
+	@echo "generated protobuf code is up to date"
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,243 @@
+"""Arrays travel out-of-band: NumPy arrays and scalars, CuPy arrays, torch tensors.
+
+An array's header fields are ``[dtype.str, shape, buffer index, order]``; its
+bytes are one out-of-band buffer, a zero-copy view of C-contiguous (or
+Fortran-contiguous, ``order`` 1) data. CuPy and torch are never imported to
+encode: a value can only be one of theirs if its library is already loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from typing import Any, Final
+
+import numpy as np
+
+from .._errors import SerializationError
+from ._extensions import (
+    CUPY,
+    FINDERS,
+    MARKS,
+    NDARRAY,
+    NPSCALAR,
+    TENSOR,
+    DecodeState,
+    EncodeState,
+    Handler,
+    Unsupported,
+    define,
+)
+
+__all__: list[str] = []
+
+_KINDS: Final = frozenset("biufcmMSU")
+_MAX_DIMS: Final = 64
+_dtypes: dict[str, np.dtype[Any]] = {}
+
+
+def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
+    """Append ``array``'s bytes as a buffer; return its header fields."""
+    dtype = array.dtype
+    if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise Unsupported(
+            f"arrays of dtype {dtype} cannot be sent (only bool, integer, floating, "
+            "complex, datetime64, timedelta64 and fixed-size string dtypes)"
+        )
+    order = 0
+    if array.flags.c_contiguous:
+        data = array
+    elif array.flags.f_contiguous:
+        data, order = array.T, 1
+    else:
+        data = np.ascontiguousarray(array)
+    index = state.add_buffer(data.reshape(-1).view(np.uint8).data)
+    return [dtype.str, list(array.shape), index, order]
+
+
+def _dtype(text: object) -> np.dtype[Any]:
+    if type(text) is not str:
+        raise SerializationError(f"malformed array payload: bad dtype {text!r}")
+    dtype = _dtypes.get(text)
+    if dtype is not None:
+        return dtype
+    try:
+        dtype = np.dtype(text)
+    except Exception as exc:
+        raise SerializationError(f"malformed array payload: bad dtype {text!r}") from exc
+    if (
+        dtype.kind not in _KINDS
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+        or dtype.itemsize == 0
+    ):
+        raise SerializationError(f"malformed array payload: dtype {text!r} is not allowed")
+    if len(_dtypes) < 256:
+        _dtypes[text] = dtype
+    return dtype
+
+
+def _array_from_fields(state: DecodeState, fields: list[Any]) -> np.ndarray[Any, Any]:
+    """Rebuild an array from ``[dtype, shape, index, order]`` over its buffer (no copy)."""
+    text, shape, index, order = fields
+    dtype = _dtype(text)
+    if (
+        type(shape) is not list
+        or len(shape) > _MAX_DIMS
+        or not all(type(n) is int and n >= 0 for n in shape)
+        or order not in (0, 1)
+        or type(order) is not int
+    ):
+        raise SerializationError("malformed array payload: bad shape or order")
+    view = state.take_buffer(index)
+    count = math.prod(shape)
+    if count * dtype.itemsize != view.nbytes:
+        raise SerializationError(
+            f"out-of-band buffer {index} has {view.nbytes} bytes, but a {dtype} array of "
+            f"shape {tuple(shape)} needs {count * dtype.itemsize}"
+        )
+    flat = np.frombuffer(view, dtype=dtype, count=count)
+    if order:
+        return flat.reshape(shape[::-1]).T
+    return flat.reshape(shape)
+
+
+def _encode_ndarray(state: EncodeState, obj: np.ndarray[Any, Any]) -> list[Any]:
+    return [MARKS[NDARRAY], *_array_fields(state, obj)]
+
+
+def _decode_ndarray(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 5:
+        raise SerializationError("malformed array payload in message header")
+    return _array_from_fields(state, items[1:])
+
+
+def _encode_scalar(state: EncodeState, obj: np.generic) -> list[Any]:
+    return [MARKS[NPSCALAR], obj.dtype.str, obj.tobytes()]
+
+
+def _encode_string_scalar(state: EncodeState, obj: np.str_ | np.bytes_) -> list[Any]:
+    return [MARKS[NPSCALAR], obj.dtype.kind, obj.item()]
+
+
+def _decode_scalar(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 3:
+        raise SerializationError("malformed NumPy scalar payload in message header")
+    if items[1] == "U" and type(items[2]) is str:
+        return np.str_(items[2])
+    if items[1] == "S" and type(items[2]) is bytes:
+        return np.bytes_(items[2])
+    if type(items[2]) is not bytes:
+        raise SerializationError("malformed NumPy scalar payload in message header")
+    dtype = _dtype(items[1])
+    if len(items[2]) != dtype.itemsize:
+        raise SerializationError(f"malformed NumPy scalar payload: wrong size for {dtype}")
+    return np.frombuffer(items[2], dtype=dtype, count=1)[0]
+
+
+def _import(name: str, what: str) -> Any:
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        raise SerializationError(
+            f"received {what}, but {name} cannot be imported on this worker: {exc}"
+        ) from exc
+
+
+def _encode_cupy(state: EncodeState, obj: Any) -> list[Any]:
+    host = sys.modules["cupy"].asnumpy(obj)
+    return [MARKS[CUPY], *_array_fields(state, host)]
+
+
+def _decode_cupy(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 5:
+        raise SerializationError("malformed CuPy array payload in message header")
+    host = _array_from_fields(state, items[1:])
+    cupy = _import("cupy", "a CuPy array")
+    try:
+        return cupy.asarray(host)
+    except Exception as exc:
+        raise SerializationError(f"cannot place received CuPy array on the GPU: {exc}") from exc
+
+
+def _find_cupy(obj: object) -> Handler | None:
+    cupy = sys.modules.get("cupy")
+    if (
+        cupy is not None
+        and type(obj).__module__.startswith("cupy")
+        and isinstance(obj, cupy.ndarray)
+    ):
+        return _encode_cupy
+    return None
+
+
+_SAME_SIZE_INT: Final = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
+    torch = sys.modules["torch"]
+    if obj.layout != torch.strided:
+        raise Unsupported(f"only dense tensors can be sent, not layout {obj.layout}")
+    data = obj.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.resolve_conj().resolve_neg()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    dtype_name = str(data.dtype).removeprefix("torch.")
+    try:
+        array = data.numpy()
+    except TypeError:  # no NumPy dtype (bfloat16, float8, ...): send the bits
+        size = _SAME_SIZE_INT.get(data.element_size())
+        if size is None:
+            raise
+        array = data.view(getattr(torch, size)).numpy()
+    is_parameter = isinstance(obj, torch.nn.Parameter)
+    fields = _array_fields(state, array)
+    return [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
+
+
+def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
+    if (
+        len(items) != 8
+        or type(items[5]) is not str
+        or type(items[6]) is not bool
+        or type(items[7]) is not bool
+    ):
+        raise SerializationError("malformed tensor payload in message header")
+    array = _array_from_fields(state, items[1:5])
+    torch = _import("torch", "a torch tensor")
+    dtype = getattr(torch, items[5], None)
+    if not isinstance(dtype, torch.dtype):
+        raise SerializationError(f"malformed tensor payload: unknown dtype {items[5]!r}")
+    if not array.flags.writeable:
+        array = array.copy()  # torch tensors are always writable
+    try:
+        tensor = torch.from_numpy(array)
+        if tensor.dtype != dtype:
+            tensor = tensor.view(dtype)
+        if items[7]:
+            return torch.nn.Parameter(tensor, requires_grad=items[6])
+        return tensor.requires_grad_(items[6])
+    except Exception as exc:
+        raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
+
+
+def _find_tensor(obj: object) -> Handler | None:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _encode_tensor
+    return None
+
+
+_SCALARS: Final = {np.dtype(code).type for code in "?bhilqpBHILQPefdgFDG"}
+define(NDARRAY, [np.ndarray], _encode_ndarray, _decode_ndarray)
+define(NPSCALAR, [*_SCALARS, np.datetime64, np.timedelta64], _encode_scalar, _decode_scalar)
+define(NPSCALAR, [np.str_, np.bytes_], _encode_string_scalar, _decode_scalar)
+define(CUPY, [], _encode_cupy, _decode_cupy)
+define(TENSOR, [], _encode_tensor, _decode_tensor)
+FINDERS.extend([_find_cupy, _find_tensor])

@@ -1,0 +1,143 @@
+"""Extensions for Python builtins, WorkerInfo, exceptions and functions.
+
+msgpack packs ``None``, ``bool``, 64-bit ``int``, ``float``, ``str``, ``bytes``,
+``list`` and ``dict`` itself (the packer runs with ``strict_types``, so
+subclasses of these come here, and are refused unless registered). It also
+writes ``bytearray`` and ``memoryview`` as msgpack bin before consulting any
+hook, so those arrive as ``bytes``: keeping them apart would need a Python walk
+of every list and dict on the hot path.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Final
+
+import numpy as np
+
+from .._errors import SerializationError
+from .._worker import WorkerInfo
+from ._exceptions import exception_from_wire, exception_to_wire
+from ._extensions import (
+    BIGINT,
+    COMPLEX,
+    EXCEPTION,
+    FINDERS,
+    FROZENSET,
+    FUNCTION,
+    MARKS,
+    SET,
+    TUPLE,
+    WORKERINFO,
+    DecodeState,
+    EncodeState,
+    Handler,
+    define,
+)
+from ._functions import function_name, resolve_function
+
+__all__: list[str] = []
+
+_TUPLE: Final = MARKS[TUPLE]
+_SET: Final = MARKS[SET]
+_FROZENSET: Final = MARKS[FROZENSET]
+
+
+def _malformed(what: str) -> SerializationError:
+    return SerializationError(f"malformed {what} payload in message header")
+
+
+def _encode_tuple(state: EncodeState, obj: tuple[Any, ...]) -> list[Any]:
+    return [_TUPLE, *obj]
+
+
+def _decode_tuple(state: DecodeState, items: list[Any]) -> object:
+    return tuple(items[1:])
+
+
+def _encode_set(state: EncodeState, obj: set[Any]) -> list[Any]:
+    return [_SET, *obj]
+
+
+def _decode_set(state: DecodeState, items: list[Any]) -> object:
+    return set(items[1:])
+
+
+def _encode_frozenset(state: EncodeState, obj: frozenset[Any]) -> list[Any]:
+    return [_FROZENSET, *obj]
+
+
+def _decode_frozenset(state: DecodeState, items: list[Any]) -> object:
+    return frozenset(items[1:])
+
+
+def _encode_complex(state: EncodeState, obj: complex) -> list[Any]:
+    return [MARKS[COMPLEX], obj.real, obj.imag]
+
+
+def _decode_complex(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 3 or type(items[1]) is not float or type(items[2]) is not float:
+        raise _malformed("complex")
+    return complex(items[1], items[2])
+
+
+def _encode_bigint(state: EncodeState, obj: int) -> list[Any]:
+    # Only reached for ints outside msgpack's 64-bit range.
+    size = obj.bit_length() // 8 + 1
+    return [MARKS[BIGINT], obj.to_bytes(size, "big", signed=True)]
+
+
+def _decode_bigint(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 2 or type(items[1]) is not bytes:
+        raise _malformed("int")
+    return int.from_bytes(items[1], "big", signed=True)
+
+
+def _encode_worker(state: EncodeState, obj: WorkerInfo) -> list[Any]:
+    return [MARKS[WORKERINFO], obj.name, obj.id]
+
+
+def _decode_worker(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 3 or type(items[1]) is not str or type(items[2]) is not int:
+        raise _malformed("WorkerInfo")
+    return WorkerInfo(items[1], items[2])
+
+
+def _encode_exception(state: EncodeState, obj: BaseException) -> list[Any]:
+    return [MARKS[EXCEPTION], exception_to_wire(obj)]
+
+
+def _decode_exception(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 2:
+        raise _malformed("exception")
+    return exception_from_wire(items[1])
+
+
+def _find_exception(obj: object) -> Handler | None:
+    return _encode_exception if isinstance(obj, BaseException) else None
+
+
+def _encode_function(state: EncodeState, obj: Any) -> list[Any]:
+    return [MARKS[FUNCTION], function_name(obj)]
+
+
+def _decode_function(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 2 or type(items[1]) is not str:
+        raise _malformed("function")
+    return resolve_function(items[1])
+
+
+define(TUPLE, [tuple], _encode_tuple, _decode_tuple)
+define(SET, [set], _encode_set, _decode_set)
+define(FROZENSET, [frozenset], _encode_frozenset, _decode_frozenset)
+define(COMPLEX, [complex], _encode_complex, _decode_complex)
+define(BIGINT, [int], _encode_bigint, _decode_bigint)
+define(WORKERINFO, [WorkerInfo], _encode_worker, _decode_worker)
+define(EXCEPTION, [], _encode_exception, _decode_exception)
+define(
+    FUNCTION,
+    [types.FunctionType, types.BuiltinFunctionType, types.MethodType, np.ufunc],
+    _encode_function,
+    _decode_function,
+)
+FINDERS.append(_find_exception)

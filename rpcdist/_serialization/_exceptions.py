@@ -1,0 +1,141 @@
+"""Exceptions on the wire: a small dict, re-created on the receiver when possible."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any
+
+from .._errors import RemoteError, SerializationError
+
+__all__ = ["exception_from_wire", "exception_to_wire"]
+
+_local = threading.local()
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__qualname__}>"
+
+
+def _encodable_args(exc: BaseException) -> tuple[Any, ...] | None:
+    from ._codec import encode  # encode needs this module; import late
+
+    busy: set[int] = _local.__dict__.setdefault("busy", set())
+    if id(exc) in busy:
+        # The exception is inside its own args: fail the enclosing check.
+        raise SerializationError("an exception's args contain the exception itself")
+    busy.add(id(exc))
+    try:
+        args = exc.args
+        encode(args)
+    except Exception:
+        return None
+    finally:
+        busy.discard(id(exc))
+    return args
+
+
+def exception_to_wire(exc: BaseException) -> dict[str, Any]:
+    """Describe ``exc`` for another worker.
+
+    A :class:`~rpcdist.RemoteError` is described by the type it stands for, so
+    an error that crossed several workers keeps its original type; tracebacks
+    from earlier workers are kept in front of this worker's.
+
+    Args:
+        exc: The exception.
+
+    Returns:
+        ``{"type": "module:qualname", "message": str(exc), "args": args or
+        None (when they cannot be encoded), "traceback": formatted text}``.
+
+    Raises:
+        SerializationError: only while checking the args of an exception that
+            contains ``exc`` (a cycle); that check then drops its args.
+    """
+    cls = type(exc)
+    remote_type = getattr(exc, "remote_type", "") if isinstance(exc, RemoteError) else ""
+    type_name = remote_type or f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:
+        text = f"{cls.__qualname__}: {_text(exc)}\n"
+    earlier = getattr(exc, "remote_traceback", None)
+    if isinstance(earlier, str) and earlier:
+        text = f"{earlier}\nThe exception above was re-raised on another worker:\n\n{text}"
+    return {
+        "type": type_name,
+        "message": _text(exc),
+        "args": _encodable_args(exc),
+        "traceback": text,
+    }
+
+
+def _local_type(name: str) -> type[BaseException] | None:
+    """Find an exception class among modules already imported (imports nothing)."""
+    module_name, _, qualname = name.partition(":")
+    target: object = sys.modules.get(module_name)
+    if target is None or not qualname:
+        return None
+    for part in qualname.split("."):
+        try:
+            target = vars(target).get(part)
+        except TypeError:
+            return None
+    if isinstance(target, type) and issubclass(target, BaseException):
+        return target
+    return None
+
+
+def exception_from_wire(d: object) -> BaseException:
+    """Re-create an exception described by :func:`exception_to_wire`.
+
+    The original type is used when it is already imported here and can be built
+    from its args (or from its message alone); otherwise the result is a
+    :class:`~rpcdist.RemoteError` carrying ``remote_type``. Either way the
+    result's ``remote_traceback`` holds the sender's traceback text.
+
+    Args:
+        d: The wire description (anything else raises SerializationError).
+
+    Returns:
+        The exception, ready to raise.
+
+    Raises:
+        SerializationError: ``d`` is not such a description.
+    """
+    if not isinstance(d, dict):
+        raise SerializationError(f"malformed exception payload: expected a dict, got {type(d)}")
+    name, message, args, text = (d.get(k) for k in ("type", "message", "args", "traceback"))
+    if not (
+        isinstance(name, str)
+        and isinstance(message, str)
+        and isinstance(text, str)
+        and (args is None or isinstance(args, tuple | list))
+    ):
+        raise SerializationError("malformed exception payload: missing or mistyped fields")
+    cls = _local_type(name)
+    exc: BaseException | None = None
+    if cls is not None:
+        for attempt in (args, (message,)):
+            if attempt is None:
+                continue
+            try:
+                made = cls(*attempt)
+            except Exception:
+                continue
+            if isinstance(made, BaseException):
+                exc = made
+                break
+    if exc is not None:
+        try:
+            exc.remote_traceback = text  # type: ignore[attr-defined]
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RemoteError(message, remote_type=name, remote_traceback=text)
+    return exc

@@ -1,0 +1,205 @@
+"""Arrays: zero copy where promised, correct bytes where not; CuPy and torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rpcdist._errors import SerializationError
+from rpcdist._serialization import decode, encode
+
+from ._helpers import roundtrip, same
+
+
+def _bytes_of(buffer: memoryview) -> np.ndarray[Any, Any]:
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(10, dtype=np.float64),
+        np.arange(12, dtype=">i4").reshape(3, 4),
+        np.asfortranarray(np.ones((3, 2), dtype=np.complex64)),
+        np.array(7, dtype=np.uint16),
+    ],
+    ids=["c", "big-endian", "fortran", "0-d"],
+)
+def test_encode_does_not_copy_contiguous_arrays(array: np.ndarray[Any, Any]) -> None:
+    header, buffers = encode({"a": array})
+    assert len(buffers) == 1
+    assert np.shares_memory(_bytes_of(buffers[0]), array)
+    assert same(decode(header, buffers)["a"], array)  # type: ignore[index]
+
+
+def test_decode_views_writable_bytearray_buffers() -> None:
+    header, buffers = encode(np.arange(6, dtype=np.int32).reshape(2, 3))
+    storage = bytearray(buffers[0])
+    out = decode(header, [memoryview(storage)])
+    assert isinstance(out, np.ndarray)
+    assert out.flags.writeable
+    assert np.shares_memory(out, np.frombuffer(storage, dtype=np.uint8))
+    out[1, 2] = 100
+    assert np.frombuffer(storage, dtype=np.int32)[5] == 100
+
+
+def test_decode_of_read_only_buffers_gives_read_only_arrays() -> None:
+    header, buffers = encode(np.arange(3))
+    out = decode(header, [bytes(buffers[0])])
+    assert isinstance(out, np.ndarray) and not out.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        np.arange(20.0)[::2],
+        np.arange(12).reshape(3, 4)[:, 1:3],
+        np.arange(24, dtype=">f8").reshape(2, 3, 4).transpose(1, 0, 2),
+        np.arange(5)[::-1],
+    ],
+)
+def test_non_contiguous_arrays_arrive_contiguous_and_equal(view: np.ndarray[Any, Any]) -> None:
+    out = roundtrip(view)
+    assert isinstance(out, np.ndarray)
+    assert out.flags.c_contiguous and out.dtype == view.dtype
+    np.testing.assert_array_equal(out, view)
+
+
+def test_arrays_share_one_buffer_list_in_order() -> None:
+    a, b = np.zeros(3), np.ones((2, 2), dtype=np.int8)
+    header, buffers = encode([a, (b, {"again": a})])
+    assert [buf.nbytes for buf in buffers] == [24, 4, 24]
+    out = decode(header, buffers)
+    assert same(out, [a, (b, {"again": a})])
+
+
+@pytest.mark.parametrize(
+    "array",
+    [np.array([object()]), np.array([("a", 1)], dtype=[("s", "U1"), ("i", "i4")])],
+    ids=["object", "structured"],
+)
+def test_unsupported_dtypes_are_refused_with_their_place(array: np.ndarray[Any, Any]) -> None:
+    with pytest.raises(SerializationError, match=r"type 'ndarray' at args\[1\]: arrays of dtype"):
+        encode(({}, array), where="args")
+
+
+def test_array_subclasses_are_refused() -> None:
+    with pytest.raises(SerializationError, match="MaskedArray' at value: NumPy array subclasses"):
+        encode(np.ma.masked_array([1, 2], mask=[0, 1]))
+
+
+# ------------------------------------------------------------------- CuPy
+
+
+class _FakeCupyArray:
+    """Stands in for cupy.ndarray: a device array wrapping host memory."""
+
+    __module__ = "cupy"
+
+    def __init__(self, host: np.ndarray[Any, Any]) -> None:
+        self.host = host
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType("cupy")
+    module.ndarray = _FakeCupyArray  # type: ignore[attr-defined]
+    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # type: ignore[attr-defined]
+    module.asarray = lambda a: _FakeCupyArray(np.array(a))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    return module
+
+
+def test_cupy_arrays_travel_as_host_buffers(fake_cupy: types.ModuleType) -> None:
+    device = _FakeCupyArray(np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2])
+    header, buffers = encode({"x": device})
+    assert len(buffers) == 1
+    out = decode(header, buffers)["x"]  # type: ignore[index]
+    assert isinstance(out, _FakeCupyArray)
+    assert same(out.host, np.ascontiguousarray(device.host))
+
+
+def test_cupy_array_refused_where_cupy_is_missing(
+    fake_cupy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header, buffers = encode(_FakeCupyArray(np.zeros(2)))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
+    with pytest.raises(SerializationError, match="CuPy array, but cupy cannot be imported"):
+        decode(header, buffers)
+
+
+@pytest.mark.gpu
+def test_real_cupy_round_trip() -> None:
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as exc:  # no driver
+        pytest.skip(f"no CUDA device: {exc}")
+    a = cupy.arange(12, dtype=cupy.float32).reshape(3, 4).T
+    out = roundtrip({"a": a})["a"]  # type: ignore[index]
+    assert isinstance(out, cupy.ndarray)
+    assert out.device.id == cupy.cuda.Device().id
+    assert bool((out == a).all()) and out.dtype == a.dtype and out.shape == a.shape
+
+
+# ------------------------------------------------------------------ torch
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", "float64", "float16", "bfloat16", "int8", "int64", "uint8", "bool", "complex64"],
+)
+def test_torch_tensors_keep_dtype_shape_and_values(dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    t = (torch.arange(12) % 2).reshape(3, 4).to(getattr(torch, dtype))
+    for value in (t, t.T, t[0, 0]):
+        out = roundtrip(value)
+        assert type(out) is torch.Tensor
+        assert out.dtype == value.dtype and out.shape == value.shape
+        assert torch.equal(out, value)
+
+
+@pytest.mark.torch
+def test_torch_encode_and_decode_are_zero_copy() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32, requires_grad=True)
+    header, buffers = encode([t])
+    assert np.shares_memory(_bytes_of(buffers[0]), t.detach().numpy())
+    storage = bytearray(buffers[0])
+    (out,) = decode(header, [memoryview(storage)])  # type: ignore[misc]
+    assert out.requires_grad
+    assert np.shares_memory(out.detach().numpy(), np.frombuffer(storage, dtype=np.uint8))
+
+
+@pytest.mark.torch
+def test_torch_parameters_stay_parameters() -> None:
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    out = roundtrip(p)
+    assert isinstance(out, torch.nn.Parameter) and out.requires_grad
+    assert torch.equal(out, p)
+
+
+@pytest.mark.torch
+def test_sparse_tensors_are_refused() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(SerializationError, match="only dense tensors"):
+        encode({"t": torch.eye(2).to_sparse()})
+
+
+def test_encoding_never_imports_torch_or_cupy() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from rpcdist._serialization import encode, decode\n"
+        "h, b = encode([np.arange(3), {'a': (1, 2.5)}])\n"
+        "decode(h, b)\n"
+        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, 'imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

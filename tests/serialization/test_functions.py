@@ -1,0 +1,195 @@
+"""Functions travel by name; exceptions travel as descriptions."""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from rpcdist._errors import RemoteError, SerializationError
+from rpcdist._serialization import (
+    decode,
+    encode,
+    exception_from_wire,
+    exception_to_wire,
+    function_name,
+    resolve_function,
+)
+
+from ._helpers import FUNCTIONS, Helpers, module_function, roundtrip
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__qualname__)
+def test_named_functions_resolve_back(fn: Any) -> None:
+    name = function_name(fn)
+    assert resolve_function(name) == fn
+    assert roundtrip({"f": fn}) == {"f": fn}
+
+
+def test_names_are_module_colon_qualname() -> None:
+    assert function_name(module_function) == f"{module_function.__module__}:module_function"
+    assert function_name(Helpers.static).endswith(":Helpers.static")
+    assert function_name(Helpers.klass).endswith(":Helpers.klass")
+    assert function_name(operator.add) == "_operator:add"
+    assert function_name(math.sqrt) == "math:sqrt"
+
+
+def _closure_maker() -> Any:
+    def inner() -> None:
+        pass
+
+    return inner
+
+
+def _ghost() -> Any:
+    fn = types.FunctionType(module_function.__code__, {}, "ghost")
+    fn.__qualname__ = "ghost"
+    fn.__module__ = __name__
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (lambda: None, "lambdas cannot be found"),
+        (_closure_maker(), "defined inside another function"),
+        (Helpers().method, "bound to an instance"),
+        (functools.partial(operator.add, 1), "no __module__ and __qualname__"),
+        (_ghost(), "does not lead back to it"),
+    ],
+    ids=["lambda", "closure", "bound-method", "partial", "renamed"],
+)
+def test_functions_without_a_usable_name_are_refused(fn: Any, why: str) -> None:
+    with pytest.raises(SerializationError, match=why) as info:
+        function_name(fn)
+    label = getattr(fn, "__qualname__", "functools.partial")
+    assert label in str(info.value)
+
+
+def test_a_lambda_argument_is_refused_naming_function_and_place() -> None:
+    with pytest.raises(SerializationError) as info:
+        encode((1, {"key": lambda x: x}), where="args")
+    message = str(info.value)
+    assert "'function' at args[1]['key']" in message and "<lambda>" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("math:no_such_function", "no_such_function"),
+        ("math:pi", "not callable"),
+        ("nocolon", "expected 'module:qualname'"),
+    ],
+)
+def test_unresolvable_names(name: str, why: str) -> None:
+    with pytest.raises(
+        SerializationError, match=f"function '{name}' not found on this worker"
+    ) as info:
+        resolve_function(name)
+    assert why in str(info.value)
+
+
+# ------------------------------------------------------------- exceptions
+
+
+class CustomError(Exception):
+    """An exception type the receiver also has imported."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+
+
+def _raise(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+def test_exception_to_wire_describes_type_message_args_and_traceback() -> None:
+    wire = exception_to_wire(_raise(ValueError("bad value", 3)))
+    assert wire["type"] == "builtins:ValueError"
+    assert wire["message"] == "('bad value', 3)"
+    assert wire["args"] == ("bad value", 3)
+    assert "in _raise" in wire["traceback"] and "ValueError" in wire["traceback"]
+
+
+def test_known_exception_types_are_recreated_with_traceback() -> None:
+    exc = exception_from_wire(exception_to_wire(_raise(CustomError(7, "x"))))
+    assert type(exc) is CustomError and exc.code == 7 and exc.args == (7, "x")
+    assert "CustomError" in exc.remote_traceback  # type: ignore[attr-defined]
+
+
+def test_unknown_types_become_remote_errors() -> None:
+    wire = {"type": "some.module:Weird", "message": "strange", "args": (1,), "traceback": "TB"}
+    exc = exception_from_wire(wire)
+    assert type(exc) is RemoteError
+    assert exc.remote_type == "some.module:Weird" and exc.remote_traceback == "TB"
+    assert str(exc) == "strange"
+
+
+def test_remote_errors_keep_the_original_type_when_passed_on() -> None:
+    first = exception_from_wire({"type": "a:B", "message": "m", "args": None, "traceback": "T1"})
+    again = exception_from_wire(exception_to_wire(first))
+    assert isinstance(again, RemoteError) and again.remote_type == "a:B"
+    assert again.remote_traceback.startswith("T1")
+
+
+def test_from_wire_imports_nothing() -> None:
+    if "wave" in sys.modules:
+        pytest.skip("wave already imported")
+    exc = exception_from_wire(
+        {"type": "wave:Error", "message": "m", "args": ("m",), "traceback": ""}
+    )
+    assert type(exc) is RemoteError and "wave" not in sys.modules
+
+
+def test_non_exception_types_are_not_constructed() -> None:
+    exc = exception_from_wire(
+        {"type": "builtins:print", "message": "m", "args": (), "traceback": ""}
+    )
+    assert type(exc) is RemoteError
+
+
+def test_unbuildable_args_fall_back_to_the_message() -> None:
+    wire = exception_to_wire(CustomError(1, "x"))
+    wire["args"] = ("only-one",)  # CustomError needs two
+    exc = exception_from_wire(wire)
+    assert type(exc) is RemoteError  # (message,) does not fit either
+    wire["type"] = "builtins:KeyError"
+    assert type(exception_from_wire(wire)) is KeyError
+
+
+def test_unencodable_args_are_dropped_and_cycles_survive() -> None:
+    wire = exception_to_wire(ValueError(object()))
+    assert wire["args"] is None
+    exc = exception_from_wire(wire)
+    assert type(exc) is ValueError and exc.args == (wire["message"],)
+    cyclic = ValueError("c")
+    cyclic.args = ("c", cyclic)
+    assert type(roundtrip(cyclic)) is ValueError
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [None, [], {}, {"type": 1, "message": "m", "args": None, "traceback": ""}, {"type": "a:B"}],
+)
+def test_malformed_exception_descriptions(wire: Any) -> None:
+    with pytest.raises(SerializationError):
+        exception_from_wire(wire)
+
+
+def test_exception_values_round_trip_inside_messages() -> None:
+    header, buffers = encode({"errors": [_raise(KeyError("k")), CustomError(2, "y")]})
+    out = decode(header, buffers)
+    assert isinstance(out, dict)
+    first, second = out["errors"]
+    assert type(first) is KeyError and first.args == ("k",)
+    assert type(second) is CustomError and second.code == 2
