@@ -1,0 +1,117 @@
+"""Shared helpers for benchmark scripts: timing statistics and the report file.
+
+Each benchmark owns one section of ``docs/benchmarks.md``, delimited by HTML
+comments, and rewrites only that section, so benchmarks can be re-run one at
+a time without losing the others' tables.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+_HEADER = """# Benchmarks
+
+Produced by `make bench` (each script under `benchmarks/` rewrites its own
+section). Every row is a median over repeated runs measured in the same run as
+its baselines; ratios compare rpcdist with the baseline on the same machine.
+"""
+
+
+def machine() -> str:
+    """A one-line description of this machine and the library versions used."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import numpy
+
+    parts = [
+        f"{os.cpu_count()} cores ({cpu})",
+        f"Python {platform.python_version()}",
+        f"NumPy {numpy.__version__}",
+    ]
+    try:
+        import grpc
+
+        parts.append(f"grpcio {grpc.__version__}")
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        parts.append("torch not installed")
+    return ", ".join(parts)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table."""
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            if v != v:
+                return "n/a"
+            if abs(v) >= 100:
+                return f"{v:,.0f}"
+            if abs(v) >= 10:
+                return f"{v:.1f}"
+            return f"{v:.2f}"
+        return str(v)
+
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_section(name: str, title: str, body: str, command: str) -> None:
+    """Replace (or append) the section ``name`` of docs/benchmarks.md."""
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False, cwd=REPORT.parent,
+        ).stdout.strip()
+    except OSError:
+        rev = ""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    section = (
+        f"{start}\n## {title}\n\n"
+        f"Command: `{command}`  \nMachine: {machine()}  \n"
+        f"Commit: {rev or 'unknown'}\n\n{body.strip()}\n{end}"
+    )
+    text = REPORT.read_text() if REPORT.exists() else _HEADER
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section, text)
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(text)
+    print(section, file=sys.stderr)

@@ -1,0 +1,719 @@
+"""The agent: worker table, outgoing calls, dispatch of incoming ones, shutdown.
+
+One agent per worker. Its event loop runs in a daemon thread (``rpcdist-loop``)
+and owns every grpc.aio object. User threads hand work to the loop with
+``call_soon_threadsafe``; handlers that are plain functions run in a bounded
+thread pool, ``async def`` handlers on the loop itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc.aio
+import msgpack
+
+from . import _dispatch
+from ._context import WireContext, bind_agent, reset_agent
+from ._deadline import UNSET, Unset, current_deadline, deadline_for
+from ._errors import (
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    NotInitializedError,
+    ProtocolError,
+    RpcdistError,
+    RpcTimeoutError,
+    SerializationError,
+    TransportError,
+    WorkerLostError,
+)
+from ._futures import Future
+from ._loop import LoopThread
+from ._options import RpcOptions
+from ._p2p import Mailbox
+from ._rendezvous import open_store, parse_init_method
+from ._serialization import decode, encode, exception_from_wire, function_name
+from ._transport import _grpc
+from ._transport._frames import (
+    CALL,
+    ERROR_REPLY,
+    INTERNAL,
+    P2P,
+    REPLY,
+    InMessage,
+    OutMessage,
+)
+from ._worker import WorkerInfo, check_worker_name
+
+__all__ = ["Agent", "internal_handler"]
+
+_log = logging.getLogger(__name__)
+
+#: Internal (control) methods: name -> ``async handler(agent, src, payload)``.
+INTERNAL_HANDLERS: dict[str, Callable[[Agent, WorkerInfo, Any], Awaitable[Any]]] = {}
+#: Hooks run by a graceful shutdown before the agent quiesces.
+SHUTDOWN_HOOKS: list[Callable[[Agent], Awaitable[None]]] = []
+
+
+def internal_handler(
+    name: str,
+) -> Callable[
+    [Callable[[Agent, WorkerInfo, Any], Awaitable[Any]]],
+    Callable[[Agent, WorkerInfo, Any], Awaitable[Any]],
+]:
+    """Register an internal control method under ``name`` (at import time)."""
+
+    def register(
+        fn: Callable[[Agent, WorkerInfo, Any], Awaitable[Any]],
+    ) -> Callable[[Agent, WorkerInfo, Any], Awaitable[Any]]:
+        INTERNAL_HANDLERS[name] = fn
+        return fn
+
+    return register
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    fut: Future[Any]
+    dst: int
+    method: str
+    deadline: float | None
+    timer: asyncio.TimerHandle | None
+    started: float
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Agent:
+    """One worker's RPC agent. Created by ``init_rpc`` or ``rpcdist.testing``."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        init_method: str | None = None,
+        rpc_timeout: float | None = 60.0,
+        num_worker_threads: int = 16,
+        options: RpcOptions | None = None,
+    ) -> None:
+        self.name = check_worker_name(name)
+        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+            raise ConfigError(f"num_worker_threads must be an int >= 1, got {num_worker_threads!r}")
+        if options is not None and not isinstance(options, RpcOptions):
+            raise ConfigError(f"options must be an rpcdist.RpcOptions, got {type(options).__name__}")
+        self.options = (options or RpcOptions()).validated()
+        deadline_for(rpc_timeout, None)  # validates
+        self._rpc_timeout = rpc_timeout
+        self._spec = parse_init_method(init_method, rank, world_size)
+        self.rank = self._spec.rank
+        self.world_size = self._spec.world_size
+        self._num_threads = num_worker_threads
+        self.closed = False
+        self._closing = False
+        self.workers: list[WorkerInfo] = []
+        self._by_name: dict[str, WorkerInfo] = {}
+        self.addresses: dict[int, str] = {}
+        self.hosts: dict[int, str] = {}
+        self._out: dict[int, _grpc.Connection] = {}
+        self._out_tasks: dict[int, asyncio.Task[None]] = {}
+        self._calls: dict[int, Any] = {}
+        self._in: set[_grpc.Connection] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self.calls_sent = 0
+        self.calls_handled = 0
+        self.mailbox = Mailbox()
+        self.extensions: dict[str, Any] = {}
+        self._fn_names: dict[Any, str] = {}
+        self._store: Any = None
+        self._store_server: Any = None
+        self._server: _grpc.Server | None = None
+        self._lt = LoopThread(f"rpcdist-loop-{self.name}")
+        self.loop = self._lt.loop
+        self.executor = ThreadPoolExecutor(
+            max_workers=num_worker_threads, thread_name_prefix=f"rpcdist-worker-{self.name}"
+        )
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> Agent:
+        """Start serving and rendezvous with every worker (blocking).
+
+        Raises:
+            ConnectError: the store or a peer could not be reached in time.
+            ConfigError: duplicate worker names, or inconsistent settings.
+        """
+        try:
+            self._lt.run(self._start(), "init_rpc()")
+        except BaseException:
+            self._lt.run(self._close(ClosedError("init_rpc failed"), leave=True), "init_rpc()")
+            self._stop_threads(wait=False)
+            self.closed = True
+            raise
+        return self
+
+    async def _start(self) -> None:
+        self._idle.set()
+        timeout = self.options.init_timeout
+        self._store, self._store_server = await open_store(
+            self._spec, token=self.options.token, timeout=timeout
+        )
+        self._server = _grpc.Server(self.options, self._on_stream)
+        port = await self._server.start()
+        host = self.options.peer_host()
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        me = {"name": self.name, "rank": self.rank, "addr": address, "host": _host_id()}
+        await self._store.set(f"rpc/worker/{self.rank}", msgpack.packb(me))
+        entries = await asyncio.gather(
+            *(self._store.get(f"rpc/worker/{r}", timeout) for r in range(self.world_size))
+        )
+        infos = [msgpack.unpackb(e) for e in entries]
+        self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
+        self._by_name = {w.name: w for w in self.workers}
+        self.addresses = {i["rank"]: i["addr"] for i in infos}
+        self.hosts = {i["rank"]: i["host"] for i in infos}
+        # After this barrier every worker has its table (so may be called) and
+        # has read every entry (so rank 0 may stop the store on failure).
+        await self._store.barrier("rpc/init", self.world_size, timeout)
+        seen: dict[str, int] = {}
+        for info in infos:
+            if info["name"] in seen:
+                raise ConfigError(
+                    f"worker name {info['name']!r} is used by both rank {seen[info['name']]} "
+                    f"and rank {info['rank']}: names must be unique"
+                )
+            seen[info["name"]] = info["rank"]
+
+    # ----------------------------------------------------------------- lookups
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.name, self.rank)
+
+    @property
+    def rpc_timeout(self) -> float | None:
+        return self._rpc_timeout
+
+    @rpc_timeout.setter
+    def rpc_timeout(self, value: float | None) -> None:
+        deadline_for(value, None)
+        self._rpc_timeout = value
+
+    def worker(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """Resolve a worker name, rank or WorkerInfo.
+
+        Raises:
+            ConfigError: no such worker.
+        """
+        if isinstance(to, WorkerInfo):
+            w = self._by_name.get(to.name)
+            if w is None or w.id != to.id:
+                raise ConfigError(f"unknown worker {to!r}; workers are {self._names()}")
+            return w
+        if isinstance(to, str):
+            w = self._by_name.get(to)
+            if w is None:
+                raise ConfigError(f"unknown worker name {to!r}; workers are {self._names()}")
+            return w
+        if isinstance(to, int) and not isinstance(to, bool):
+            if not 0 <= to < len(self.workers):
+                raise ConfigError(f"worker rank {to} out of range [0, {len(self.workers)})")
+            return self.workers[to]
+        raise ConfigError(
+            f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
+        )
+
+    def _names(self) -> str:
+        return ", ".join(repr(w.name) for w in self.workers)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise NotInitializedError(f"the rpcdist agent {self.name!r} has shut down")
+
+    # ----------------------------------------------------------- outgoing calls
+
+    def function_name(self, func: Any) -> str:
+        try:
+            return self._fn_names[func]
+        except (KeyError, TypeError):
+            pass
+        name = function_name(func)
+        try:
+            self._fn_names[func] = name
+        except TypeError:
+            pass
+        return name
+
+    def encode_call(self, args: Any, kwargs: Any, peer: WorkerInfo) -> tuple[bytes, list[memoryview]]:
+        """Encode ``(args, kwargs)`` for ``peer``, naming the bad argument on failure.
+
+        Raises:
+            SerializationError: an argument cannot be sent.
+        """
+        if not isinstance(args, tuple | list):
+            raise ConfigError(f"args must be a tuple or list, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ConfigError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+        ctx = WireContext(self, peer)
+        try:
+            return encode(
+                (tuple(args), kwargs or {}), allow_pickle=self.options.allow_pickle, context=ctx
+            )
+        except SerializationError:
+            # Encode each part on its own for a precise location in the message.
+            encode(tuple(args), allow_pickle=self.options.allow_pickle, context=None, where="args")
+            encode(kwargs or {}, allow_pickle=self.options.allow_pickle, context=None, where="kwargs")
+            raise
+
+    def rpc_async(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: Any = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None | Unset = UNSET,
+    ) -> Future[Any]:
+        """Call ``func(*args, **kwargs)`` on ``to``; see ``rpcdist.rpc_async``."""
+        self._check_open()
+        peer = self.worker(to)
+        method = self.function_name(func)
+        deadline = deadline_for(timeout, self._rpc_timeout)
+        header, buffers = self.encode_call(args, kwargs, peer)
+        msg = OutMessage(CALL, method, header, buffers, deadline=deadline)
+        return self.submit_call(peer.id, msg, method)
+
+    def submit_call(self, dst: int, msg: OutMessage, label: str) -> Future[Any]:
+        """Send a request from any thread; the Future gets its reply."""
+        fut: Future[Any] = Future()
+        if self._lt.in_loop_thread():
+            self._start_call(dst, msg, fut, label)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._start_call, dst, msg, fut, label)
+            except RuntimeError as e:
+                raise NotInitializedError(f"the rpcdist agent {self.name!r} has shut down") from e
+        return fut
+
+    def _start_call(self, dst: int, msg: OutMessage, fut: Future[Any], label: str) -> None:
+        if self.closed:
+            fut.set_exception(NotInitializedError(f"the rpcdist agent {self.name!r} has shut down"))
+            return
+        call_id = msg.id = next(self._ids)
+        timer = None
+        if msg.deadline is not None:
+            timer = self.loop.call_at(msg.deadline, self._expire, call_id)
+        self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, timer, time.monotonic())
+        self._idle.clear()
+        self.calls_sent += 1
+        try:
+            self._send(dst, msg, label)
+        except RpcdistError as e:
+            self._finish(call_id, exc=e)
+
+    def _expire(self, call_id: int) -> None:
+        p = self._pending.get(call_id)
+        if p is not None:
+            waited = time.monotonic() - p.started
+            self._finish(
+                call_id,
+                exc=RpcTimeoutError(
+                    f"call {p.method!r} to worker {self.workers[p.dst].name!r} timed out "
+                    f"after {waited:.3g} s"
+                ),
+            )
+
+    def _finish(self, call_id: int, *, value: Any = None, exc: BaseException | None = None) -> None:
+        p = self._pending.pop(call_id, None)
+        if p is None:
+            return
+        if p.timer is not None:
+            p.timer.cancel()
+        if not self._pending and self._inflight == 0:
+            self._idle.set()
+        if exc is not None:
+            p.fut.set_exception(exc)
+        else:
+            p.fut.set_result(value)
+
+    def _send(self, dst: int, msg: OutMessage, label: str) -> None:
+        faults = self.options.faults
+        if faults is not None and (d := faults.decide(label)) is not None:
+            action, delay = d
+            if action == "drop":
+                return
+            if action == "fail":
+                raise TransportError(f"injected failure sending {label!r} to worker {dst}")
+            self.loop.call_later(delay, self._send_later, dst, msg, label)
+            return
+        self._connection(dst).send(msg)
+
+    def _send_later(self, dst: int, msg: OutMessage, label: str) -> None:
+        try:
+            if not self.closed:
+                self._connection(dst).send(msg)
+        except RpcdistError as e:
+            self._finish(msg.id, exc=e)
+
+    def _connection(self, dst: int) -> _grpc.Connection:
+        conn = self._out.get(dst)
+        if conn is not None and conn.closed is None:
+            return conn
+        if self._closing and self.closed:
+            raise ClosedError(f"agent {self.name!r} is shutting down")
+        address = self.addresses[dst]
+        channel = _grpc.open_channel(self.options, address)
+        call = _grpc.connect(channel, options=self.options, my_rank=self.rank, my_name=self.name)
+        conn = _grpc.Connection(
+            peer_rank=dst,
+            label=f"worker {self.workers[dst].name!r} at {address}",
+            write=call.write,
+            read=call.read,
+            on_message=self._on_message,
+            options=self.options,
+        )
+        self._out[dst] = conn
+        self._calls[dst] = call
+        task = self.loop.create_task(self._run_outgoing(dst, conn, channel))
+        self._out_tasks[dst] = task
+        return conn
+
+    async def _run_outgoing(self, dst: int, conn: _grpc.Connection, channel: grpc.aio.Channel) -> None:
+        exc: RpcdistError
+        cancelled = False
+        try:
+            await _grpc.handshake(self._calls[dst])
+            await conn.run()
+            exc = WorkerLostError(f"{conn.label} ended its stream (it shut down)")
+        except asyncio.CancelledError:
+            cancelled = True
+            exc = ClosedError(f"agent {self.name!r} shut down")
+        except BaseException as e:
+            exc = _grpc.translate_rpc_error(e, conn.label, reached=conn.received_any)
+        conn.closed = exc
+        if self._out.get(dst) is conn:
+            del self._out[dst]
+            self._calls.pop(dst, None)
+            self._out_tasks.pop(dst, None)
+        self._fail_peer(dst, exc)
+        try:
+            await channel.close()
+        except BaseException:
+            pass
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _fail_peer(self, dst: int, exc: RpcdistError) -> None:
+        for call_id, p in list(self._pending.items()):
+            if p.dst == dst:
+                e = type(exc)(f"call {p.method!r} failed: {exc}")
+                self._finish(call_id, exc=e)
+        self.mailbox.fail_all(dst, type(exc)(str(exc)))
+
+    # ------------------------------------------------------------ incoming
+
+    async def _on_stream(self, rank: int, name: str, context: Any) -> None:
+        if not 0 <= rank < len(self.workers) or self.workers[rank].name != name:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"worker {name!r} (rank {rank}) is not part of this job",
+            )
+        conn = _grpc.Connection(
+            peer_rank=rank,
+            label=f"worker {name!r}",
+            write=context.write,
+            read=context.read,
+            on_message=self._on_message,
+            options=self.options,
+            alloc=lambda kind, key, total: (
+                self.mailbox.alloc(rank, key, total) if kind == P2P else None
+            ),
+        )
+        self._in.add(conn)
+        try:
+            await conn.run()
+        except ProtocolError as e:
+            _log.warning("closing stream from %s: %s", conn.label, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (grpc.aio.AioRpcError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            conn.closed = WorkerLostError(f"stream from {conn.label} ended")
+            self._in.discard(conn)
+
+    def _on_message(self, conn: _grpc.Connection, m: InMessage) -> None:
+        kind = m.kind
+        if kind == REPLY or kind == ERROR_REPLY:
+            self._on_reply(conn, m)
+        elif kind == CALL or kind == INTERNAL:
+            self._inflight += 1
+            self._idle.clear()
+            task = self.loop.create_task(_dispatch.serve(self, conn, m))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif kind == P2P:
+            self.mailbox.deliver(conn.peer_rank, m)
+        else:
+            raise ProtocolError(f"unexpected frame kind {kind} from {conn.label}")
+
+    def handler_done(self) -> None:
+        self._inflight -= 1
+        self.calls_handled += 1
+        if self._inflight == 0 and not self._pending:
+            self._idle.set()
+
+    def _on_reply(self, conn: _grpc.Connection, m: InMessage) -> None:
+        p = self._pending.get(m.id)
+        if p is None:
+            return  # a late reply to a call that timed out or was failed
+        ctx = WireContext(self, self.workers[conn.peer_rank])
+        try:
+            value = decode(m.header, m.buffers, allow_pickle=self.options.allow_pickle, context=ctx)
+        except SerializationError as e:
+            self._finish(m.id, exc=e)
+            return
+        if m.kind == REPLY:
+            self._finish(m.id, value=value)
+        else:
+            self._finish(m.id, exc=exception_from_wire(value))
+
+    # --------------------------------------------------- internal & control
+
+    async def call_internal(
+        self, dst: int, method: str, payload: Any, *, timeout: float | None | Unset = UNSET
+    ) -> Any:
+        """Call an internal method on worker ``dst`` (on the loop)."""
+        self._check_open()
+        deadline = deadline_for(timeout, self._rpc_timeout)
+        header, buffers = encode(
+            payload, allow_pickle=self.options.allow_pickle, context=WireContext(self, self.workers[dst])
+        )
+        msg = OutMessage(INTERNAL, method, header, buffers, deadline=deadline)
+        return await self.submit_call(dst, msg, method)
+
+    async def send_control(
+        self, dst: int, method: str, payload: Any, *, give_up_after: float | None = None
+    ) -> Any:
+        """Send an idempotent control message, retrying until acknowledged.
+
+        Retries after ``control_retry_interval`` without a reply and after
+        transport errors, until ``give_up_after`` seconds (default: the agent's
+        rpc timeout, else 60 s) have passed; then raises the last error.
+        """
+        limit = give_up_after if give_up_after is not None else (self._rpc_timeout or 60.0)
+        end = time.monotonic() + limit
+        interval = self.options.control_retry_interval
+        token = current_deadline.set(None)
+        try:
+            while True:
+                left = end - time.monotonic()
+                try:
+                    return await self.call_internal(dst, method, payload, timeout=min(interval, max(left, 1e-3)))
+                except (RpcTimeoutError, TransportError) as e:
+                    if time.monotonic() >= end or self.closed:
+                        raise
+                    if not isinstance(e, RpcTimeoutError):
+                        await asyncio.sleep(min(interval, max(end - time.monotonic(), 0)))
+        finally:
+            current_deadline.reset(token)
+
+    async def p2p_send(self, dst: int, key: str, buffers: list[memoryview], header: bytes = b"") -> None:
+        """Send a one-way message; returns once its bytes are copied out (on the loop)."""
+        self._check_open()
+        done: asyncio.Future[None] = self.loop.create_future()
+        msg = OutMessage(P2P, key, header, buffers, on_packed=lambda: done.done() or done.set_result(None))
+        msg.id = next(self._ids)
+        self._send(dst, msg, "p2p")
+        conn = self._out.get(dst)
+        if conn is None:
+            return
+        # Fail the wait if the stream dies before our bytes went out.
+        while not done.done():
+            if conn.closed is not None:
+                raise conn.closed
+            await asyncio.wait([done], timeout=0.5)
+
+    async def p2p_recv(self, src: int, key: str, out: memoryview | None = None) -> InMessage:
+        """Receive the next one-way message ``key`` from ``src`` (on the loop)."""
+        self._check_open()
+        return await self.mailbox.post(src, key, out)
+
+    def run(self, coro: Any, what: str = "this call") -> Any:
+        """Run a coroutine on the agent loop, blocking (not on the loop thread)."""
+        self._check_open()
+        return self._lt.run(coro, what)
+
+    def check_not_loop_thread(self, what: str) -> None:
+        self._lt.check_not_loop_thread(what)
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Start a tracked background task on the loop (call on the loop)."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    # ----------------------------------------------------------- statistics
+
+    def statistics(self) -> dict[str, int]:
+        """Counters for tests and debugging; every gauge is 0 when idle."""
+        stats = {
+            "pending_calls": len(self._pending),
+            "inflight_handlers": self._inflight,
+            "queued_frames": sum(c.queued() for c in list(self._out.values())),
+            "outgoing_streams": len(self._out),
+            "incoming_streams": len(self._in),
+            "calls_sent": self.calls_sent,
+            "calls_handled": self.calls_handled,
+        }
+        stats.update(self.mailbox.statistics())
+        for ext in list(self.extensions.values()):
+            fn = getattr(ext, "statistics", None)
+            if fn is not None:
+                stats.update(fn())
+        return stats
+
+    # --------------------------------------------------------------- shutdown
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Shut this agent down; see ``rpcdist.shutdown``.
+
+        Raises:
+            RpcTimeoutError: a graceful shutdown did not finish within ``timeout``.
+            WrongThreadError: called on the agent's loop thread.
+        """
+        if self.closed:
+            return
+        self._lt.check_not_loop_thread("shutdown()")
+        self._closing = True
+        try:
+            self._lt.run(self._shutdown(graceful, timeout), "shutdown()")
+        finally:
+            self._stop_threads(wait=graceful)
+
+    async def _shutdown(self, graceful: bool, timeout: float | None) -> None:
+        err: BaseException | None = None
+        if graceful:
+            limit = timeout if timeout is not None else self.options.shutdown_timeout
+            try:
+                async with asyncio.timeout(limit):
+                    for hook in SHUTDOWN_HOOKS:
+                        await hook(self)
+                    await self._quiesce(limit)
+            except TimeoutError:
+                err = RpcTimeoutError(
+                    f"graceful shutdown of {self.name!r} did not finish within {limit} s "
+                    f"({len(self._pending)} calls pending, {self._inflight} handlers running)"
+                )
+            except RpcdistError as e:
+                err = e
+        ok = graceful and err is None
+        await self._close(ClosedError(f"agent {self.name!r} shut down"), graceful=ok, leave=ok)
+        if err is not None:
+            raise err
+
+    async def _quiesce(self, limit: float) -> None:
+        """Wait until no worker has work in flight (two stable rounds)."""
+        previous: tuple[int, int] | None = None
+        pause = 0.002
+        for round_no in itertools.count():
+            await self._idle.wait()
+            report = [self.calls_sent, self.calls_handled, int(self._idle.is_set())]
+            await self._store.set(f"rpc/quiesce/{round_no}/{self.rank}", msgpack.packb(report))
+            got = await asyncio.gather(
+                *(
+                    self._store.get(f"rpc/quiesce/{round_no}/{r}", limit)
+                    for r in range(self.world_size)
+                )
+            )
+            reports = [msgpack.unpackb(g) for g in got]
+            sent = sum(r[0] for r in reports)
+            handled = sum(r[1] for r in reports)
+            idle = all(r[2] for r in reports)
+            if idle and sent == handled and previous == (sent, handled):
+                return
+            previous = (sent, handled) if idle and sent == handled else None
+            if previous is None:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.1)
+
+    async def _close(self, exc: RpcdistError, *, graceful: bool = False, leave: bool = False) -> None:
+        self._closing = True
+        self.closed = True
+        for call_id in list(self._pending):
+            self._finish(call_id, exc=type(exc)(str(exc)))
+        self.mailbox.fail_all(None, ClosedError(str(exc)))
+        for call in list(self._calls.values()):
+            await _grpc.close_call(call)
+        for task in list(self._out_tasks.values()):
+            task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._out_tasks.values(), *self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(0.5 if graceful else 0)
+        if self._store is not None:
+            try:
+                if leave:
+                    await self._leave_store()
+            except RpcdistError as e:
+                _log.debug("store leave on %s: %s", self.name, e)
+            await self._store.close()
+        if self._store_server is not None:
+            await self._store_server.stop(1.0)
+
+    async def _leave_store(self) -> None:
+        """Rank 0 serves the store: it stops only after the others are done with it."""
+        if self.rank != 0:
+            await self._store.set(f"rpc/left/{self.rank}", b"1")
+        else:
+            keys = [f"rpc/left/{r}" for r in range(1, self.world_size)]
+            if keys:
+                await self._store.wait(keys, 5.0)
+
+    def _stop_threads(self, wait: bool) -> None:
+        self.executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._lt.stop()
+
+
+def in_agent(agent: Agent, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` with ``agent`` current (for pool threads)."""
+    token = bind_agent(agent)
+    try:
+        return fn(*args)
+    finally:
+        reset_agent(token)
+
+
+def copy_context_with(agent: Agent, deadline: float | None) -> contextvars.Context:
+    ctx = contextvars.copy_context()
+    ctx.run(bind_agent, agent)
+    ctx.run(current_deadline.set, deadline)
+    return ctx
+
+

@@ -1,0 +1,170 @@
+"""The module-level RPC API: ``init_rpc``, ``rpc_sync``, ``rpc_async``, ``shutdown``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._agent import Agent
+from ._context import current_agent, default_agent, set_default_agent
+from ._deadline import UNSET, Unset
+from ._errors import ConfigError, NotInitializedError
+from ._futures import Future
+from ._options import RpcOptions
+from ._worker import WorkerInfo
+
+__all__ = [
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "rpc_async",
+    "rpc_sync",
+    "set_rpc_timeout",
+    "shutdown",
+]
+
+_init_lock = threading.Lock()
+To = str | int | WorkerInfo
+
+
+def init_rpc(
+    name: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    init_method: str | None = None,
+    rpc_timeout: float | None = 60.0,
+    num_worker_threads: int = 16,
+    options: RpcOptions | None = None,
+) -> None:
+    """Start this process's agent and rendezvous with the other workers.
+
+    Blocks until every one of ``world_size`` workers has joined.
+
+    Args:
+        name: This worker's unique name (1-127 letters, digits, ``_ - :``).
+        rank: This worker's rank; defaults to ``RANK`` from the environment.
+        world_size: Number of workers; defaults to ``WORLD_SIZE``.
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
+        rpc_timeout: Default timeout of calls in seconds (``None``/0: none).
+        num_worker_threads: Size of the pool running plain-function handlers.
+        options: Further :class:`RpcOptions`.
+
+    Raises:
+        ConfigError: bad arguments, duplicate names, or already initialised.
+        ConnectError: the rendezvous store could not be reached in time.
+    """
+    with _init_lock:
+        existing = default_agent()
+        if existing is not None and not existing.closed:
+            raise ConfigError(
+                f"rpcdist is already initialised in this process as {existing.name!r}; "
+                "call rpcdist.shutdown() first"
+            )
+        agent = Agent(
+            name,
+            rank,
+            world_size,
+            init_method=init_method,
+            rpc_timeout=rpc_timeout,
+            num_worker_threads=num_worker_threads,
+            options=options,
+        )
+        agent.start()
+        set_default_agent(agent)
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Shut down this process's agent.
+
+    A graceful shutdown is collective: it waits until every worker has called
+    ``shutdown`` and no worker has calls in flight (fire-and-forget nested
+    chains included), then closes. A non-graceful one fails pending calls
+    with ``ClosedError`` and closes at once.
+
+    Raises:
+        NotInitializedError: ``init_rpc`` was not called.
+        RpcTimeoutError: a graceful shutdown did not finish within ``timeout``
+            (the agent is closed anyway).
+    """
+    agent = default_agent()
+    if agent is None or agent.closed:
+        raise NotInitializedError("rpcdist.shutdown() called but rpcdist is not initialised")
+    try:
+        agent.shutdown(graceful, timeout)
+    finally:
+        if agent.closed:
+            set_default_agent(None)
+
+
+def rpc_async(
+    to: To,
+    func: Callable[..., Any],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None | Unset = UNSET,
+) -> Future[Any]:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a Future at once.
+
+    Args:
+        to: Worker name, rank or :class:`WorkerInfo`.
+        func: A module-level function (or static/class method), sent by name.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+        timeout: Seconds; ``UNSET`` for the default, ``None``/0 for none.
+
+    Raises:
+        NotInitializedError: no agent is running.
+        ConfigError: unknown worker or bad arguments.
+        SerializationError: ``func`` or an argument cannot be sent (raised here,
+            naming where it sat).
+    """
+    return current_agent().rpc_async(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(
+    to: To,
+    func: Callable[..., Any],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None | Unset = UNSET,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Raises:
+        RpcTimeoutError: no reply before the deadline.
+        WorkerLostError: the callee went away.
+        WrongThreadError: called on the agent's event-loop thread (use
+            ``await rpc_async(...)`` there).
+        Exception: what ``func`` raised on the callee, with ``remote_traceback``.
+    """
+    agent = current_agent()
+    agent.check_not_loop_thread("rpc_sync()")
+    return agent.rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def get_worker_info(name: str | None = None) -> WorkerInfo:
+    """This worker's :class:`WorkerInfo`, or that of the worker called ``name``.
+
+    Raises:
+        ConfigError: no worker has that name.
+    """
+    agent = current_agent()
+    return agent.info if name is None else agent.worker(name)
+
+
+def get_rpc_timeout() -> float | None:
+    """The current agent's default timeout in seconds (``None``: no timeout)."""
+    return current_agent().rpc_timeout
+
+
+def set_rpc_timeout(timeout: float | None) -> None:
+    """Change the default timeout; calls already made keep theirs.
+
+    Raises:
+        ConfigError: a negative or non-numeric timeout.
+    """
+    if timeout is not None and not isinstance(timeout, int | float):
+        raise ConfigError(f"timeout must be seconds or None, got {timeout!r}")
+    current_agent().rpc_timeout = timeout

@@ -1,0 +1,79 @@
+"""Which agent is current, and the per-message context the codec sees."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from ._errors import NotInitializedError
+from ._worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["WireContext", "current_agent", "set_default_agent"]
+
+#: The agent running the handler in this task or thread (several agents may
+#: live in one process, e.g. in tests); falls back to the process default.
+_current: contextvars.ContextVar[Agent | None] = contextvars.ContextVar(
+    "rpcdist_agent", default=None
+)
+_default: list[Agent | None] = [None]
+
+
+def set_default_agent(agent: Agent | None) -> None:
+    _default[0] = agent
+
+
+def default_agent() -> Agent | None:
+    return _default[0]
+
+
+def current_agent() -> Agent:
+    """The agent calls made from here go out through.
+
+    Raises:
+        NotInitializedError: no agent is current and none was initialised.
+    """
+    agent = _current.get() or _default[0]
+    if agent is None or agent.closed:
+        raise NotInitializedError(
+            "rpcdist is not initialised in this process: call rpcdist.init_rpc() first"
+            + (" (the agent has shut down)" if agent is not None else "")
+        )
+    return agent
+
+
+def bind_agent(agent: Agent | None) -> contextvars.Token[Agent | None]:
+    return _current.set(agent)
+
+
+def reset_agent(token: contextvars.Token[Agent | None]) -> None:
+    _current.reset(token)
+
+
+class WireContext:
+    """What the codec's extensions (RRefs, tensors) know about one message.
+
+    Attributes:
+        agent: The local agent.
+        peer: The worker the message goes to or came from.
+        gates: Awaitables that must complete before a received call runs
+            (for example, confirmations of the user RRefs among its arguments).
+        extra: Free-form state for extensions.
+    """
+
+    __slots__ = ("agent", "extra", "gates", "peer")
+
+    def __init__(self, agent: Agent, peer: WorkerInfo) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.gates: list[Awaitable[Any]] = []
+        self.extra: dict[str, Any] = {}
+
+    async def wait_gates(self) -> None:
+        if self.gates:
+            gates, self.gates = self.gates, []
+            await asyncio.gather(*gates)

@@ -1,0 +1,191 @@
+"""A thread-safe Future that is also awaitable from any asyncio event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, Generic, TypeVar
+
+from ._errors import RpcTimeoutError
+
+__all__ = ["Future", "collect_all", "wait_all"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+_log = logging.getLogger(__name__)
+_PENDING, _DONE = 0, 1
+
+
+class Future(Generic[T]):
+    """The result of an asynchronous operation, usable from threads and asyncio.
+
+    ``wait()`` blocks the calling thread; ``await fut`` suspends the awaiting
+    coroutine on whatever event loop it runs in. Callbacks registered with
+    :meth:`add_done_callback` or :meth:`then` run on the thread that completes
+    the future (for RPC replies, the agent's loop thread), so they must not
+    block; blocking calls made there raise ``WrongThreadError``.
+    """
+
+    __module__ = "rpcdist"
+    __slots__ = ("_callbacks", "_cond", "_exc", "_state", "_value")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._state = _PENDING
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+
+    def done(self) -> bool:
+        """Whether a result or an exception has been set."""
+        return self._state == _DONE
+
+    def set_result(self, result: T) -> None:
+        """Complete the future with ``result``.
+
+        Raises:
+            RuntimeError: the future is already complete.
+        """
+        self._complete(result, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Complete the future with an exception.
+
+        Raises:
+            RuntimeError: the future is already complete.
+        """
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"set_exception expects an exception, got {type(exc).__name__}")
+        self._complete(None, exc)
+
+    def _complete(self, value: Any, exc: BaseException | None) -> None:
+        with self._cond:
+            if self._state == _DONE:
+                raise RuntimeError("Future is already complete")
+            self._value, self._exc, self._state = value, exc, _DONE
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            self._run_callback(cb)
+
+    def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
+        try:
+            cb(self)
+        except Exception:
+            _log.exception("rpcdist.Future callback %r raised", cb)
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until complete and return the result (or raise its exception).
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits for ever.
+
+        Raises:
+            RpcTimeoutError: ``timeout`` passed before completion.
+        """
+        if self._state != _DONE:
+            with self._cond:
+                if not self._cond.wait_for(self.done, timeout):
+                    raise RpcTimeoutError(f"Future not complete after waiting {timeout} s")
+        return self.value()
+
+    def value(self) -> T:
+        """The result of a completed future; raises its exception if it failed.
+
+        Raises:
+            RuntimeError: the future is not complete yet.
+        """
+        if self._state != _DONE:
+            raise RuntimeError("Future.value() called before the future completed")
+        if self._exc is not None:
+            raise self._exc
+        return self._value  # type: ignore[no-any-return]
+
+    def exception(self) -> BaseException | None:
+        """The exception of a completed future, or ``None``."""
+        if self._state != _DONE:
+            raise RuntimeError("Future.exception() called before the future completed")
+        return self._exc
+
+    def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
+        """Call ``callback(self)`` when complete (at once if already complete)."""
+        with self._cond:
+            if self._state != _DONE:
+                self._callbacks.append(callback)
+                return
+        self._run_callback(callback)
+
+    def then(self, callback: Callable[[Future[T]], U]) -> Future[U]:
+        """A new Future completed with ``callback(self)``, or with what it raised."""
+        out: Future[U] = Future()
+
+        def chain(f: Future[T]) -> None:
+            try:
+                out.set_result(callback(f))
+            except BaseException as e:
+                out.set_exception(e)
+
+        self.add_done_callback(chain)
+        return out
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state != _DONE:
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: Future[T]) -> None:
+                def resolve() -> None:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+                try:
+                    loop.call_soon_threadsafe(resolve)
+                except RuntimeError:  # the awaiting loop was closed meanwhile
+                    pass
+
+            self.add_done_callback(wake)
+            yield from waiter.__await__()
+        return self.value()
+
+    def __repr__(self) -> str:
+        if self._state != _DONE:
+            return "<rpcdist.Future pending>"
+        if self._exc is not None:
+            return f"<rpcdist.Future exception={self._exc!r}>"
+        return f"<rpcdist.Future result={self._value!r}>"
+
+
+def collect_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
+    """A Future completed, with the input list, once every input completed."""
+    futs = list(futures)
+    out: Future[list[Future[Any]]] = Future()
+    if not futs:
+        out.set_result(futs)
+        return out
+    remaining = [len(futs)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            out.set_result(futs)
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    return out
+
+
+def wait_all(futures: Iterable[Future[Any]], timeout: float | None = None) -> list[Any]:
+    """Wait for every future and return their values in submission order.
+
+    Raises:
+        BaseException: the first failed future's exception (in input order),
+            after every future has completed.
+    """
+    futs = list(futures)
+    collect_all(futs).wait(timeout)
+    return [f.value() for f in futs]

@@ -1,0 +1,92 @@
+"""Agent options: :class:`RpcOptions`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._transport._faults import FaultInjector
+
+__all__ = ["RpcOptions"]
+
+_MiB = 1 << 20
+
+
+@dataclass
+class RpcOptions:
+    """Options for one agent, passed as ``init_rpc(..., options=RpcOptions(...))``.
+
+    Attributes:
+        token: Shared job token checked on every stream and store call. Defaults
+            to the ``RPCDIST_TOKEN`` environment variable; ``None`` disables
+            authentication (only sensible on a trusted loopback).
+        allow_pickle: Let values of unregistered types travel as pickles.
+            Off by default: only turn it on inside a trusted cluster.
+        listen_host: Address the agent's server binds to (its port is picked by
+            the OS). Defaults to ``RPCDIST_HOST`` or ``127.0.0.1``.
+        advertise_host: Address peers use to reach this worker; defaults to
+            ``listen_host`` (or ``127.0.0.1`` when that is a wildcard).
+        tls_cert_file: PEM certificate chain for this worker (TLS on when set).
+        tls_key_file: PEM private key for ``tls_cert_file``.
+        tls_ca_file: PEM root certificates used to verify peers.
+        chunk_bytes: Largest piece of array data in one frame.
+        batch_bytes: Largest payload coalesced into one gRPC message.
+        init_timeout: Seconds to wait for rendezvous with every worker.
+        shutdown_timeout: Default bound on a graceful shutdown.
+        control_retry_interval: Seconds before an unacknowledged control
+            message (RRef protocol, cleanup) is sent again.
+        faults: A fault injector for tests (see ``rpcdist.testing``).
+    """
+
+    token: str | None = field(default_factory=lambda: os.environ.get("RPCDIST_TOKEN") or None)
+    allow_pickle: bool = False
+    listen_host: str = field(default_factory=lambda: os.environ.get("RPCDIST_HOST", "127.0.0.1"))
+    advertise_host: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    chunk_bytes: int = 4 * _MiB
+    batch_bytes: int = 4 * _MiB
+    init_timeout: float = 60.0
+    shutdown_timeout: float = 60.0
+    control_retry_interval: float = 1.0
+    faults: FaultInjector | None = None
+
+    __module__ = "rpcdist"
+
+    def validated(self) -> RpcOptions:
+        """A checked copy of these options.
+
+        Raises:
+            ConfigError: an option is out of range or inconsistent.
+        """
+        for name in ("chunk_bytes", "batch_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1024:
+                raise ConfigError(f"RpcOptions.{name} must be an int >= 1024, got {v!r}")
+        for name in ("init_timeout", "shutdown_timeout", "control_retry_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or v <= 0:
+                raise ConfigError(f"RpcOptions.{name} must be a positive number, got {v!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("RpcOptions.tls_cert_file and tls_key_file must be set together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ConfigError("RpcOptions.tls_ca_file is required with TLS (to verify peers)")
+        return dataclasses.replace(self)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    def peer_host(self) -> str:
+        """The host peers should dial to reach this worker."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.listen_host in ("0.0.0.0", "::", "[::]", ""):
+            return "127.0.0.1"
+        return self.listen_host

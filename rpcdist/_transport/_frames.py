@@ -1,0 +1,227 @@
+"""Pure framing: pack outgoing messages into stream messages and reassemble them.
+
+A stream message is ``[u32 envelope length][rpc_pb2.Batch][payload area]``;
+see ``proto/rpcdist/v1/rpc.proto``. Packing copies each payload byte once
+(into the stream message handed to gRPC); reassembly copies it once more, out
+of gRPC's receive buffer into the destination (a fresh ``bytearray`` or a
+buffer the receiver posted in advance). No sockets, no event loop.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+
+from .._errors import ProtocolError
+from .._proto import rpc_pb2
+
+__all__ = ["InMessage", "OutMessage", "Reassembler", "pack_batch"]
+
+_LEN = struct.Struct("<I")
+#: Most frames coalesced into one stream message.
+MAX_FRAMES_PER_BATCH = 512
+
+CALL, INTERNAL, REPLY, ERROR_REPLY, P2P = (
+    rpc_pb2.CALL,
+    rpc_pb2.INTERNAL,
+    rpc_pb2.REPLY,
+    rpc_pb2.ERROR_REPLY,
+    rpc_pb2.P2P,
+)
+KIND_NAMES = {CALL: "call", INTERNAL: "internal", REPLY: "reply", ERROR_REPLY: "error", P2P: "p2p"}
+
+
+@dataclass(eq=False)
+class OutMessage:
+    """A message waiting to be sent (possibly in several chunks)."""
+
+    kind: int
+    method: str
+    header: bytes
+    buffers: list[memoryview]
+    id: int = 0
+    deadline: float | None = None
+    # Send cursor: index of the current buffer and offset into it.
+    #: Called once the last byte has been copied into a stream message, after
+    #: which the caller may reuse its buffers.
+    on_packed: Callable[[], None] | None = None
+    _buf: int = 0
+    _off: int = 0
+    _started: bool = False
+
+    def __post_init__(self) -> None:
+        self.buffers = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in self.buffers]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> bytes:
+    """Take frames from the head of ``queue`` into one stream message.
+
+    Whole small messages are coalesced; a large message contributes one chunk
+    of at most ``chunk_bytes`` and stays at the head with its cursor advanced.
+    Messages completely packed are removed from ``queue``.
+    """
+    batch = rpc_pb2.Batch()
+    parts: list[bytes | memoryview] = []
+    packed: list[Callable[[], None]] = []
+    budget = batch_bytes
+    now = time.monotonic()
+    while queue and budget > 0 and len(batch.frames) < MAX_FRAMES_PER_BATCH:
+        m = queue[0]
+        f = batch.frames.add()
+        f.id = m.id
+        f.kind = m.kind  # type: ignore[assignment]
+        if not m._started:
+            m._started = True
+            f.first = True
+            f.method = m.method
+            f.header = m.header
+            if m.buffers:
+                f.buffer_sizes.extend(b.nbytes for b in m.buffers)
+            if m.deadline is not None:
+                f.timeout_us = max(1, int((m.deadline - now) * 1e6))
+            budget -= len(m.header) + 32
+        take = min(chunk_bytes, max(budget, 0))
+        taken = 0
+        while m._buf < len(m.buffers) and taken < take:
+            b = m.buffers[m._buf]
+            n = min(b.nbytes - m._off, take - taken)
+            if n:
+                parts.append(b[m._off : m._off + n])
+                taken += n
+                m._off += n
+            if m._off == b.nbytes:
+                m._buf += 1
+                m._off = 0
+        f.data_len = taken
+        budget -= taken
+        if m._buf >= len(m.buffers):
+            f.last = True
+            queue.popleft()
+            if m.on_packed is not None:
+                packed.append(m.on_packed)
+    env = batch.SerializeToString()
+    data = b"".join([_LEN.pack(len(env)), env, *parts])
+    for cb in packed:  # only now are the senders' buffers copied out
+        cb()
+    return data
+
+
+@dataclass(eq=False)
+class InMessage:
+    """A fully reassembled incoming message."""
+
+    id: int
+    kind: int
+    method: str
+    header: bytes
+    buffers: list[memoryview]
+    timeout_us: int
+    received_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def deadline(self) -> float | None:
+        return self.received_at + self.timeout_us / 1e6 if self.timeout_us else None
+
+
+#: ``alloc(kind, method, total_bytes) -> writable buffer of total_bytes or None``.
+Allocator = Callable[[int, str, int], "memoryview | None"]
+
+
+@dataclass(eq=False)
+class _Partial:
+    msg: InMessage
+    dest: memoryview
+    total: int
+    filled: int = 0
+
+
+class Reassembler:
+    """Turns stream messages back into whole :class:`InMessage` objects.
+
+    ``alloc`` may supply the destination buffer for a message (a receive
+    posted in advance, so chunks land straight in the caller's array);
+    otherwise a ``bytearray`` is allocated. Arrays decoded from it are
+    writable.
+
+    Raises:
+        ProtocolError: from :meth:`feed`, on a malformed or inconsistent
+            stream message; the stream should then be closed.
+    """
+
+    def __init__(self, alloc: Allocator | None = None, max_message_bytes: int = 1 << 40) -> None:
+        self._partial: dict[tuple[int, int], _Partial] = {}
+        self._alloc = alloc
+        self._max = max_message_bytes
+
+    def pending(self) -> int:
+        return len(self._partial)
+
+    def feed(self, data: bytes) -> list[InMessage]:
+        mv = memoryview(data)
+        if len(mv) < 4:
+            raise ProtocolError(f"stream message of {len(mv)} bytes is shorter than its length prefix")
+        (n,) = _LEN.unpack_from(mv, 0)
+        if 4 + n > len(mv):
+            raise ProtocolError(f"envelope length {n} exceeds the {len(mv) - 4} bytes received")
+        try:
+            batch = rpc_pb2.Batch.FromString(mv[4 : 4 + n])
+        except (DecodeError, ValueError, RuntimeError) as e:
+            raise ProtocolError(f"malformed frame envelope: {e}") from e
+        pos = 4 + n
+        done: list[InMessage] = []
+        for f in batch.frames:
+            key = (f.kind, f.id)
+            if f.first:
+                if key in self._partial:
+                    raise ProtocolError(f"message {key} started twice")
+                sizes = list(f.buffer_sizes)
+                total = sum(sizes)
+                if total > self._max:
+                    raise ProtocolError(f"message of {total} bytes exceeds the limit {self._max}")
+                dest = self._alloc(f.kind, f.method, total) if (self._alloc and total) else None
+                if dest is None:
+                    dest = memoryview(bytearray(total))
+                elif dest.nbytes != total:
+                    raise ProtocolError(
+                        f"posted receive buffer has {dest.nbytes} bytes, message has {total}"
+                    )
+                bufs, off = [], 0
+                for s in sizes:
+                    bufs.append(dest[off : off + s])
+                    off += s
+                msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us)
+                p = _Partial(msg, dest, total)
+                self._partial[key] = p
+            else:
+                got = self._partial.get(key)
+                if got is None:
+                    raise ProtocolError(f"continuation frame for unknown message {key}")
+                p = got
+            if f.data_len:
+                end = pos + f.data_len
+                if end > len(mv) or p.filled + f.data_len > p.total:
+                    raise ProtocolError(
+                        f"frame of message {key} carries {f.data_len} bytes beyond its payload"
+                    )
+                p.dest[p.filled : p.filled + f.data_len] = mv[pos:end]
+                p.filled += f.data_len
+                pos = end
+            if f.last:
+                del self._partial[key]
+                if p.filled != p.total:
+                    raise ProtocolError(
+                        f"message {key} ended with {p.filled} of {p.total} payload bytes"
+                    )
+                done.append(p.msg)
+        if pos != len(mv):
+            raise ProtocolError(f"{len(mv) - pos} stray bytes after the last frame")
+        return done

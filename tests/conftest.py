@@ -1,0 +1,65 @@
+"""Shared fixtures: in-process agents over loopback gRPC, with leak checks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rpcdist._agent import Agent
+from rpcdist.testing import local_agents
+
+
+def settle(agents: list[Agent], keys: tuple[str, ...], timeout: float = 10.0) -> dict[str, int]:
+    """Wait until the gauges ``keys`` read 0 on every agent; return the last reading."""
+    end = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        totals = {k: sum(a.statistics().get(k, 0) for a in agents) for k in keys}
+        if not any(totals.values()) or time.monotonic() > end:
+            return totals
+        time.sleep(0.01)
+
+
+_GAUGES = ("pending_calls", "inflight_handlers", "queued_frames", "p2p_unclaimed")
+
+
+def _agents(n: int, **kw: object) -> Iterator[list[Agent]]:
+    with local_agents(n, **kw) as agents:  # type: ignore[arg-type]
+        yield agents
+        assert settle(agents, _GAUGES) == dict.fromkeys(_GAUGES, 0)
+
+
+@pytest.fixture
+def agent1() -> Iterator[list[Agent]]:
+    yield from _agents(1)
+
+
+@pytest.fixture
+def agents2() -> Iterator[list[Agent]]:
+    yield from _agents(2)
+
+
+@pytest.fixture
+def agents3() -> Iterator[list[Agent]]:
+    yield from _agents(3)
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_leak() -> Iterator[None]:
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    end = time.monotonic() + 5
+    while True:
+        extra = [
+            t
+            for t in threading.enumerate()
+            if t.ident not in before and t.name.startswith("rpcdist") and t.is_alive()
+        ]
+        if not extra or time.monotonic() > end:
+            break
+        time.sleep(0.01)
+    assert not extra, f"threads left behind: {[t.name for t in extra]}"

@@ -1,0 +1,108 @@
+"""Framing: chunking, coalescing and reassembly, without sockets."""
+
+from collections import deque
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rpcdist import ProtocolError
+from rpcdist._transport._frames import CALL, P2P, OutMessage, Reassembler, pack_batch
+
+
+def _pump(q, batch=4096, chunk=1024):
+    r, out, n = Reassembler(), [], 0
+    while q:
+        out += r.feed(pack_batch(q, batch, chunk))
+        n += 1
+    assert r.pending() == 0
+    return out, n
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.binary(max_size=5000), max_size=4), min_size=1, max_size=8))
+def test_messages_round_trip_in_order(payloads):
+    q = deque(
+        OutMessage(CALL, f"m{i}", bytes([i]), [memoryview(b) for b in bufs], id=i + 1)
+        for i, bufs in enumerate(payloads)
+    )
+    out, _ = _pump(q)
+    assert [m.id for m in out] == list(range(1, len(payloads) + 1))
+    for m, bufs in zip(out, payloads):
+        assert [bytes(b) for b in m.buffers] == bufs
+        assert m.header == bytes([m.id - 1])
+
+
+def test_small_messages_are_coalesced():
+    q = deque(OutMessage(CALL, "f", b"h", [], id=i) for i in range(1, 101))
+    out, n = _pump(q, batch=1 << 20)
+    assert len(out) == 100 and n == 1
+
+
+def test_large_buffer_is_chunked_and_other_messages_interleave():
+    big = np.arange(100_000, dtype=np.int64)
+    q = deque([OutMessage(CALL, "big", b"", [memoryview(big)], id=1)])
+    r = Reassembler()
+    first = pack_batch(q, 1 << 16, 1 << 14)
+    assert len(first) < (1 << 16) + 1024 and q  # bounded by the batch budget, still queued
+    q.append(OutMessage(CALL, "small", b"", [], id=2))
+    got = r.feed(first)
+    while q:
+        got += r.feed(pack_batch(q, 1 << 16, 1 << 14))
+    assert [m.method for m in got] == ["big", "small"]
+    arr = np.frombuffer(got[0].buffers[0], dtype=np.int64)
+    assert np.array_equal(arr, big)
+    arr[0] = -1  # received arrays are writable
+    assert big[0] == 0
+
+
+def test_posted_buffer_receives_chunks_directly():
+    src = np.random.default_rng(0).random(50_000)
+    dest = np.zeros_like(src)
+    r = Reassembler(
+        alloc=lambda kind, key, total: memoryview(dest).cast("B") if kind == P2P else None
+    )
+    q = deque([OutMessage(P2P, "k", b"", [memoryview(src)], id=1)])
+    out = []
+    while q:
+        out += r.feed(pack_batch(q, 1 << 16, 1 << 15))
+    assert np.array_equal(dest, src)
+    assert np.shares_memory(np.frombuffer(out[0].buffers[0]), dest)
+
+
+def test_on_packed_fires_after_the_bytes_are_copied():
+    src = bytearray(b"abc" * 1000)
+    fired = []
+    q = deque(
+        [OutMessage(P2P, "k", b"", [memoryview(src)], id=1, on_packed=lambda: fired.append(1))]
+    )
+    data = pack_batch(q, 1 << 16, 1 << 16)
+    assert fired == [1]
+    src[:3] = b"zzz"
+    (m,) = Reassembler().feed(data)
+    assert bytes(m.buffers[0][:3]) == b"abc"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_garbage_is_a_protocol_error_never_a_crash(data):
+    r = Reassembler()
+    try:
+        r.feed(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_truncated_or_mutated_messages_are_protocol_errors(data):
+    q = deque([OutMessage(CALL, "f", b"hdr", [memoryview(b"x" * 100)], id=5)])
+    raw = bytearray(pack_batch(q, 1 << 16, 1 << 16))
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    pos = data.draw(st.integers(0, len(raw) - 1))
+    raw[pos] ^= data.draw(st.integers(1, 255))
+    for candidate in (bytes(raw[:cut]), bytes(raw)):
+        try:
+            Reassembler().feed(candidate)
+        except ProtocolError:
+            pass

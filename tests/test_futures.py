@@ -1,0 +1,101 @@
+import asyncio
+import threading
+
+import pytest
+
+from rpcdist import Future, RpcTimeoutError
+from rpcdist.futures import collect_all, wait_all
+
+
+def test_set_result_then_wait_and_value():
+    f: Future[int] = Future()
+    assert not f.done()
+    with pytest.raises(RuntimeError):
+        f.value()
+    f.set_result(3)
+    assert f.done() and f.wait() == 3 and f.value() == 3
+    with pytest.raises(RuntimeError):
+        f.set_result(4)
+
+
+def test_exception_propagates_from_wait_and_value():
+    f: Future[int] = Future()
+    f.set_exception(KeyError("k"))
+    with pytest.raises(KeyError):
+        f.wait()
+    with pytest.raises(KeyError):
+        f.value()
+
+
+def test_wait_timeout():
+    with pytest.raises(RpcTimeoutError):
+        Future().wait(timeout=0.01)
+
+
+def test_completion_from_another_thread_wakes_waiter():
+    f: Future[str] = Future()
+    t = threading.Thread(target=f.set_result, args=("x",))
+    t.start()
+    assert f.wait(timeout=5) == "x"
+    t.join()
+
+
+def test_then_chains_and_propagates_errors():
+    f: Future[int] = Future()
+    g = f.then(lambda x: x.value() + 1).then(lambda y: y.value() * 10)
+    bad = f.then(lambda x: 1 / 0)
+    f.set_result(1)
+    assert g.wait() == 20
+    with pytest.raises(ZeroDivisionError):
+        bad.wait()
+
+
+def test_callbacks_run_once_in_order_even_when_added_late():
+    f: Future[int] = Future()
+    seen: list[int] = []
+    f.add_done_callback(lambda x: seen.append(1))
+    f.add_done_callback(lambda x: seen.append(2))
+    f.set_result(0)
+    f.add_done_callback(lambda x: seen.append(3))
+    assert seen == [1, 2, 3]
+
+
+def test_awaitable_from_any_event_loop():
+    f: Future[int] = Future()
+
+    async def main() -> int:
+        threading.Timer(0.01, f.set_result, args=(7,)).start()
+        return await f
+
+    assert asyncio.run(main()) == 7
+
+
+def test_await_failed_future_raises():
+    f: Future[int] = Future()
+    f.set_exception(ValueError("v"))
+
+    async def main() -> int:
+        return await f
+
+    with pytest.raises(ValueError):
+        asyncio.run(main())
+
+
+def test_collect_all_and_wait_all_keep_submission_order():
+    fs: list[Future[int]] = [Future() for _ in range(5)]
+    done = collect_all(fs)
+    for i in reversed(range(5)):
+        assert not done.done()
+        fs[i].set_result(i)
+    assert done.wait() == fs
+    assert wait_all(fs) == [0, 1, 2, 3, 4]
+    assert collect_all([]).wait() == []
+
+
+def test_wait_all_raises_first_error_after_all_complete():
+    fs: list[Future[int]] = [Future() for _ in range(3)]
+    fs[0].set_result(0)
+    fs[1].set_exception(IndexError("one"))
+    fs[2].set_result(2)
+    with pytest.raises(IndexError):
+        wait_all(fs)

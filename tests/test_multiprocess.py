@@ -1,0 +1,94 @@
+"""RPC across worker processes (spawned, hard timeouts, always cleaned up)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import grpc.aio
+import mp_workers
+import pytest
+import rpc_funcs as rf
+
+import rpcdist
+from rpcdist._transport import _grpc
+from rpcdist._transport._frames import CALL, OutMessage, pack_batch
+from rpcdist.testing import local_agents, run_workers
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.timeout(120)
+def test_three_processes_call_each_other_and_shut_down():
+    results = run_workers(mp_workers.ring_and_shutdown, 3, timeout=90)
+    pids = {r[1] for r in results}
+    assert len(pids) == 3 and os.getpid() not in pids
+    assert [r[0] for r in results] == [100, 101, 102]
+    assert [r[2] for r in results] == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_gives_typed_error_within_deadline():
+    (outcome, elapsed, after) = run_workers(
+        mp_workers.survive_dead_peer, 2, timeout=90, allow_exit={1}
+    )[0]
+    assert outcome in ("WorkerLostError", "ConnectError")
+    assert elapsed < 20
+    assert after in ("WorkerLostError", "ConnectError")
+
+
+@pytest.mark.timeout(120)
+def test_duplicate_names_fail_on_every_worker():
+    msgs = run_workers(mp_workers.duplicate_name, 2, timeout=90)
+    assert all("'same'" in m and "unique" in m for m in msgs)
+
+
+def _raw_stream(agent_addr: str, token: str | None, frames: list[bytes]):
+    async def go():
+        async with grpc.aio.insecure_channel(agent_addr) as ch:
+            md = [(_grpc.MD_RANK, "1"), (_grpc.MD_NAME, "worker1")]
+            if token is not None:
+                md.append((_grpc.MD_TOKEN, token))
+            call = ch.stream_stream(_grpc.STREAM_METHOD)(metadata=tuple(md))
+            try:
+                await call.initial_metadata()
+                for f in frames:
+                    await call.write(f)
+                await call.done_writing()
+                return "ok", [m async for m in call]
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # A write can fail before the status arrives; the call's own
+                # final status says why it ended.
+                return await call.code(), await call.details()
+
+    return asyncio.run(go())
+
+
+def _record_call(value: str) -> bytes:
+    from collections import deque
+
+    from rpcdist._serialization import encode
+
+    header, bufs = encode(((value,), {}))
+    q = deque([OutMessage(CALL, "rpc_funcs:record", header, bufs, id=1)])
+    return pack_batch(q, 1 << 20, 1 << 20)
+
+
+def test_unauthenticated_peer_is_rejected_and_nothing_runs():
+    opts = rpcdist.RpcOptions(token="s3cret")
+    with local_agents(2, options=opts) as (a, b):
+        assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the right token works
+        before = rf.records()
+        for token in (None, "wrong"):
+            code, _ = _raw_stream(a.addresses[0], token, [_record_call("intruder")])
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert rf.records() == before
+
+
+def test_fuzzed_frames_are_rejected_and_the_worker_keeps_serving():
+    with local_agents(2) as (a, b):
+        for junk in (b"", b"\x00", b"\xff" * 40, _record_call("x")[:-3], os.urandom(64)):
+            code, _ = _raw_stream(a.addresses[0], None, [junk])
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, "ok")
+        assert b.rpc_async(0, rf.add, args=(2, 2)).wait(10) == 4

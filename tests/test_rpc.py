@@ -1,0 +1,310 @@
+"""RPC core behaviour, with several agents in one process over loopback gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import threading
+
+import numpy as np
+import pytest
+import rpc_funcs as rf
+
+import rpcdist
+from rpcdist import (
+    ConfigError,
+    NotInitializedError,
+    RemoteError,
+    RpcTimeoutError,
+    SerializationError,
+    WrongThreadError,
+)
+from rpcdist.futures import wait_all
+from rpcdist.testing import as_current, local_agents
+
+
+def test_world_size_one_calls_itself(agent1):
+    (a,) = agent1
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker0", operator.add, args=(2, 3)) == 5
+        assert rpcdist.rpc_sync(0, rf.worker_name) == "worker0"
+        assert rpcdist.get_worker_info() == rpcdist.WorkerInfo("worker0", 0)
+
+
+def test_sync_async_and_kwargs(agents2):
+    a, _ = agents2
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 2)) == 3
+        assert rpcdist.rpc_sync("worker1", rf.kw, args=(1,), kwargs={"c": 9}) == (1, 2, 9)
+        fut = rpcdist.rpc_async(1, rf.worker_name)
+        assert fut.wait() == "worker1"
+        info = rpcdist.get_worker_info("worker1")
+        assert rpcdist.rpc_sync(info, rf.no_args) == "ok"
+
+
+def test_calls_are_awaitable_from_asyncio(agents2):
+    a, _ = agents2
+
+    async def main():
+        with as_current(a):
+            xs = await asyncio.gather(
+                *(rpcdist.rpc_async("worker1", rf.add, args=(i, i)) for i in range(10))
+            )
+        return xs
+
+    assert asyncio.run(main()) == [2 * i for i in range(10)]
+
+
+def test_thousand_concurrent_calls_all_correct_and_ordered(agents2):
+    a, _ = agents2
+    with as_current(a):
+        futs = [rpcdist.rpc_async("worker1", rf.add, args=(i, 1)) for i in range(1000)]
+        assert wait_all(futs) == [i + 1 for i in range(1000)]
+    assert a.statistics()["pending_calls"] == 0
+
+
+def test_callbacks_and_chained_then(agents2):
+    a, _ = agents2
+    with as_current(a):
+        fut = rpcdist.rpc_async("worker1", rf.add, args=(1, 1))
+        seen = []
+        done = threading.Event()
+        fut.add_done_callback(lambda f: (seen.append(f.value()), done.set()))
+        chained = fut.then(lambda f: f.value() * 3).then(lambda f: f.value() + 1)
+        assert chained.wait(10) == 7
+        assert done.wait(10) and seen == [2]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 300_000])
+def test_arrays_of_many_sizes_in_containers(agents2, n):
+    a, _ = agents2
+    x = np.arange(n, dtype=np.float32)
+    payload = {
+        "x": x,
+        "nested": [x[::2], (x.astype(np.int16), {3: x[:1]})],
+        "empty": np.zeros((0, 4)),
+    }
+    with as_current(a):
+        got = rpcdist.rpc_sync("worker1", rf.echo, args=(payload,))
+    assert np.array_equal(got["x"], x) and got["x"].dtype == np.float32
+    assert np.array_equal(got["nested"][0], x[::2])
+    assert isinstance(got["nested"][1], tuple)
+    assert np.array_equal(got["nested"][1][1][3], x[:1])
+    assert got["empty"].shape == (0, 4)
+    got["x"][...] = 1  # received arrays are writable
+
+
+def test_large_array_beyond_grpc_default_limit(agents2):
+    a, _ = agents2
+    x = np.random.default_rng(1).random(3_000_000)  # 24 MB > 4 MB gRPC default
+    with as_current(a):
+        s, shape, dtype = rpcdist.rpc_sync("worker1", rf.array_stats, args=(x,))
+    assert shape == x.shape and dtype == "float64" and s == pytest.approx(float(x.sum()))
+
+
+def test_nested_calls_and_async_handlers(agents3):
+    a, _, _ = agents3
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker1", rf.nested_add, args=("worker2", 4, 5)) == 9
+        assert rpcdist.rpc_sync("worker1", rf.async_add, args=(4, 5)) == 9
+        assert rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker2", 1, 2)) == 3
+        assert rpcdist.rpc_sync("worker1", rf.async_exec_nested, args=("worker2", 1, 2)) == 30
+
+
+def test_async_execution_static_and_class_methods(agents2):
+    a, _ = agents2
+    with as_current(a):
+        futs = [rpcdist.rpc_async("worker1", rf.Batcher.submit, args=(i,)) for i in range(4)]
+        assert wait_all(futs) == [6, 6, 6, 6]
+        assert rpcdist.rpc_sync("worker1", rf.Batcher.cls_add, args=(2, 3)) == ("Batcher", 5)
+
+
+def test_a_b_a_with_one_worker_thread_does_not_deadlock():
+    with local_agents(2, num_worker_threads=1) as (a, _):
+        with as_current(a):
+            assert (
+                rpcdist.rpc_sync("worker1", rf.async_exec_back, args=("worker0", "x"), timeout=10)
+                == "x"
+            )
+            assert (
+                rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker0", 1, 1), timeout=10)
+                == 2
+            )
+
+
+def test_remote_exceptions_keep_type_and_traceback(agents2):
+    a, _ = agents2
+    with as_current(a):
+        with pytest.raises(KeyError) as ei:
+            rpcdist.rpc_sync("worker1", rf.raise_key_error, args=("boom",))
+        assert "raise_key_error" in ei.value.remote_traceback
+        with pytest.raises(rf.CustomError, match="custom failure"):
+            rpcdist.rpc_sync("worker1", rf.raise_custom)
+        with pytest.raises(RemoteError) as ei2:
+            rpcdist.rpc_sync("worker1", rf.raise_unbuildable)
+        assert "_Unbuildable" in ei2.value.remote_type and ei2.value.remote_traceback
+
+
+def test_wrong_argument_count_is_clear(agents2):
+    a, _ = agents2
+    with as_current(a), pytest.raises(TypeError, match="rpc_funcs:add.*wrong arguments"):
+        rpcdist.rpc_sync("worker1", rf.add, args=(1,))
+
+
+def test_unsendable_function_and_arguments_fail_at_the_call_site(agents2):
+    a, _ = agents2
+    with as_current(a):
+        with pytest.raises(SerializationError, match="lambda"):
+            rpcdist.rpc_async("worker1", lambda: 1)
+
+        def inner():
+            return 1
+
+        with pytest.raises(SerializationError, match="inner"):
+            rpcdist.rpc_async("worker1", inner)
+        with pytest.raises(SerializationError, match=r"args\[1\]\['opt'\]"):
+            rpcdist.rpc_async("worker1", rf.echo, args=(1, {"opt": threading.Lock()}))
+    assert a.statistics()["pending_calls"] == 0
+
+
+def test_function_missing_on_callee_is_clear(agents2, monkeypatch):
+    a, _ = agents2
+    msg = rpcdist._transport._frames.OutMessage(
+        rpcdist._transport._frames.CALL, "rpc_funcs:nope", *a.encode_call((), None, a.workers[1])
+    )
+    with pytest.raises(SerializationError, match="nope"):
+        a.submit_call(1, msg, "rpc_funcs:nope").wait(10)
+
+
+def test_unknown_workers_and_bad_ranks(agents2):
+    a, _ = agents2
+    with as_current(a):
+        with pytest.raises(ConfigError, match="unknown worker name 'nobody'"):
+            rpcdist.rpc_sync("nobody", rf.no_args)
+        with pytest.raises(ConfigError, match="out of range"):
+            rpcdist.rpc_sync(5, rf.no_args)
+        with pytest.raises(ConfigError):
+            rpcdist.rpc_sync(rpcdist.WorkerInfo("worker1", 0), rf.no_args)
+
+
+def test_timeout_rules(agents2):
+    a, _ = agents2
+    with as_current(a):
+        with pytest.raises(RpcTimeoutError, match="rpc_funcs:sleep_then"):
+            rpcdist.rpc_sync("worker1", rf.sleep_then, args=(2.0,), timeout=0.1)
+        assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 1), timeout=None) == 1
+        assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 2), timeout=0) == 2
+        old = rpcdist.get_rpc_timeout()
+        slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.5, "slow"))
+        rpcdist.set_rpc_timeout(0.1)
+        try:
+            with pytest.raises(RpcTimeoutError):
+                rpcdist.rpc_sync("worker1", rf.sleep_then, args=(2.0,))
+            assert slow.wait() == "slow"  # made before the change: keeps its timeout
+        finally:
+            rpcdist.set_rpc_timeout(old)
+        with pytest.raises(ConfigError):
+            rpcdist.rpc_sync("worker1", rf.no_args, timeout=-1)
+
+
+def test_deadline_travels_with_nested_calls(agents3):
+    a, _, _ = agents3
+    rf.nested_probe_done.clear()
+    rf.nested_probe_result.clear()
+    with as_current(a), pytest.raises(RpcTimeoutError):
+        rpcdist.rpc_sync("worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3)
+    # On worker1 the nested call (no timeout of its own) inherited the 0.3 s
+    # budget instead of the 30 s default.
+    assert rf.nested_probe_done.wait(10)
+    (how, elapsed) = rf.nested_probe_result[0]
+    assert how == "timeout" and elapsed < 2.0
+
+
+def test_blocking_call_on_loop_thread_raises_wrong_thread(agents2):
+    a, _ = agents2
+
+    async def on_loop():
+        with as_current(a):
+            with pytest.raises(WrongThreadError):
+                rpcdist.rpc_sync("worker1", rf.no_args)
+            return await rpcdist.rpc_async("worker1", rf.no_args)
+
+    assert a.run(on_loop()) == "ok"
+
+
+def test_calls_after_shutdown_raise_not_initialized_and_reinit_works(tmp_path):
+    init = f"file://{tmp_path}/rdv"
+    rpcdist.init_rpc("solo", 0, 1, init_method=init)
+    try:
+        assert rpcdist.rpc_sync("solo", rf.add, args=(1, 1)) == 2
+        with pytest.raises(ConfigError, match="already initialised"):
+            rpcdist.init_rpc("solo", 0, 1, init_method=init)
+    finally:
+        rpcdist.shutdown()
+    with pytest.raises(NotInitializedError):
+        rpcdist.rpc_sync("solo", rf.add, args=(1, 1))
+    with pytest.raises(NotInitializedError):
+        rpcdist.shutdown()
+    rpcdist.init_rpc("solo2", 0, 1, init_method=init)
+    try:
+        assert rpcdist.rpc_sync(0, rf.worker_name) == "solo2"
+    finally:
+        rpcdist.shutdown()
+
+
+def test_invalid_names_and_options():
+    with pytest.raises(ConfigError, match="invalid worker name"):
+        rpcdist.init_rpc("bad name!", 0, 1, init_method="tcp://127.0.0.1:0")
+    with pytest.raises(ConfigError):
+        rpcdist.init_rpc("ok", 0, 1, init_method="tcp://127.0.0.1:0", num_worker_threads=0)
+
+
+def test_duplicate_names_fail_init_clearly():
+    with pytest.raises(ConfigError, match="'dup'.*unique"):
+        with local_agents(2, names=["dup", "dup"]):
+            pass
+
+
+def test_graceful_shutdown_waits_for_uneven_work_and_fire_and_forget_chains():
+    with local_agents(3, graceful=True) as agents:
+        a = agents[0]
+        with as_current(a):
+            for i in range(3):
+                rpcdist.rpc_async(f"worker{i}", rf.sleep_then, args=(0.05 * i,))
+            rpcdist.rpc_async(
+                "worker1", rf.fire_and_forget_chain, args=(6, ["worker1", "worker2"], "worker0")
+            )
+        before = len(rf.records())
+    # local_agents shut every agent down gracefully: the chain must have ended.
+    assert len(rf.records()) == before + 1
+    for ag in agents:
+        assert ag.closed and ag.statistics()["pending_calls"] == 0
+
+
+def test_nongraceful_shutdown_fails_pending_with_closed_error():
+    with local_agents(2) as (a, b):
+        fut = a.rpc_async("worker1", rf.sleep_then, args=(5.0,), timeout=None)
+        a.shutdown(graceful=False)
+        with pytest.raises(rpcdist.ClosedError):
+            fut.wait(5)
+
+
+def test_call_to_departed_peer_fails_fast_with_typed_error():
+    with local_agents(2) as (a, b):
+        assert a.rpc_async(1, rf.no_args).wait(10) == "ok"
+        b.shutdown(graceful=False)
+        with pytest.raises((rpcdist.WorkerLostError, rpcdist.ConnectError)):
+            a.rpc_async(1, rf.no_args, timeout=5).wait(10)
+
+
+def test_statistics_return_to_zero(agents2):
+    a, b = agents2
+    futs = [a.rpc_async(1, rf.sleep_then, args=(0.2,)) for _ in range(20)]
+
+    async def stats_on_loop():  # runs after the submissions queued before it
+        return a.statistics()
+
+    assert a.run(stats_on_loop())["pending_calls"] == 20
+    wait_all(futs)
+    assert a.statistics()["pending_calls"] == 0
+    assert b.statistics()["calls_handled"] >= 20
