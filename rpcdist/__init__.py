@@ -50,6 +50,8 @@ from ._errors import (
 )
 from ._futures import Future
 from ._options import RpcOptions
+from ._save import load, save
+from ._rref import RRef, remote
 from ._serialization import register_type
 from ._worker import WorkerInfo
 
@@ -66,6 +68,7 @@ __all__ = [
     "NotInitializedError",
     "OwnerLostError",
     "ProtocolError",
+    "RRef",
     "RRefCreationError",
     "RRefError",
     "RemoteError",
@@ -83,9 +86,12 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "load",
     "register_type",
+    "remote",
     "rpc_async",
     "rpc_sync",
+    "save",
     "set_rpc_timeout",
     "shutdown",
 ]

@@ -1,0 +1,350 @@
+"""The backward engine: a dependency-counted walk over :class:`Node` graphs.
+
+:class:`GraphTask` is the one implementation; ``Tensor.backward`` and
+distributed autograd are both thin users of it:
+
+1. Dependencies are counted over every node reachable from the *start nodes*
+   (the roots, plus any extra nodes such as send functions whose gradients
+   will arrive later). A node runs once all of its counted inputs arrived.
+2. ``execute(roots)`` seeds gradients into nodes and runs everything that
+   becomes ready. It may be called again with more roots (FAST mode: one
+   call per gradient message) and from several threads; graph state is
+   guarded by a lock that is not held while nodes run or callbacks fire.
+3. Leaves' gradients go into ``.grad`` (then post-accumulate hooks run) or,
+   when a ``grad_map`` is given, are summed into it keyed by leaf tensor and
+   ``.grad`` is left alone.
+4. Nodes of ``callback_kinds`` (by default :class:`RecvFunction`) are not
+   applied: ``callback(node, grads)`` receives their gradients instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import AutogradError, RpcdistError
+from . import _tensor
+from ._node import AccumulateGrad, Node, RecvFunction
+
+if TYPE_CHECKING:
+    from ._tensor import Tensor
+
+__all__ = ["GraphTask", "compute_dependencies", "run_backward"]
+
+#: ``(node, grads)``: gradients for a node's outputs (a list with one entry,
+#: array or None, per output; a bare array for a single-output node).
+Root = tuple[Node, Any]
+NodeCallback = Callable[[Node, list[Any]], None]
+
+
+_GRAD_LOCK = threading.Lock()
+
+
+def compute_dependencies(start_nodes: Iterable[Node]) -> dict[Node, int]:
+    """Count, for every node reachable from ``start_nodes``, its incoming edges.
+
+    Start nodes themselves begin at 0 (plus edges from other reachable nodes).
+    """
+    deps: dict[Node, int] = {}
+    stack: list[Node] = []
+    for node in start_nodes:
+        if node not in deps:
+            deps[node] = 0
+            stack.append(node)
+    while stack:
+        node = stack.pop()
+        for edge in node.next_edges:
+            if edge is None:
+                continue
+            child = edge[0]
+            if child in deps:
+                deps[child] += 1
+            else:
+                deps[child] = 1
+                stack.append(child)
+    return deps
+
+
+class _Buffer:
+    """Gradients summed so far for one node's outputs."""
+
+    __slots__ = ("grads", "owned")
+
+    def __init__(self, n: int) -> None:
+        self.grads: list[Any] = [None] * n
+        self.owned: list[bool] = [False] * n
+
+    def add(self, nr: int, g: Any, owned: bool) -> None:
+        cur = self.grads[nr]
+        if cur is None:
+            self.grads[nr] = g
+            self.owned[nr] = owned
+        elif self.owned[nr] and cur.shape == g.shape:
+            cur += g  # in place for arrays; rebinds for NumPy scalars
+            self.grads[nr] = cur
+        else:
+            self.grads[nr] = cur + g
+            self.owned[nr] = True
+
+
+def _is_fresh(g: Any, inputs: list[Any], outs: Sequence[Any], i: int) -> bool:
+    """Whether the engine may modify ``g`` in place (nobody else holds it)."""
+    if g.base is not None:
+        return False
+    for x in inputs:
+        if g is x:
+            return False
+    return all(outs[j] is not g for j in range(i))
+
+
+class GraphTask:
+    """One backward pass over a local graph, possibly fed in several calls.
+
+    Args:
+        start_nodes: Nodes from which dependencies are counted: the roots and
+            any extra nodes (send functions) whose gradients come later.
+        grad_map: When given, leaf gradients are summed into it (keyed by
+            leaf tensor, values arrays owned by the map) instead of ``.grad``;
+            post-accumulate hooks do not run then.
+        callback: Called as ``callback(node, grads)`` for nodes that are
+            instances of ``callback_kinds``, instead of applying them; the walk
+            does not continue past them. ``grads`` may alias arrays used
+            elsewhere: copy what you keep.
+        callback_kinds: Node classes handed to ``callback``.
+        retain_graph: Keep saved arrays so that the graph can be walked again.
+            Tasks that walk one graph at the same time need it.
+
+    Each task has its own dependency counts and gradient buffers, so tasks in
+    different threads never mix. After a node fails, the task is abandoned.
+
+    Raises:
+        AutogradError: on misuse (unknown root, gradient after a node ran).
+    """
+
+    __module__ = "rpcdist.tensor"
+
+    def __init__(
+        self,
+        start_nodes: Iterable[Node],
+        *,
+        grad_map: MutableMapping[Tensor, Any] | None = None,
+        callback: NodeCallback | None = None,
+        callback_kinds: tuple[type[Node], ...] = (RecvFunction,),
+        retain_graph: bool = False,
+    ) -> None:
+        self.grad_map = grad_map
+        self.callback = callback
+        self.callback_kinds = callback_kinds
+        self.retain_graph = retain_graph
+        self._deps = compute_dependencies(start_nodes)
+        self._buffers: dict[Node, _Buffer] = {}
+        self._lock = threading.Lock()
+
+    def pending(self) -> list[Node]:
+        """Nodes holding some gradient but still waiting for more inputs."""
+        with self._lock:
+            return list(self._buffers)
+
+    def execute(self, roots: Sequence[Root]) -> None:
+        """Seed gradients into root nodes and run every node that gets ready.
+
+        Args:
+            roots: ``(node, grads)`` pairs; each node must be one of this
+                task's nodes. ``grads`` is a list with one array (or None)
+                per output, or a bare array for a single-output node.
+
+        Raises:
+            AutogradError: a root is not part of this task, a gradient came for
+                a node that already ran, or a node failed.
+        """
+        ready: list[Node] = []
+        with self._lock:
+            for node, grads in roots:
+                glist = _grad_list(node, grads)
+                deps = self._deps.get(node)
+                if deps is None:
+                    raise AutogradError(
+                        f"{node.name()} is not a start node of this backward pass: its "
+                        "dependencies were not counted (pass it in start_nodes or "
+                        "extra_start_nodes)"
+                    )
+                for nr, g in enumerate(glist):
+                    if g is not None:
+                        buf = self._buffers.get(node)
+                        if buf is None:
+                            buf = self._buffers[node] = _Buffer(node.num_outputs)
+                        buf.add(nr, g, False)
+                if deps == 0 and node not in ready:
+                    ready.append(node)
+        self._run(ready)
+
+    def _run(self, ready: list[Node]) -> None:
+        deps, buffers, lock = self._deps, self._buffers, self._lock
+        callback, kinds = self.callback, self.callback_kinds
+        while ready:
+            node = ready.pop()
+            with lock:
+                buf = buffers.pop(node, None)
+            if buf is None:
+                grads: list[Any] = [None] * node.num_outputs
+                owned = [False] * node.num_outputs
+            else:
+                grads, owned = buf.grads, buf.owned
+            if node._pre_hooks:
+                _run_pre_hooks(node, grads, owned)
+            if type(node) is AccumulateGrad:
+                if grads[0] is not None:
+                    self._accumulate(node, grads[0], owned[0])
+                continue
+            if callback is not None and isinstance(node, kinds):
+                callback(node, grads)
+                continue
+            edges = node.next_edges
+            if buf is None:  # no gradient reached it: pass "none" on
+                outs: Sequence[Any] = (None,) * len(edges)
+            else:
+                try:
+                    outs = node.apply(grads)
+                except RpcdistError:
+                    raise
+                except Exception as exc:
+                    raise AutogradError(f"{node.name()} failed in backward: {exc}") from exc
+                if len(outs) != len(edges):
+                    raise AutogradError(
+                        f"{node.name()} returned {len(outs)} gradients for {len(edges)} inputs"
+                    )
+            if not self.retain_graph:
+                node.release()
+            with lock:
+                for i, edge in enumerate(edges):
+                    if edge is None:
+                        continue
+                    child, nr = edge
+                    g = outs[i]
+                    if g is not None:
+                        b = buffers.get(child)
+                        if b is None:
+                            b = buffers[child] = _Buffer(child.num_outputs)
+                        b.add(nr, g, _is_fresh(g, grads, outs, i))
+                    d = deps[child] - 1
+                    deps[child] = d
+                    if d == 0:
+                        ready.append(child)
+                    elif d < 0:
+                        raise AutogradError(
+                            f"a gradient reached {child.name()} after it had already run"
+                        )
+
+    def _accumulate(self, node: AccumulateGrad, g: Any, owned: bool) -> None:
+        Tensor = _tensor.Tensor
+        var = node.variable
+        if var._hooks:
+            for hook in list(var._hooks):
+                out = hook(Tensor._wrap(g))
+                if out is not None:
+                    g = out.data if isinstance(out, Tensor) else out
+                    owned = False
+        if isinstance(g, np.generic):
+            g = np.asarray(g)
+            owned = True
+        data = var.data
+        if g.shape != data.shape:
+            raise AutogradError(
+                f"gradient of shape {tuple(g.shape)} reached a leaf of shape {tuple(data.shape)}"
+            )
+        if g.dtype != data.dtype:
+            g = g.astype(data.dtype)
+            owned = True
+        grad_map = self.grad_map
+        if grad_map is not None:
+            with self._lock:
+                cur = grad_map.get(var)
+                if cur is None:
+                    grad_map[var] = g if owned else g.copy()
+                else:
+                    cur += g
+            return
+        with _GRAD_LOCK:  # backward passes in several threads may share leaves
+            current = var._grad
+            if current is None:
+                var._grad = Tensor._wrap(g if owned else g.copy())
+            else:
+                current.data += g
+        if var._post_hooks:
+            for post in list(var._post_hooks):
+                post(var)
+
+
+def _grad_list(node: Node, grads: Any) -> list[Any]:
+    if isinstance(grads, list | tuple):
+        if len(grads) != node.num_outputs:
+            raise AutogradError(
+                f"{node.name()} has {node.num_outputs} outputs but {len(grads)} "
+                "gradients were given"
+            )
+        return list(grads)
+    if node.num_outputs != 1:
+        raise AutogradError(
+            f"{node.name()} has {node.num_outputs} outputs: give a list of gradients"
+        )
+    return [grads]
+
+
+def _run_pre_hooks(node: Node, grads: list[Any], owned: list[bool]) -> None:
+    Tensor = _tensor.Tensor
+    for nr, hook in list(node._pre_hooks or ()):
+        g = grads[nr]
+        if g is None:
+            continue
+        out = hook(Tensor._wrap(g))
+        if out is not None:
+            grads[nr] = out.data if isinstance(out, Tensor) else out
+            owned[nr] = False
+
+
+def run_backward(
+    roots: Sequence[Root],
+    *,
+    extra_start_nodes: Iterable[Node] = (),
+    grad_map: MutableMapping[Tensor, Any] | None = None,
+    callback: NodeCallback | None = None,
+    callback_kinds: tuple[type[Node], ...] = (RecvFunction,),
+    retain_graph: bool = False,
+) -> GraphTask:
+    """Run backward from ``(node, grads)`` pairs: the engine's low-level entry.
+
+    Dependencies are counted from the roots' nodes *and* ``extra_start_nodes``
+    (FAST mode: every send function of a distributed autograd context), so
+    nodes that also depend on an extra start node wait until gradients for it
+    are fed with ``task.execute([(send_fn, grads)])``.
+
+    Args:
+        roots: ``(node, grads)`` pairs to start from (see
+            :meth:`GraphTask.execute`).
+        extra_start_nodes: More nodes to count dependencies from.
+        grad_map: Sum leaf gradients here (keyed by leaf tensor) instead of
+            into ``.grad``.
+        callback: ``callback(node, grads)`` for nodes of ``callback_kinds``.
+        callback_kinds: Node classes given to the callback (RecvFunction).
+        retain_graph: Keep the graph for another backward pass.
+
+    Returns:
+        The :class:`GraphTask`, to feed more gradients into.
+
+    Raises:
+        AutogradError: misuse of the graph or a failing node.
+    """
+    start = [node for node, _ in roots]
+    start.extend(extra_start_nodes)
+    task = GraphTask(
+        start,
+        grad_map=grad_map,
+        callback=callback,
+        callback_kinds=callback_kinds,
+        retain_graph=retain_graph,
+    )
+    task.execute(roots)
+    return task

@@ -1,0 +1,87 @@
+"""LSTM: full backpropagation through time, checked by finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rpcdist.tensor as rt
+from rpcdist import ConfigError, nn
+from rpcdist.tensor import gradcheck
+
+
+def make(device: str, **kw: object) -> nn.LSTM:
+    return nn.LSTM(3, 4, dtype=np.float64, device=device, generator=rt.Generator(0), **kw)  # type: ignore[arg-type]
+
+
+def leaf(shape: tuple[int, ...], device: str, seed: int) -> rt.Tensor:
+    arr = np.random.default_rng(seed).normal(size=shape)
+    return rt.tensor(arr, device=device, requires_grad=True)
+
+
+def test_gradcheck_two_layers_several_steps(device: str) -> None:
+    lstm = make(device, num_layers=2)
+    x = leaf((5, 2, 3), device, 1)  # T=5 steps, batch 2
+    h0, c0 = leaf((2, 2, 4), device, 2), leaf((2, 2, 4), device, 3)
+    params = list(lstm.parameters())
+
+    def run(*args: rt.Tensor) -> tuple[rt.Tensor, ...]:
+        out, (h, c) = lstm(args[0], (args[1], args[2]))
+        return out, h, c
+
+    assert gradcheck(run, [x, h0, c0, *params], atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_last_output_only_batch_first(device: str) -> None:
+    lstm = make(device, batch_first=True)
+    x = leaf((2, 6, 3), device, 4)
+    assert gradcheck(lambda a, *_: lstm(a)[0][:, -1].sum(), [x, *lstm.parameters()])
+
+
+def test_no_bias_variant(device: str) -> None:
+    lstm = make(device, bias=False)
+    assert [n for n, _ in lstm.named_parameters()] == ["weight_ih_l0", "weight_hh_l0"]
+    x = leaf((3, 2, 3), device, 5)
+    assert gradcheck(lambda a, *_: lstm(a)[1][1], [x, *lstm.parameters()])
+
+
+def test_batch_first_equals_time_first() -> None:
+    a = nn.LSTM(3, 5, num_layers=2, generator=rt.Generator(1))
+    b = nn.LSTM(3, 5, num_layers=2, batch_first=True, generator=rt.Generator(1))
+    x = rt.randn(7, 2, 3, generator=rt.Generator(2))
+    out_a, (h_a, c_a) = a(x)
+    out_b, (h_b, c_b) = b(x.transpose(0, 1))
+    np.testing.assert_allclose(out_a.numpy(), out_b.transpose(0, 1).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(h_a.numpy(), h_b.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(c_a.numpy(), c_b.numpy(), rtol=1e-6)
+    assert out_a.dtype == np.float32 and h_a.shape == (2, 2, 5)
+
+
+def test_state_carries_over_between_calls() -> None:
+    lstm = nn.LSTM(2, 3, generator=rt.Generator(3))
+    x = rt.randn(6, 1, 2, generator=rt.Generator(4))
+    full, (h, c) = lstm(x)
+    _, state = lstm(x[:3])
+    second, (h2, c2) = lstm(x[3:], state)
+    np.testing.assert_allclose(second.numpy(), full.numpy()[3:], rtol=1e-6)
+    np.testing.assert_allclose(h2.numpy(), h.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(c2.numpy(), c.numpy(), rtol=1e-6)
+
+
+def test_dropout_between_layers_only_in_training() -> None:
+    lstm = nn.LSTM(3, 8, num_layers=2, dropout=0.5, generator=rt.Generator(0))
+    x = rt.randn(4, 2, 3, generator=rt.Generator(1))
+    lstm.eval()
+    np.testing.assert_array_equal(lstm(x)[0].numpy(), lstm(x)[0].numpy())
+    lstm.train()
+    assert not np.array_equal(lstm(x)[0].numpy(), lstm(x)[0].numpy())
+
+
+def test_bad_inputs() -> None:
+    lstm = nn.LSTM(3, 4)
+    with pytest.raises(ConfigError, match="3-D"):
+        lstm(rt.ones(2, 3))
+    with pytest.raises(ConfigError, match=r"5 features.*expected 3"):
+        lstm(rt.ones(2, 2, 5))
+    with pytest.raises(ConfigError, match=r"initial state shapes"):
+        lstm(rt.ones(2, 2, 3), (rt.zeros(1, 3, 4), rt.zeros(1, 3, 4)))
