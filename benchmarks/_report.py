@@ -96,7 +96,10 @@ def write_section(name: str, title: str, body: str, command: str) -> None:
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=False, cwd=REPORT.parent,
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=REPORT.parent,
         ).stdout.strip()
     except OSError:
         rev = ""

@@ -50,8 +50,8 @@ from ._errors import (
 )
 from ._futures import Future
 from ._options import RpcOptions
-from ._save import load, save
 from ._rref import RRef, remote
+from ._save import load, save
 from ._serialization import register_type
 from ._worker import WorkerInfo
 

@@ -28,7 +28,6 @@ from ._deadline import UNSET, Unset, current_deadline, deadline_for
 from ._errors import (
     ClosedError,
     ConfigError,
-    ConnectError,
     NotInitializedError,
     ProtocolError,
     RpcdistError,
@@ -63,6 +62,9 @@ _log = logging.getLogger(__name__)
 INTERNAL_HANDLERS: dict[str, Callable[[Agent, WorkerInfo, Any], Awaitable[Any]]] = {}
 #: Hooks run by a graceful shutdown before the agent quiesces.
 SHUTDOWN_HOOKS: list[Callable[[Agent], Awaitable[None]]] = []
+#: Checks run after a graceful shutdown closed the agent; they raise to report
+#: what the hooks found wrong (for example, leaked RRefs).
+SHUTDOWN_CHECKS: list[Callable[[Agent], None]] = []
 
 
 def internal_handler(
@@ -119,7 +121,9 @@ class Agent:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ConfigError(f"num_worker_threads must be an int >= 1, got {num_worker_threads!r}")
         if options is not None and not isinstance(options, RpcOptions):
-            raise ConfigError(f"options must be an rpcdist.RpcOptions, got {type(options).__name__}")
+            raise ConfigError(
+                f"options must be an rpcdist.RpcOptions, got {type(options).__name__}"
+            )
         self.options = (options or RpcOptions()).validated()
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
@@ -129,6 +133,9 @@ class Agent:
         self._num_threads = num_worker_threads
         self.closed = False
         self._closing = False
+        #: What this agent serves: "rpc" (init_rpc) and/or "collectives"
+        #: (init_process_group). It shuts down when the last role is released.
+        self.roles: set[str] = set()
         self.workers: list[WorkerInfo] = []
         self._by_name: dict[str, WorkerInfo] = {}
         self.addresses: dict[int, str] = {}
@@ -206,6 +213,28 @@ class Agent:
                 )
             seen[info["name"]] = info["rank"]
 
+    async def rename(self, name: str, timeout: float) -> None:
+        """Change this worker's name, collectively (every worker calls it).
+
+        Used when ``init_rpc`` adopts the agent ``init_process_group`` started.
+
+        Raises:
+            ConfigError: duplicate names after the change.
+        """
+        check_worker_name(name)
+        await self._store.set(f"rpc/name/{self.rank}", name.encode())
+        got = await asyncio.gather(
+            *(self._store.get(f"rpc/name/{r}", timeout) for r in range(self.world_size))
+        )
+        names = [g.decode() for g in got]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"worker name {dup!r} is used more than once: names must be unique")
+        self.name = name
+        self.workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
+        self._by_name = {w.name: w for w in self.workers}
+        await self._store.barrier("rpc/rename", self.world_size, timeout)
+
     # ----------------------------------------------------------------- lookups
 
     @property
@@ -266,7 +295,9 @@ class Agent:
             pass
         return name
 
-    def encode_call(self, args: Any, kwargs: Any, peer: WorkerInfo) -> tuple[bytes, list[memoryview]]:
+    def encode_call(
+        self, args: Any, kwargs: Any, peer: WorkerInfo
+    ) -> tuple[bytes, list[memoryview]]:
         """Encode ``(args, kwargs)`` for ``peer``, naming the bad argument on failure.
 
         Raises:
@@ -281,10 +312,19 @@ class Agent:
             return encode(
                 (tuple(args), kwargs or {}), allow_pickle=self.options.allow_pickle, context=ctx
             )
-        except SerializationError:
-            # Encode each part on its own for a precise location in the message.
-            encode(tuple(args), allow_pickle=self.options.allow_pickle, context=None, where="args")
-            encode(kwargs or {}, allow_pickle=self.options.allow_pickle, context=None, where="kwargs")
+        except BaseException as exc:
+            ctx.abort()  # extensions undo their side effects (RRef forks)
+            if isinstance(exc, SerializationError):
+                # Encode each part on its own (dry runs) for a precise location.
+                encode(
+                    tuple(args), allow_pickle=self.options.allow_pickle, context=ctx, where="args"
+                )
+                encode(
+                    kwargs or {},
+                    allow_pickle=self.options.allow_pickle,
+                    context=ctx,
+                    where="kwargs",
+                )
             raise
 
     def rpc_async(
@@ -293,7 +333,7 @@ class Agent:
         func: Callable[..., Any],
         args: Any = (),
         kwargs: dict[str, Any] | None = None,
-        timeout: float | None | Unset = UNSET,
+        timeout: float | Unset | None = UNSET,
     ) -> Future[Any]:
         """Call ``func(*args, **kwargs)`` on ``to``; see ``rpcdist.rpc_async``."""
         self._check_open()
@@ -399,7 +439,9 @@ class Agent:
         self._out_tasks[dst] = task
         return conn
 
-    async def _run_outgoing(self, dst: int, conn: _grpc.Connection, channel: grpc.aio.Channel) -> None:
+    async def _run_outgoing(
+        self, dst: int, conn: _grpc.Connection, channel: grpc.aio.Channel
+    ) -> None:
         exc: RpcdistError
         cancelled = False
         try:
@@ -464,9 +506,9 @@ class Agent:
 
     def _on_message(self, conn: _grpc.Connection, m: InMessage) -> None:
         kind = m.kind
-        if kind == REPLY or kind == ERROR_REPLY:
+        if kind in (REPLY, ERROR_REPLY):
             self._on_reply(conn, m)
-        elif kind == CALL or kind == INTERNAL:
+        elif kind in (CALL, INTERNAL):
             self._inflight += 1
             self._idle.clear()
             task = self.loop.create_task(_dispatch.serve(self, conn, m))
@@ -485,9 +527,15 @@ class Agent:
 
     def _on_reply(self, conn: _grpc.Connection, m: InMessage) -> None:
         p = self._pending.get(m.id)
-        if p is None:
-            return  # a late reply to a call that timed out or was failed
         ctx = WireContext(self, self.workers[conn.peer_rank])
+        if p is None:
+            # A late reply to a call that timed out or was failed: decode it
+            # anyway, so that RRef forks it carries are registered and released.
+            try:
+                decode(m.header, m.buffers, allow_pickle=self.options.allow_pickle, context=ctx)
+            except RpcdistError:
+                pass
+            return
         try:
             value = decode(m.header, m.buffers, allow_pickle=self.options.allow_pickle, context=ctx)
         except SerializationError as e:
@@ -501,13 +549,15 @@ class Agent:
     # --------------------------------------------------- internal & control
 
     async def call_internal(
-        self, dst: int, method: str, payload: Any, *, timeout: float | None | Unset = UNSET
+        self, dst: int, method: str, payload: Any, *, timeout: float | Unset | None = UNSET
     ) -> Any:
         """Call an internal method on worker ``dst`` (on the loop)."""
         self._check_open()
         deadline = deadline_for(timeout, self._rpc_timeout)
         header, buffers = encode(
-            payload, allow_pickle=self.options.allow_pickle, context=WireContext(self, self.workers[dst])
+            payload,
+            allow_pickle=self.options.allow_pickle,
+            context=WireContext(self, self.workers[dst]),
         )
         msg = OutMessage(INTERNAL, method, header, buffers, deadline=deadline)
         return await self.submit_call(dst, msg, method)
@@ -529,7 +579,9 @@ class Agent:
             while True:
                 left = end - time.monotonic()
                 try:
-                    return await self.call_internal(dst, method, payload, timeout=min(interval, max(left, 1e-3)))
+                    return await self.call_internal(
+                        dst, method, payload, timeout=min(interval, max(left, 1e-3))
+                    )
                 except (RpcTimeoutError, TransportError) as e:
                     if time.monotonic() >= end or self.closed:
                         raise
@@ -538,11 +590,18 @@ class Agent:
         finally:
             current_deadline.reset(token)
 
-    async def p2p_send(self, dst: int, key: str, buffers: list[memoryview], header: bytes = b"") -> None:
+    async def p2p_send(
+        self, dst: int, key: str, buffers: list[memoryview], header: bytes = b""
+    ) -> None:
         """Send a one-way message; returns once its bytes are copied out (on the loop)."""
         self._check_open()
         done: asyncio.Future[None] = self.loop.create_future()
-        msg = OutMessage(P2P, key, header, buffers, on_packed=lambda: done.done() or done.set_result(None))
+
+        def packed() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        msg = OutMessage(P2P, key, header, buffers, on_packed=packed)
         msg.id = next(self._ids)
         self._send(dst, msg, "p2p")
         conn = self._out.get(dst)
@@ -636,6 +695,9 @@ class Agent:
         await self._close(ClosedError(f"agent {self.name!r} shut down"), graceful=ok, leave=ok)
         if err is not None:
             raise err
+        if ok:
+            for check in SHUTDOWN_CHECKS:
+                check(self)
 
     async def _quiesce(self, limit: float) -> None:
         """Wait until no worker has work in flight (two stable rounds)."""
@@ -662,7 +724,9 @@ class Agent:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.1)
 
-    async def _close(self, exc: RpcdistError, *, graceful: bool = False, leave: bool = False) -> None:
+    async def _close(
+        self, exc: RpcdistError, *, graceful: bool = False, leave: bool = False
+    ) -> None:
         self._closing = True
         self.closed = True
         for call_id in list(self._pending):
@@ -715,5 +779,3 @@ def copy_context_with(agent: Agent, deadline: float | None) -> contextvars.Conte
     ctx.run(bind_agent, agent)
     ctx.run(current_deadline.set, deadline)
     return ctx
-
-

@@ -18,10 +18,12 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "release_agent",
     "rpc_async",
     "rpc_sync",
     "set_rpc_timeout",
     "shutdown",
+    "start_agent_for",
 ]
 
 _init_lock = threading.Lock()
@@ -58,6 +60,9 @@ def init_rpc(
     with _init_lock:
         existing = default_agent()
         if existing is not None and not existing.closed:
+            if "rpc" not in existing.roles:
+                _adopt(existing, name, rank, world_size, rpc_timeout)
+                return
             raise ConfigError(
                 f"rpcdist is already initialised in this process as {existing.name!r}; "
                 "call rpcdist.shutdown() first"
@@ -72,7 +77,74 @@ def init_rpc(
             options=options,
         )
         agent.start()
+        agent.roles.add("rpc")
         set_default_agent(agent)
+
+
+def _adopt(
+    agent: Agent, name: str, rank: int | None, world_size: int | None, rpc_timeout: float | None
+) -> None:
+    """Serve RPC on the agent a process group already started (one transport)."""
+    if (rank is not None and rank != agent.rank) or (
+        world_size is not None and world_size != agent.world_size
+    ):
+        raise ConfigError(
+            f"init_rpc(rank={rank}, world_size={world_size}) does not match the process "
+            f"group already running (rank {agent.rank}, world size {agent.world_size})"
+        )
+    agent.run(agent.rename(name, agent.options.init_timeout), "init_rpc()")
+    agent.rpc_timeout = rpc_timeout
+    agent.roles.add("rpc")
+
+
+def start_agent_for(
+    role: str,
+    rank: int | None,
+    world_size: int | None,
+    *,
+    init_method: str | None,
+    timeout: float,
+    options: RpcOptions | None = None,
+) -> Agent:
+    """The process's agent with ``role`` added, starting one if none runs.
+
+    A standalone agent (for ``init_process_group``) is named ``rank<N>``;
+    a later ``init_rpc`` adopts it and gives it its own name.
+    """
+    with _init_lock:
+        agent = default_agent()
+        if agent is None or agent.closed:
+            opts = options or RpcOptions()
+            opts.init_timeout = timeout
+            spec_rank = rank if rank is not None else None
+            agent = Agent(
+                f"rank{spec_rank}" if spec_rank is not None else "rank",
+                rank,
+                world_size,
+                init_method=init_method,
+                options=opts,
+            )
+            if spec_rank is None:  # the rank came from the environment
+                agent.name = f"rank{agent.rank}"
+            agent.start()
+            set_default_agent(agent)
+        agent.roles.add(role)
+        return agent
+
+
+def release_agent(
+    agent: Agent, role: str, *, graceful: bool = True, timeout: float | None = None
+) -> None:
+    """Drop ``role``; shut the agent down when no role is left."""
+    with _init_lock:
+        agent.roles.discard(role)
+        if agent.roles:
+            return
+        try:
+            agent.shutdown(graceful, timeout)
+        finally:
+            if default_agent() is agent:
+                set_default_agent(None)
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
@@ -89,13 +161,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
             (the agent is closed anyway).
     """
     agent = default_agent()
-    if agent is None or agent.closed:
+    if agent is None or agent.closed or "rpc" not in agent.roles:
         raise NotInitializedError("rpcdist.shutdown() called but rpcdist is not initialised")
-    try:
-        agent.shutdown(graceful, timeout)
-    finally:
-        if agent.closed:
-            set_default_agent(None)
+    release_agent(agent, "rpc", graceful=graceful, timeout=timeout)
 
 
 def rpc_async(
@@ -103,7 +171,7 @@ def rpc_async(
     func: Callable[..., Any],
     args: Any = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float | None | Unset = UNSET,
+    timeout: float | Unset | None = UNSET,
 ) -> Future[Any]:
     """Run ``func(*args, **kwargs)`` on worker ``to``; return a Future at once.
 
@@ -128,7 +196,7 @@ def rpc_sync(
     func: Callable[..., Any],
     args: Any = (),
     kwargs: dict[str, Any] | None = None,
-    timeout: float | None | Unset = UNSET,
+    timeout: float | Unset | None = UNSET,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 

@@ -73,6 +73,17 @@ class WireContext:
         self.gates: list[Awaitable[Any]] = []
         self.extra: dict[str, Any] = {}
 
+    def abort(self) -> None:
+        """The message will not be sent: undo what extensions did while encoding it.
+
+        Runs the callables extensions put in ``extra["undo"]`` (for example,
+        forgetting RRef forks made for it); encodes with this context from now
+        on are dry runs (``extra["aborted"]``), for locating an encoding error.
+        """
+        self.extra["aborted"] = True
+        for undo in self.extra.pop("undo", ()):
+            undo()
+
     async def wait_gates(self) -> None:
         if self.gates:
             gates, self.gates = self.gates, []

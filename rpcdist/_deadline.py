@@ -30,7 +30,7 @@ current_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 )
 
 
-def deadline_for(timeout: float | None | Unset, default: float | None) -> float | None:
+def deadline_for(timeout: float | Unset | None, default: float | None) -> float | None:
     """The absolute deadline for a call made now, or ``None`` for no deadline.
 
     ``UNSET`` takes ``default``; ``None`` or ``0`` mean no timeout of its own.

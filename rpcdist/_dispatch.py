@@ -26,8 +26,8 @@ from ._errors import (
 )
 from ._futures import Future
 from ._serialization import decode, encode, exception_to_wire, resolve_function
-from .functions import ASYNC_EXECUTION_ATTR
 from ._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
+from .functions import ASYNC_EXECUTION_ATTR
 
 if TYPE_CHECKING:
     from ._agent import Agent
@@ -85,6 +85,13 @@ async def _await_result(ret: Any) -> Any:
     )
 
 
+def _check_deadline(deadline: float | None, method: str, peer: str) -> None:
+    # Checked after decoding, so that RRefs in a late request are still
+    # registered (and then released) rather than leaked.
+    if deadline is not None and deadline <= time.monotonic():
+        raise RpcTimeoutError(f"call {method!r} from {peer!r} arrived after its deadline")
+
+
 async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
     """Handle one CALL or INTERNAL message and send its reply on ``conn``."""
     peer = agent.workers[conn.peer_rank]
@@ -94,34 +101,46 @@ async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
     ctx = WireContext(agent, peer)
     kind = REPLY
     try:
-        if deadline is not None and deadline <= time.monotonic():
-            raise RpcTimeoutError(f"call {m.method!r} from {peer.name!r} arrived after its deadline")
         if m.kind == INTERNAL:
             from ._agent import INTERNAL_HANDLERS
 
             handler = INTERNAL_HANDLERS.get(m.method)
             if handler is None:
                 raise ProtocolError(f"unknown internal method {m.method!r}")
-            payload = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx)
+            payload = decode(
+                m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
+            )
+            _check_deadline(deadline, m.method, peer.name)
             await ctx.wait_gates()
             result = await handler(agent, peer, payload)
-            header, buffers = encode(result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result")
+            header, buffers = encode(
+                result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
+            )
         else:
             fn = _resolve(m.method)
-            decoded = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx)
+            decoded = decode(
+                m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
+            )
             if not (isinstance(decoded, tuple) and len(decoded) == 2):
                 raise SerializationError(f"malformed call payload for {m.method!r}")
+            _check_deadline(deadline, m.method, peer.name)
             args, kwargs = decoded
             await ctx.wait_gates()
             how = _kind(fn)
             if how == 1:
                 result = await _call(fn, m.method, args, kwargs)
-                header, buffers = encode(result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result")
+                header, buffers = encode(
+                    result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
+                )
             elif how == 2:
                 cv = contextvars.copy_context()
-                ret = await agent.loop.run_in_executor(agent.executor, cv.run, _call, fn, m.method, args, kwargs)
+                ret = await agent.loop.run_in_executor(
+                    agent.executor, cv.run, _call, fn, m.method, args, kwargs
+                )
                 result = await _await_result(ret)
-                header, buffers = encode(result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result")
+                header, buffers = encode(
+                    result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
+                )
             else:
                 cv = contextvars.copy_context()
                 header, buffers = await agent.loop.run_in_executor(
@@ -131,8 +150,11 @@ async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
         agent.handler_done()
         raise
     except BaseException as e:  # the caller gets every error, typed
+        ctx.abort()  # a result that failed to encode: undo its RRef forks
         kind = ERROR_REPLY
-        header, buffers = encode(exception_to_wire(e), allow_pickle=False, context=None, where="error")
+        header, buffers = encode(
+            exception_to_wire(e), allow_pickle=False, context=None, where="error"
+        )
     agent.handler_done()
     label = ("reply:" if kind == REPLY else "error:") + m.method
     reply = OutMessage(kind, m.method, header, buffers, id=m.id)
@@ -140,7 +162,10 @@ async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
     if faults is not None and (d := faults.decide(label)) is not None:
         action, delay = d
         if action in ("drop", "fail"):
+            ctx.abort()  # never sent: undo the RRef forks in it
             return
         await asyncio.sleep(delay)
     if conn.closed is None:
         conn.send(reply)
+    else:
+        ctx.abort()

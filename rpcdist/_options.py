@@ -41,6 +41,9 @@ class RpcOptions:
         control_retry_interval: Seconds before an unacknowledged control
             message (RRef protocol, cleanup) is sent again.
         faults: A fault injector for tests (see ``rpcdist.testing``).
+        ignore_rref_leaks: Let a graceful shutdown succeed even when RRef values
+            owned here are still referenced by forks that were never deleted
+            (by default it raises ``RRefError`` naming them).
     """
 
     token: str | None = field(default_factory=lambda: os.environ.get("RPCDIST_TOKEN") or None)
@@ -56,6 +59,7 @@ class RpcOptions:
     shutdown_timeout: float = 60.0
     control_retry_interval: float = 1.0
     faults: FaultInjector | None = None
+    ignore_rref_leaks: bool = False
 
     __module__ = "rpcdist"
 

@@ -100,6 +100,22 @@ class Mailbox:
                     if not p.fut.done():
                         p.fut.set_exception(exc)
 
+    def discard(self, prefix: str) -> int:
+        """Drop unclaimed messages and cancel posted receives whose key starts with ``prefix``.
+
+        Used when a collective fails half-way, so its leftovers do not linger.
+        Returns how many were dropped.
+        """
+        n = 0
+        for key in [k for k in self._arrived if k[1].startswith(prefix)]:
+            n += len(self._arrived.pop(key))
+        for key in [k for k in self._posted if k[1].startswith(prefix)]:
+            for p in self._posted.pop(key):
+                n += 1
+                if not p.fut.done():
+                    p.fut.cancel()
+        return n
+
     def clear(self) -> None:
         self._arrived.clear()
 

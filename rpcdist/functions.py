@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-
 __all__ = ["async_execution"]
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -71,7 +71,9 @@ def local_agents(
         shutdown_timeout: Bound on the graceful shutdown.
     """
     names = list(names or [f"worker{i}" for i in range(n)])
-    opts = list(options) if isinstance(options, Sequence) else [options or RpcOptions(token=None)] * n
+    opts = (
+        list(options) if isinstance(options, Sequence) else [options or RpcOptions(token=None)] * n
+    )
     with tempfile.TemporaryDirectory(prefix="rpcdist-") as tmp:
         init = _file_init_method(tmp)
         agents: list[Agent | None] = [None] * n
@@ -80,7 +82,9 @@ def local_agents(
         def start(i: int) -> None:
             try:
                 agents[i] = Agent(
-                    names[i], i, n,
+                    names[i],
+                    i,
+                    n,
                     init_method=init,
                     rpc_timeout=rpc_timeout,
                     num_worker_threads=num_worker_threads,
@@ -197,14 +201,14 @@ def run_workers(
                 left = end - time.monotonic()
                 if left <= 0:
                     raise WorkerFailed(
-                        f"workers {sorted(expected - reported)} did not finish "
-                        f"within {timeout} s"
+                        f"workers {sorted(expected - reported)} did not finish within {timeout} s"
                     ) from RpcTimeoutError("run_workers timeout")
                 try:
                     rank, ok, value = results.get(timeout=min(left, 0.5))
                 except queue.Empty:
                     dead = [
-                        p for i, p in enumerate(procs)
+                        p
+                        for i, p in enumerate(procs)
                         if i in expected - reported and p.exitcode not in (None, 0)
                     ]
                     if dead and results.empty():

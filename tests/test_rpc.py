@@ -120,16 +120,15 @@ def test_async_execution_static_and_class_methods(agents2):
 
 
 def test_a_b_a_with_one_worker_thread_does_not_deadlock():
-    with local_agents(2, num_worker_threads=1) as (a, _):
-        with as_current(a):
-            assert (
-                rpcdist.rpc_sync("worker1", rf.async_exec_back, args=("worker0", "x"), timeout=10)
-                == "x"
-            )
-            assert (
-                rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker0", 1, 1), timeout=10)
-                == 2
-            )
+    with local_agents(2, num_worker_threads=1) as (a, _), as_current(a):
+        assert (
+            rpcdist.rpc_sync("worker1", rf.async_exec_back, args=("worker0", "x"), timeout=10)
+            == "x"
+        )
+        assert (
+            rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker0", 1, 1), timeout=10)
+            == 2
+        )
 
 
 def test_remote_exceptions_keep_type_and_traceback(agents2):

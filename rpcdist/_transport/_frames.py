@@ -168,12 +168,14 @@ class Reassembler:
     def feed(self, data: bytes) -> list[InMessage]:
         mv = memoryview(data)
         if len(mv) < 4:
-            raise ProtocolError(f"stream message of {len(mv)} bytes is shorter than its length prefix")
+            raise ProtocolError(
+                f"stream message of {len(mv)} bytes is shorter than its length prefix"
+            )
         (n,) = _LEN.unpack_from(mv, 0)
         if 4 + n > len(mv):
             raise ProtocolError(f"envelope length {n} exceeds the {len(mv) - 4} bytes received")
         try:
-            batch = rpc_pb2.Batch.FromString(mv[4 : 4 + n])
+            batch = rpc_pb2.Batch.FromString(mv[4 : 4 + n])  # type: ignore[arg-type]
         except (DecodeError, ValueError, RuntimeError) as e:
             raise ProtocolError(f"malformed frame envelope: {e}") from e
         pos = 4 + n
