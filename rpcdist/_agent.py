@@ -511,9 +511,7 @@ class Agent:
         elif kind in (CALL, INTERNAL):
             self._inflight += 1
             self._idle.clear()
-            task = self.loop.create_task(_dispatch.serve(self, conn, m))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            _dispatch.dispatch(self, conn, m)
         elif kind == P2P:
             self.mailbox.deliver(conn.peer_rank, m)
         else:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._context import WireContext, bind_agent
+from ._context import WireContext, bind_agent, reset_agent
 from ._deadline import current_deadline
 from ._errors import (
     ProtocolError,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ._agent import Agent
     from ._transport._grpc import Connection
 
-__all__ = ["is_async_execution", "serve"]
+__all__ = ["dispatch", "is_async_execution", "serve"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,13 +69,6 @@ def _call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         raise e
 
 
-def _call_and_encode(
-    agent: Agent, fn: Callable[..., Any], name: str, args: Any, kwargs: Any, ctx: WireContext
-) -> tuple[bytes, list[memoryview]]:
-    result = _call(fn, name, args, kwargs)
-    return encode(result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result")
-
-
 async def _await_result(ret: Any) -> Any:
     if isinstance(ret, Future) or inspect.isawaitable(ret):
         return await ret
@@ -90,6 +83,110 @@ def _check_deadline(deadline: float | None, method: str, peer: str) -> None:
     # registered (and then released) rather than leaked.
     if deadline is not None and deadline <= time.monotonic():
         raise RpcTimeoutError(f"call {method!r} from {peer!r} arrived after its deadline")
+
+
+def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
+    """Start handling one CALL or INTERNAL message (on the loop).
+
+    A plain function whose arguments need no gating goes straight to the
+    thread pool, which encodes the reply and hands it back to the loop: no
+    task, one hop each way. Everything else runs as a :func:`serve` task.
+    """
+    if m.kind != INTERNAL:
+        try:
+            fn = _resolve(m.method)
+        except Exception:
+            fn = None  # serve() reports it
+        if fn is not None and _kind(fn) == 0:
+            ctx = WireContext(agent, agent.workers[conn.peer_rank])
+            try:
+                args, kwargs = _decode_call(agent, m, ctx)
+            except BaseException as e:
+                ctx.abort()
+                _send_reply(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
+                return
+            if not ctx.gates:
+                try:
+                    agent.executor.submit(_run_plain, agent, conn, m, fn, args, kwargs, ctx)
+                except RuntimeError:  # the pool was shut down: the agent is closing
+                    agent.handler_done()
+                return
+    agent.spawn(serve(agent, conn, m))
+
+
+def _decode_call(agent: Agent, m: InMessage, ctx: WireContext) -> tuple[Any, Any]:
+    decoded = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx)
+    if not (isinstance(decoded, tuple) and len(decoded) == 2):
+        raise SerializationError(f"malformed call payload for {m.method!r}")
+    return decoded[0], decoded[1]
+
+
+def _encode_error(e: BaseException) -> tuple[bytes, list[memoryview]]:
+    return encode(exception_to_wire(e), allow_pickle=False, context=None, where="error")
+
+
+def _run_plain(
+    agent: Agent,
+    conn: Connection,
+    m: InMessage,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    ctx: WireContext,
+) -> None:
+    """In a pool thread: run ``fn``, encode its reply, hand it to the loop."""
+    t_agent = bind_agent(agent)
+    t_deadline = current_deadline.set(m.deadline)
+    try:
+        _check_deadline(m.deadline, m.method, ctx.peer.name)
+        result = _call(fn, m.method, args, kwargs)
+        kind = REPLY
+        header, buffers = encode(
+            result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
+        )
+    except BaseException as e:  # the caller gets every error, typed
+        ctx.abort()
+        kind = ERROR_REPLY
+        header, buffers = _encode_error(e)
+    finally:
+        current_deadline.reset(t_deadline)
+        reset_agent(t_agent)
+    try:
+        agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
+    except RuntimeError:  # the loop is closed: the agent shut down meanwhile
+        pass
+
+
+def _send_reply(
+    agent: Agent,
+    conn: Connection,
+    m: InMessage,
+    ctx: WireContext,
+    kind: int,
+    header: bytes,
+    buffers: list[memoryview],
+) -> None:
+    """On the loop: account for the finished handler and send its reply."""
+    agent.handler_done()
+    reply = OutMessage(kind, m.method, header, buffers, id=m.id)
+    faults = agent.options.faults
+    if faults is not None:
+        d = faults.decide(("reply:" if kind == REPLY else "error:") + m.method)
+        if d is not None:
+            action, delay = d
+            if action in ("drop", "fail"):
+                ctx.abort()  # never sent: undo the RRef forks in it
+                return
+            agent.loop.call_later(delay, _deliver, conn, reply, ctx)
+            return
+    _deliver(conn, reply, ctx)
+
+
+def _deliver(conn: Connection, reply: OutMessage, ctx: WireContext) -> None:
+    if conn.closed is None:
+        conn.send(reply)
+    else:
+        ctx.abort()
 
 
 async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
@@ -113,59 +210,28 @@ async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
             _check_deadline(deadline, m.method, peer.name)
             await ctx.wait_gates()
             result = await handler(agent, peer, payload)
-            header, buffers = encode(
-                result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
-            )
         else:
             fn = _resolve(m.method)
-            decoded = decode(
-                m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
-            )
-            if not (isinstance(decoded, tuple) and len(decoded) == 2):
-                raise SerializationError(f"malformed call payload for {m.method!r}")
+            args, kwargs = _decode_call(agent, m, ctx)
             _check_deadline(deadline, m.method, peer.name)
-            args, kwargs = decoded
             await ctx.wait_gates()
             how = _kind(fn)
             if how == 1:
                 result = await _call(fn, m.method, args, kwargs)
-                header, buffers = encode(
-                    result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
-                )
-            elif how == 2:
+            else:
                 cv = contextvars.copy_context()
                 ret = await agent.loop.run_in_executor(
                     agent.executor, cv.run, _call, fn, m.method, args, kwargs
                 )
-                result = await _await_result(ret)
-                header, buffers = encode(
-                    result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
-                )
-            else:
-                cv = contextvars.copy_context()
-                header, buffers = await agent.loop.run_in_executor(
-                    agent.executor, cv.run, _call_and_encode, agent, fn, m.method, args, kwargs, ctx
-                )
+                result = await _await_result(ret) if how == 2 else ret
+        header, buffers = encode(
+            result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
+        )
     except asyncio.CancelledError:
         agent.handler_done()
         raise
     except BaseException as e:  # the caller gets every error, typed
         ctx.abort()  # a result that failed to encode: undo its RRef forks
         kind = ERROR_REPLY
-        header, buffers = encode(
-            exception_to_wire(e), allow_pickle=False, context=None, where="error"
-        )
-    agent.handler_done()
-    label = ("reply:" if kind == REPLY else "error:") + m.method
-    reply = OutMessage(kind, m.method, header, buffers, id=m.id)
-    faults = agent.options.faults
-    if faults is not None and (d := faults.decide(label)) is not None:
-        action, delay = d
-        if action in ("drop", "fail"):
-            ctx.abort()  # never sent: undo the RRef forks in it
-            return
-        await asyncio.sleep(delay)
-    if conn.closed is None:
-        conn.send(reply)
-    else:
-        ctx.abort()
+        header, buffers = _encode_error(e)
+    _send_reply(agent, conn, m, ctx, kind, header, buffers)

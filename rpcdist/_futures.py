@@ -135,11 +135,14 @@ class Future(Generic[T]):
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
 
-            def wake(_: Future[T]) -> None:
-                def resolve() -> None:
-                    if not waiter.done():
-                        waiter.set_result(None)
+            def resolve() -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
 
+            def wake(_: Future[T]) -> None:
+                if asyncio._get_running_loop() is loop:
+                    resolve()  # completed on the awaiting loop itself: no wake-up needed
+                    return
                 try:
                     loop.call_soon_threadsafe(resolve)
                 except RuntimeError:  # the awaiting loop was closed meanwhile

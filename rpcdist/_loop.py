@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -16,11 +17,23 @@ __all__ = ["LoopThread"]
 T = TypeVar("T")
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed and not disabled (``RPCDIST_UVLOOP=0``), else asyncio's."""
+    if os.environ.get("RPCDIST_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()  # type: ignore[no-any-return]
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
     """Owns one asyncio event loop running in a daemon thread."""
 
     def __init__(self, name: str = "rpcdist-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = _new_loop()
         self._closed = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = threading.Event()
