@@ -96,6 +96,21 @@ __all__ = [
     "shutdown",
 ]
 
+
+def _publish(namespace: str, names: list[str], scope: dict[str, Any]) -> None:
+    """Report the public namespace as ``__module__`` of re-exported names (as trio does)."""
+    for name in names:
+        obj = scope[name]
+        mod = getattr(obj, "__module__", None)
+        if isinstance(mod, str) and mod.startswith(namespace + "._"):
+            try:
+                obj.__module__ = namespace
+            except (AttributeError, TypeError):
+                pass
+
+
+_publish(__name__, __all__, globals())
+
 _LAZY_MODULES = {"tensor", "nn", "optim", "collectives", "autograd", "testing", "parallel"}
 
 

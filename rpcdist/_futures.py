@@ -192,3 +192,6 @@ def wait_all(futures: Iterable[Future[Any]], timeout: float | None = None) -> li
     futs = list(futures)
     collect_all(futs).wait(timeout)
     return [f.value() for f in futs]
+
+
+collect_all.__module__ = wait_all.__module__ = "rpcdist.futures"

@@ -25,6 +25,8 @@ class Fault:
     consecutive matches (from the nth on) the rule applies to; ``None`` means
     every one from the nth."""
 
+    __module__ = "rpcdist.testing"
+
     kind: str
     action: Action
     nth: int = 1

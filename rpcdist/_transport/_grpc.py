@@ -46,6 +46,10 @@ _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
+    # Large HTTP/2 frames and a wide flow-control window: measured +30-50%
+    # throughput for multi-megabyte arrays on loopback (docs/design.md).
+    ("grpc.http2.max_frame_size", (16 << 20) - 1),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 CHANNEL_OPTIONS = [*_COMMON_OPTIONS, ("grpc.keepalive_permit_without_calls", 1)]
 SERVER_OPTIONS = [

@@ -1,0 +1,47 @@
+"""Every public name is importable, documented and reports its public module."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+PUBLIC = ["rpcdist", "rpcdist.functions", "rpcdist.futures", "rpcdist.testing"]
+OPTIONAL = ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist.collectives"]
+
+
+@pytest.mark.parametrize("modname", PUBLIC + OPTIONAL)
+def test_all_is_sorted_importable_and_documented(modname):
+    mod = importlib.import_module(modname)
+    names = mod.__all__
+    # isort-style, as ruff's RUF022 keeps it: CONSTANTS, Classes, functions.
+    key = lambda n: (0 if n.isupper() else 1 if n[:1].isupper() else 2, n)  # noqa: E731
+    assert sorted(names, key=key) == list(names), f"{modname}.__all__ is not sorted"
+    for name in names:
+        obj = getattr(mod, name)
+        if inspect.ismodule(obj) or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        assert inspect.getdoc(obj), f"{modname}.{name} has no docstring"
+        public_mod = obj.__module__
+        assert not any(part.startswith("_") for part in public_mod.split(".")), (
+            f"{modname}.{name} reports private module {public_mod!r}"
+        )
+
+
+def test_pinned_rpc_api_is_present():
+    import rpcdist
+
+    for name in [
+        "init_rpc",
+        "shutdown",
+        "rpc_sync",
+        "rpc_async",
+        "get_worker_info",
+        "WorkerInfo",
+        "Future",
+        "RpcOptions",
+    ]:
+        assert hasattr(rpcdist, name)
+    assert hasattr(rpcdist.functions, "async_execution")
+    assert hasattr(rpcdist.futures, "collect_all") and hasattr(rpcdist.futures, "wait_all")
