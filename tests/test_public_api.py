@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-PUBLIC = ["rpcdist", "rpcdist.functions", "rpcdist.futures", "rpcdist.testing"]
+PUBLIC = ["rpcdist", "rpcdist.functions", "rpcdist.futures", "rpcdist.launch", "rpcdist.testing"]
 OPTIONAL = ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist.collectives"]
 
 
