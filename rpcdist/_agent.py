@@ -668,10 +668,14 @@ class Agent:
             return
         self._lt.check_not_loop_thread("shutdown()")
         self._closing = True
+        clean = False
         try:
             self._lt.run(self._shutdown(graceful, timeout), "shutdown()")
+            clean = graceful
         finally:
-            self._stop_threads(wait=graceful)
+            # After a timeout, do not wait for handlers still running user code
+            # (they cannot be interrupted); the caller asked for a bound.
+            self._stop_threads(wait=clean)
 
     async def _shutdown(self, graceful: bool, timeout: float | None) -> None:
         err: BaseException | None = None

@@ -125,10 +125,7 @@ def test_a_b_a_with_one_worker_thread_does_not_deadlock():
             rpcdist.rpc_sync("worker1", rf.async_exec_back, args=("worker0", "x"), timeout=10)
             == "x"
         )
-        assert (
-            rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker0", 1, 1), timeout=10)
-            == 2
-        )
+        assert rpcdist.rpc_sync("worker1", rf.async_nested, args=("worker0", 1, 1), timeout=10) == 2
 
 
 def test_remote_exceptions_keep_type_and_traceback(agents2):
@@ -307,3 +304,25 @@ def test_statistics_return_to_zero(agents2):
     wait_all(futs)
     assert a.statistics()["pending_calls"] == 0
     assert b.statistics()["calls_handled"] >= 20
+
+
+def test_graceful_shutdown_timeout_raises_and_still_closes():
+    with local_agents(2) as (a, b):
+        fut = a.rpc_async(1, rf.sleep_then, args=(3.0,), timeout=None)
+        errors: list[BaseException] = []
+
+        def stop(agent):
+            try:
+                agent.shutdown(graceful=True, timeout=0.5)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=stop, args=(x,)) for x in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert errors and all(isinstance(e, RpcTimeoutError) for e in errors)
+        assert a.closed and b.closed
+        with pytest.raises(rpcdist.ClosedError):
+            fut.wait(5)
