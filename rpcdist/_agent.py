@@ -435,7 +435,11 @@ class Agent:
         )
         self._out[dst] = conn
         self._calls[dst] = call
-        task = self.loop.create_task(self._run_outgoing(dst, conn, channel))
+        # A clean context: the stream outlives the call that opened it, so it
+        # must not inherit that call's deadline (or anything else).
+        task = self.loop.create_task(
+            self._run_outgoing(dst, conn, channel), context=contextvars.Context()
+        )
         self._out_tasks[dst] = task
         return conn
 

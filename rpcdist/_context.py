@@ -7,7 +7,7 @@ import contextvars
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NotInitializedError
+from ._errors import NotInitializedError, RpcTimeoutError
 from ._worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -84,7 +84,19 @@ class WireContext:
         for undo in self.extra.pop("undo", ()):
             undo()
 
-    async def wait_gates(self) -> None:
+    async def wait_gates(self, deadline: float | None = None) -> None:
+        """Wait for the gates, until ``deadline`` (the ``time.monotonic()`` clock) at most.
+
+        Raises:
+            RpcTimeoutError: they were not all done before ``deadline``.
+        """
         if self.gates:
             gates, self.gates = self.gates, []
-            await asyncio.gather(*gates)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.gather(*gates)
+            except TimeoutError:
+                raise RpcTimeoutError(
+                    f"a call from {self.peer.name!r} waited past its deadline for its "
+                    "arguments (RRefs not yet confirmed by their owners)"
+                ) from None

@@ -111,6 +111,9 @@ def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
                 except RuntimeError:  # the pool was shut down: the agent is closing
                     agent.handler_done()
                 return
+            # Never decode twice: decoding has side effects (RRef forks).
+            agent.spawn(serve(agent, conn, m, (ctx, args, kwargs)))
+            return
     agent.spawn(serve(agent, conn, m))
 
 
@@ -189,13 +192,21 @@ def _deliver(conn: Connection, reply: OutMessage, ctx: WireContext) -> None:
         ctx.abort()
 
 
-async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
-    """Handle one CALL or INTERNAL message and send its reply on ``conn``."""
+async def serve(
+    agent: Agent,
+    conn: Connection,
+    m: InMessage,
+    decoded: tuple[WireContext, Any, Any] | None = None,
+) -> None:
+    """Handle one CALL or INTERNAL message and send its reply on ``conn``.
+
+    ``decoded`` is ``(context, args, kwargs)`` of a call :func:`dispatch` decoded.
+    """
     peer = agent.workers[conn.peer_rank]
     deadline = m.deadline
     bind_agent(agent)  # this task runs in its own copy of the context
     current_deadline.set(deadline)
-    ctx = WireContext(agent, peer)
+    ctx = WireContext(agent, peer) if decoded is None else decoded[0]
     kind = REPLY
     try:
         if m.kind == INTERNAL:
@@ -208,13 +219,16 @@ async def serve(agent: Agent, conn: Connection, m: InMessage) -> None:
                 m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
             )
             _check_deadline(deadline, m.method, peer.name)
-            await ctx.wait_gates()
+            await ctx.wait_gates(deadline)
             result = await handler(agent, peer, payload)
         else:
             fn = _resolve(m.method)
-            args, kwargs = _decode_call(agent, m, ctx)
+            if decoded is None:
+                args, kwargs = _decode_call(agent, m, ctx)
+            else:
+                args, kwargs = decoded[1], decoded[2]
             _check_deadline(deadline, m.method, peer.name)
-            await ctx.wait_gates()
+            await ctx.wait_gates(deadline)
             how = _kind(fn)
             if how == 1:
                 result = await _call(fn, m.method, args, kwargs)

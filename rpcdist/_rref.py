@@ -1,0 +1,400 @@
+"""Remote references: :class:`RRef`, :func:`remote`, and their wire form.
+
+An RRef travels only inside an RPC (arguments or results, nested anywhere):
+the codec extension below turns it into a fork descriptor
+``[owner, r0, r1, child fork counter]`` and back, doing the protocol's
+bookkeeping on both ends (``RREF_PROTOCOL.md``, flows 2-4).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Generic, TypeVar
+
+from ._context import WireContext, current_agent
+from ._deadline import UNSET, Unset, deadline_for
+from ._errors import (
+    ClosedError,
+    RpcTimeoutError,
+    RRefError,
+    WrongThreadError,
+)
+from ._futures import Future
+from ._rref_calls import call_owner, create, to_here_after_creation
+from ._rref_context import (
+    CHILD_ACCEPT,
+    CONFIRMED,
+    FAILED_ABANDON,
+    FAILED_DELETE,
+    FORK_REQUEST,
+    PENDING,
+    RELEASED,
+    USER_DELETE,
+    RRefContext,
+    context_of,
+    gate,
+)
+from ._rref_owner import CALL_METHOD, FETCH, HAS_ATTR, INVOKE, has_attr, is_plain
+from ._rref_protocol import Record
+from ._rref_proxy import RRefProxy
+from ._serialization import register_extension
+from ._transport._frames import CALL
+from ._worker import WorkerInfo
+
+__all__ = ["RRef", "remote"]
+
+T = TypeVar("T")
+RREF_CODE = 32  # codec extension code of fork descriptors
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker, its owner.
+
+    ``RRef(value)`` makes a local owner RRef; :func:`rpcdist.remote` returns a
+    user RRef at once while the owner creates the value. RRefs may be sent in
+    any RPC's arguments or results (nested in containers, in any direction);
+    the owner keeps the value alive while any RRef to it exists anywhere.
+    An RRef cannot be pickled, and cannot be used after its agent shut down.
+    """
+
+    __module__ = "rpcdist"
+    __slots__ = (
+        "__weakref__",
+        "_attrs",
+        "_confirmed",
+        "_creator",
+        "_ctx",
+        "_early",
+        "_error",
+        "_fork",
+        "_owner",
+        "_plain",
+        "_record",
+        "_rid",
+        "_state",
+    )
+
+    def __init__(self, value: T) -> None:
+        """Make a local owner RRef of ``value``.
+
+        Raises:
+            NotInitializedError: no agent runs in this process.
+        """
+        ctx = context_of(current_agent())
+        ctx.check_open("RRef()")
+        rid = ctx.ids.new()
+        self._set(ctx, rid, None, ctx.agent.rank, ctx.owners.local(rid, value), CONFIRMED)
+
+    def _set(
+        self,
+        ctx: RRefContext,
+        rid: tuple[int, int],
+        fork: tuple[int, int] | None,
+        owner: int,
+        record: Record | None,
+        state: int,
+    ) -> None:
+        self._ctx = ctx
+        self._rid = rid
+        self._fork = fork  # None on the owner
+        self._owner = owner
+        self._record = record  # the owner's slot; None on users
+        self._state = state
+        self._error: BaseException | None = None
+        self._confirmed: Future[None] | None = Future() if state == PENDING else None
+        # Made by remote() here, whose reply confirms it: its deadline (inf: none).
+        self._creator: float | None = None
+        self._early: list[Any] | None = None  # a copy of the value, while that reply settles
+        self._attrs: set[str] | None = None  # attributes known to exist (remote() proxies)
+        self._plain: set[str] | None = None  # methods known to be plain functions
+
+    @classmethod
+    def _make(cls, ctx: RRefContext, rid: tuple[int, int], fork: tuple[int, int] | None,
+              owner: int, record: Record | None, state: int) -> RRef[Any]:  # fmt: skip
+        self: RRef[Any] = cls.__new__(cls)
+        self._set(ctx, rid, fork, owner, record, state)
+        return self
+
+    def __del__(self) -> None:
+        try:
+            state = self._state
+            if (
+                self._fork is not None
+                and state in (CONFIRMED, FAILED_DELETE, FAILED_ABANDON)
+                and not self._ctx.agent.closed
+            ):
+                item = [*self._rid, *self._fork, int(state == FAILED_ABANDON)]
+                self._ctx.post(self._owner, USER_DELETE, item)
+        except Exception:  # never raise from a finaliser (or during interpreter exit)
+            pass
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RRefError(
+            f"{self!r} cannot be pickled or copied: an RRef can only be sent as an argument "
+            "or result of an RPC (rpc_sync, rpc_async, remote)"
+        )
+
+    def __repr__(self) -> str:
+        try:
+            where = "owner" if self._fork is None else f"fork={self._fork}"
+            pending = ", unconfirmed" if self._state == PENDING else ""
+            return f"RRef(owner={self.owner_name()!r}, id={self._rid}, {where}{pending})"
+        except Exception:
+            return "RRef(<uninitialised>)"
+
+    # ------------------------------------------------------------- queries
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._record is not None
+
+    def owner(self) -> WorkerInfo:
+        """The owner's :class:`WorkerInfo`."""
+        return self._ctx.worker(self._owner)
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this RRef (always true on the owner)."""
+        return self._record is not None or self._state == CONFIRMED
+
+    def _check(self, what: str) -> None:
+        ctx = self._ctx
+        if ctx.closed or ctx.agent.closed:
+            ctx.check_open(f"{what} on {self!r}")
+        if self._error is not None:
+            raise self._error
+        if self._state == RELEASED:
+            raise ClosedError(f"{what} on {self!r}: it was released by rpcdist.shutdown()")
+
+    # -------------------------------------------------------------- values
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner.
+
+        Raises:
+            RRefError: this is a user RRef (the message names this worker and the owner).
+            RpcTimeoutError: the value, still being created, did not appear within
+                the agent's default timeout.
+            Exception: what the function creating the value raised.
+        """
+        self._check("local_value()")
+        rec = self._record
+        if rec is None:
+            raise RRefError(
+                f"local_value() called on a user RRef on worker {self._ctx.agent.name!r}: "
+                f"the value lives on its owner {self.owner_name()!r}; use to_here() or "
+                "rref.rpc_sync().method()"
+            )
+        if not rec.ready.done():
+            agent = self._ctx.agent
+            agent.check_not_loop_thread("RRef.local_value() before its value exists")
+            try:
+                rec.ready.wait(agent.rpc_timeout)
+            except RpcTimeoutError:
+                raise RpcTimeoutError(
+                    f"local_value() on {self!r}: the value was not created within "
+                    f"{agent.rpc_timeout} s"
+                ) from None
+        return rec.get()  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float | Unset | None = UNSET) -> T:
+        """A copy of the value (on the owner: the value itself), blocking.
+
+        Raises:
+            RpcTimeoutError: no value within ``timeout`` (default: the agent's).
+            OwnerLostError: the owner is gone.
+            RRefCreationError: the ``remote()`` that was to create it failed.
+            ClosedError: the agent has shut down.
+            WrongThreadError: called on the agent's loop thread (use ``to_here_async``).
+            Exception: what the function creating the value raised (same type).
+        """
+        self._ctx.agent.check_not_loop_thread("RRef.to_here()")
+        return self.to_here_async(timeout).wait()
+
+    def to_here_async(self, timeout: float | Unset | None = UNSET) -> Future[T]:
+        """Like :meth:`to_here`, returning a Future (``await`` it on any loop).
+
+        Raises:
+            OwnerLostError, RRefCreationError, ClosedError: as for :meth:`to_here`.
+        """
+        self._check("to_here()")
+        rec = self._record
+        deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
+        if rec is None:
+            confirmed = self._confirmed
+            if self._creator is not None and confirmed is not None and not confirmed.done():
+                return to_here_after_creation(self, deadline, "to_here()")
+            return call_owner(self, FETCH, [*self._rid], deadline, "to_here()")
+        out: Future[T] = Future()
+        if rec.ready.done():
+            try:
+                out.set_result(rec.get())
+            except BaseException as e:
+                out.set_exception(e)
+            return out
+        waited = self._ctx.bounded(rec.ready, deadline, f"to_here() on {self!r}")
+        return waited.then(lambda f: (f.value(), rec.get())[1])
+
+    # ------------------------------------------------------------- proxies
+
+    def rpc_sync(self, timeout: float | Unset | None = UNSET) -> Any:
+        """A proxy: ``rref.rpc_sync().m(*a)`` runs ``value.m(*a)`` on the owner, blocking."""
+        return RRefProxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float | Unset | None = UNSET) -> Any:
+        """A proxy whose method calls return Futures."""
+        return RRefProxy(self, "async", timeout)
+
+    def remote(self, timeout: float | Unset | None = UNSET) -> Any:
+        """A proxy whose method calls return RRefs of their results (on the same owner).
+
+        A method the value lacks raises ``AttributeError`` at the call.
+        """
+        return RRefProxy(self, "remote", timeout)
+
+    def _invoke(
+        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None
+    ) -> Future[Any]:
+        self._check(f"proxy call {name}()")
+        deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
+        what = f"{name}()"
+        if self._plain is not None and name in self._plain:  # the pool fast path
+            call: Any = ((*self._rid, name, list(args), kwargs), {})
+            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, CALL)
+        payload = [*self._rid, name, list(args), kwargs]
+        reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs)
+        return reply.then(functools.partial(_invoked, self, name))
+
+    def _remote_method(
+        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None
+    ) -> RRef[Any]:
+        self._check(f"rref.remote().{name}()")
+        self._check_attr(name, timeout)
+        target = [*self._rid, name]
+        return create(
+            RRef._make, self._ctx, self.owner(), target, args, kwargs, timeout, f"{name}()", self
+        )
+
+    def _check_attr(self, name: str, timeout: float | Unset | None) -> None:
+        """Raise AttributeError now if the value lacks ``name`` (blocking, cached)."""
+        if self._attrs is not None and name in self._attrs:
+            return
+        try:
+            self._ctx.agent.check_not_loop_thread("")
+        except WrongThreadError:
+            return  # cannot wait here; a missing method surfaces from to_here()
+        if self._record is not None:
+            value = self.local_value()
+            missing = "" if has_attr(value, name) else type(value).__qualname__
+        else:
+            payload = [*self._rid, name]
+            deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
+            missing = call_owner(self, HAS_ATTR, payload, deadline, f"{name}()").wait()
+        if missing:
+            raise AttributeError(
+                f"'{missing}' object has no attribute '{name}' "
+                f"(the value of {self!r} on {self.owner_name()!r})"
+            )
+        self._attrs = (self._attrs or set()) | {name}
+
+
+def _invoked(rref: RRef[Any], name: str, reply: Future[list[Any]]) -> Any:
+    plain, result = reply.value()
+    if plain:  # later calls of this method take the pool fast path
+        rref._plain = (rref._plain or set()) | {name}
+    return result
+
+
+def remote(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | Unset | None = UNSET,
+) -> RRef[Any]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an RRef to its result at once.
+
+    The value is created and owned on ``to``. If ``func`` raises, the error
+    is kept there and raised by every ``to_here()`` and proxy call; if the
+    call times out, later use raises :class:`RRefCreationError`.
+
+    Raises:
+        NotInitializedError: no agent is running.
+        ConfigError: unknown worker or bad arguments.
+        SerializationError: ``func`` or an argument cannot be sent.
+        OwnerLostError: ``to`` is known to be gone.
+    """
+    agent = current_agent()
+    name = agent.function_name(func)
+    ctx = context_of(agent)
+    what = f"{name}()"
+    return create(
+        RRef._make, ctx, agent.worker(to), name, args, kwargs, timeout, what, None, is_plain(func)
+    )
+
+
+# -------------------------------------------------------------------- the codec
+
+
+def _encode_rref(rref: RRef[Any], wctx: Any) -> list[int]:
+    if not isinstance(wctx, WireContext):
+        raise RRefError(
+            f"{rref!r} can only be sent as an argument or result of an RPC (rpc_sync, "
+            "rpc_async, remote); it cannot be serialised on its own"
+        )
+    ctx = rref._ctx
+    if wctx.agent is not ctx.agent:
+        raise RRefError(
+            f"{rref!r} belongs to worker {ctx.agent.name!r} but is being sent by "
+            f"{wctx.agent.name!r}"
+        )
+    r0, r1 = rref._rid
+    if wctx.extra.get("aborted"):
+        return [rref._owner, r0, r1, 0]  # a dry run: the message is not sent
+    rref._check("sending an RRef")
+    child = ctx.ids.new()
+    if rref._record is not None:  # the owner registers the child at once
+        ctx.owners.add_fork(rref._record, child, wctx.peer.id)
+        undo: Any = functools.partial(ctx.owners.remove_fork, rref._rid, child)
+    else:  # a user holds its RRef until the owner confirms the child (G2)
+        ctx.users.add_child(child, rref)
+        undo = functools.partial(ctx.users.accept_child, child)
+    wctx.extra.setdefault("undo", []).append(undo)
+    return [rref._owner, r0, r1, child[1]]
+
+
+def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
+    if not isinstance(wctx, WireContext):
+        raise RRefError("an RRef can only be received as part of an RPC")
+    owner, r0, r1, c = desc
+    agent = wctx.agent
+    ctx = context_of(agent)
+    rid = (r0, r1)
+    sender = wctx.peer.id
+    child = (sender, c)
+    if owner == agent.rank:  # back at its owner: the value itself
+        rec = ctx.owners.record(rid)
+        rref = RRef._make(ctx, rid, None, owner, rec, CONFIRMED)
+        if sender == owner:
+            ctx.owners.remove_fork(rid, child)  # a fork only while in transit
+        else:
+            ctx.post(sender, CHILD_ACCEPT, [c])
+        if not rec.ready.done():
+            wctx.gates.append(gate(agent, rec.ready))
+        return rref
+    if sender == owner:  # the owner registered the fork before sending it
+        rref = RRef._make(ctx, rid, child, owner, None, CONFIRMED)
+        ctx.users.add_confirmed(child, rref)
+        return rref
+    rref = RRef._make(ctx, rid, child, owner, None, PENDING)
+    ctx.users.add_pending(child, rref, sender)
+    ctx.post(owner, FORK_REQUEST, [r0, r1, sender, c])
+    assert rref._confirmed is not None
+    wctx.gates.append(gate(agent, rref._confirmed))
+    return rref
+
+
+register_extension(RRef, RREF_CODE, _encode_rref, _decode_rref)

@@ -1,0 +1,246 @@
+"""Calls from an RRef's holder to its owner, and ``remote()``'s creation of values.
+
+Requests go out as INTERNAL messages (``rref.remote``, ``rref.fetch``,
+``rref.invoke``, ``rref.has_attr``; see :mod:`._rref_owner`), or, for plain
+functions and methods known to be plain, as plain calls that take the
+dispatcher's pool fast path; each reply completes an ``rpcdist.Future``.
+Nothing here imports the :class:`RRef` class itself: :func:`create` is handed
+its factory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._context import WireContext
+from ._deadline import Unset, deadline_for
+from ._errors import (
+    ConfigError,
+    ConnectError,
+    OwnerLostError,
+    RpcTimeoutError,
+    RRefCreationError,
+    SerializationError,
+    WorkerLostError,
+)
+from ._futures import Future
+from ._rref_context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext
+from ._rref_owner import CREATE, FETCH, REMOTE
+from ._rref_protocol import Record
+from ._serialization import decode, encode
+from ._transport._frames import CALL, INTERNAL, OutMessage
+from ._worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._rref import RRef
+
+__all__ = ["call_owner", "check_args", "create", "encode_call", "lost", "to_here_after_creation"]
+
+Make = Callable[..., "RRef[Any]"]
+"""``make(ctx, rid, fork, owner, record, state)``: the RRef factory."""
+
+
+def encode_call(
+    agent: Any, peer: WorkerInfo, payload: Any, args: Any, kwargs: Any
+) -> tuple[bytes, list[memoryview]]:
+    """Encode ``payload`` (holding ``args``/``kwargs``) for ``peer``; undo its forks on failure.
+
+    Raises:
+        SerializationError: naming where in ``args``/``kwargs`` it failed.
+    """
+    ctx = WireContext(agent, peer)
+    pickle = agent.options.allow_pickle
+    try:
+        return encode(payload, allow_pickle=pickle, context=ctx)
+    except BaseException as exc:
+        ctx.abort()
+        if isinstance(exc, SerializationError):  # dry runs, to say where it failed
+            encode(tuple(args), allow_pickle=pickle, context=ctx, where="args")
+            encode(kwargs or {}, allow_pickle=pickle, context=ctx, where="kwargs")
+        raise
+
+
+def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | None, what: str,
+               args: Any = (), kwargs: Any = None, kind: int = INTERNAL) -> Future[Any]:  # fmt: skip
+    """Send ``method`` (an internal method, or a function for ``kind=CALL``) to
+    the owner of ``rref``, with ``deadline``; a Future of the reply.
+
+    The reply's transport failures become OwnerLostError; a pending ``rref``
+    that fails meanwhile (remote() timed out, owner lost) fails it at once.
+    """
+    ctx = rref._ctx
+    agent = ctx.agent
+    if rref._owner in ctx.lost:
+        raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
+    header, buffers = encode_call(agent, rref.owner(), payload, args, kwargs)
+    msg = OutMessage(kind, method, header, buffers, deadline=deadline)
+    # The reply's callback holds ``rref`` (so its fork) alive until the reply.
+    hold = [rref]
+    out = agent.submit_call(rref._owner, msg, method).then(
+        functools.partial(_from_owner, ctx, rref._owner, f"{what} on RRef {rref._rid}", hold)
+    )
+    confirmed = rref._confirmed
+    if confirmed is not None and not confirmed.done():
+        # Fail at once if the RRef fails meanwhile (its remote() timed out, owner lost).
+        out, reply = Future(), out
+        box = [out]  # whichever finishes first takes it (the other no longer refers to it)
+        reply.add_done_callback(functools.partial(_first, box))
+        confirmed.add_done_callback(functools.partial(_guard, box, hold))
+    return out
+
+
+def _guard(box: list[Future[Any]], hold: list[Any], confirmed: Future[None]) -> None:
+    if confirmed.exception() is not None:
+        hold.clear()  # no need to keep it alive for the reply any more
+        _first(box, confirmed)
+
+
+def _first(box: list[Future[Any]], fut: Future[Any]) -> None:
+    try:
+        out = box.pop()
+    except IndexError:
+        return
+    _copy(out, fut)
+
+
+def _copy(out: Future[Any], fut: Future[Any]) -> None:
+    exc = fut.exception()
+    out.set_result(fut.value()) if exc is None else out.set_exception(exc)
+
+
+def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -> Future[Any]:
+    """``to_here`` on a creator RRef whose ``remote()`` has not replied yet.
+
+    The reply may bring a small copy of the value (made when it was created,
+    so right for a ``to_here`` issued before it); otherwise fetch it then.
+    """
+    out: Future[Any] = Future()
+    assert rref._confirmed is not None and rref._creator is not None
+    rref._confirmed.add_done_callback(functools.partial(_after_creation, rref, out, deadline, what))
+    if deadline is None or rref._creator <= deadline:
+        return out  # the creation fails by itself first; a fetch has ``deadline``
+    return rref._ctx.bounded(out, deadline, what)
+
+
+def _after_creation(rref: RRef[Any], out: Future[Any], deadline: float | None, what: str,
+                    confirmed: Future[None]) -> None:  # fmt: skip
+    exc = confirmed.exception()
+    try:
+        if exc is not None:
+            raise exc
+        early = rref._early
+        if early is None:
+            fetch = call_owner(rref, FETCH, [*rref._rid], deadline, what)
+            fetch.add_done_callback(functools.partial(_copy, out))
+            return
+        agent = rref._ctx.agent
+        ctx = WireContext(agent, rref.owner())
+        value = decode(early[0], early[1:], allow_pickle=agent.options.allow_pickle, context=ctx)
+    except BaseException as e:
+        out.set_exception(e)
+    else:
+        out.set_result(value)
+
+
+def lost(exc: BaseException) -> bool:
+    """A transport failure seen here (not an error raised by the owner's code)."""
+    return (
+        isinstance(exc, WorkerLostError | ConnectError)
+        and not isinstance(exc, OwnerLostError)
+        and not getattr(exc, "remote_traceback", "")
+    )
+
+
+def _from_owner(ctx: RRefContext, owner: int, what: str, hold: list[Any], fut: Future[Any]) -> Any:
+    hold.clear()
+    exc = fut.exception()
+    if exc is None:
+        return fut.value()
+    if lost(exc):
+        ctx.mark_lost(owner)
+        raise ctx.lost_error(owner, what, exc) from exc
+    raise exc
+
+
+def check_args(args: Any, kwargs: Any) -> None:
+    if not isinstance(args, tuple | list):
+        raise ConfigError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+
+
+def create(make: Make, ctx: RRefContext, owner: WorkerInfo, target: Any, args: Any,
+           kwargs: Any, timeout: float | Unset | None, what: str, keep: Any = None,
+           plain: bool = False) -> RRef[Any]:  # fmt: skip
+    """Send ``rref.remote`` to ``owner``; return the new RRef (from ``make``) at once.
+
+    ``target`` is a function name (``plain``: a plain function, not ``async def``
+    nor ``@async_execution``) or ``[r0, r1, method name]``; ``keep`` is held
+    until the reply (the RRef whose method is called).
+    """
+    agent = ctx.agent
+    ctx.check_open(f"remote {what}")
+    check_args(args, kwargs)
+    deadline = deadline_for(timeout, agent.rpc_timeout)
+    rid = ctx.ids.new()
+    fork = None
+    rec = None
+    if owner.id == agent.rank:
+        rec = ctx.owners.record(rid)
+        rref = make(ctx, rid, None, owner.id, rec, CONFIRMED)
+    else:
+        if owner.id in ctx.lost:
+            raise ctx.lost_error(owner.id, f"remote {what}")
+        fork = ctx.ids.new()
+        rref = make(ctx, rid, fork, owner.id, None, PENDING)
+        rref._creator = math.inf if deadline is None else deadline
+        ctx.users.add_pending(fork, rref, None)
+    f = None if fork is None else fork[1]
+    payload: Any
+    if plain:  # a plain call (the pool fast path), still labelled rref.remote
+        kind, method = CALL, CREATE
+        payload = ((agent.rank, rid[1], f, target, list(args), kwargs or {}), {})
+    else:
+        kind, method = INTERNAL, REMOTE
+        payload = [rid[1], f, target, list(args), kwargs or {}]
+    try:
+        header, buffers = encode_call(agent, owner, payload, args, kwargs)
+    except BaseException:
+        if fork is not None:
+            ctx.users.settle(fork, RELEASED)
+        raise
+    msg = OutMessage(kind, method, header, buffers, deadline=deadline)
+    fut = agent.submit_call(owner.id, msg, REMOTE)
+    user = None if fork is None else rref
+    fut.add_done_callback(functools.partial(_created, ctx, owner, fork, rec, user, what, keep))
+    return rref
+
+
+def _created(ctx: RRefContext, owner: WorkerInfo, fork: tuple[int, int] | None,
+             rec: Record | None, rref: RRef[Any] | None, what: str, keep: Any,
+             fut: Future[Any]) -> None:  # fmt: skip
+    exc = fut.exception()
+    if exc is None:
+        if fork is not None and rref is not None:
+            reply = fut.value()
+            rref._early = reply[1:] if len(reply) > 1 else None  # for to_here()s waiting
+            ctx.settle(fork, CONFIRMED)
+            rref._early = None
+        return
+    state = FAILED
+    if lost(exc):
+        err: BaseException = ctx.lost_error(owner.id, f"remote {what}", exc)
+    else:
+        err = RRefCreationError(f"RRef creation by remote {what} on {owner.name!r} failed: {exc}")
+        if isinstance(exc, RpcTimeoutError) and not getattr(exc, "remote_traceback", ""):
+            state = FAILED_ABANDON  # the owner may still create it: tell it when dropped
+    err.__cause__ = exc
+    if fork is not None:
+        ctx.settle(fork, state, err)
+    elif rec is not None:
+        ctx.owners.finish_creation(rec, error=err)
+    if lost(exc):
+        ctx.mark_lost(owner.id)

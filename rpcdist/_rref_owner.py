@@ -1,0 +1,221 @@
+"""The owner's side of RRef calls: creating values, ``to_here`` and proxy calls.
+
+Every handler runs on the owner's loop. One that needs a value that does not
+exist yet (its ``remote()`` is still running, or has not arrived) parks on the
+record's ``ready`` future until the request's deadline; no thread is held.
+User functions run as the dispatcher runs them: ``async def`` on the loop,
+``@async_execution`` in the pool then awaited, plain ones in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from ._agent import internal_handler
+from ._context import WireContext, current_agent
+from ._deadline import current_deadline, remaining
+from ._dispatch import _await_result, _call, _resolve, is_async_execution
+from ._errors import RpcdistError, RpcTimeoutError
+from ._rref_context import RRefContext, context_of
+from ._rref_protocol import Record
+from ._serialization import encode
+from ._worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = [
+    "CALL_METHOD",
+    "CREATE",
+    "FETCH",
+    "HAS_ATTR",
+    "INVOKE",
+    "REMOTE",
+    "call_method",
+    "create_value",
+    "has_attr",
+    "is_plain",
+    "run_user",
+    "value_of",
+]
+
+REMOTE: Final = "rref.remote"
+FETCH: Final = "rref.fetch"
+INVOKE: Final = "rref.invoke"
+HAS_ATTR: Final = "rref.has_attr"
+#: A plain method of an owned value, called like a plain function (the
+#: dispatcher's pool fast path); proxies use it once they know the method is plain.
+CALL_METHOD: Final = "rpcdist._rref_owner:call_method"
+#: ``remote()`` of a plain function, likewise.
+CREATE: Final = "rpcdist._rref_owner:create_value"
+#: The largest value sent back with its remote()'s reply, for a to_here
+#: already waiting (saves that to_here a round trip).
+EARLY_BYTES: Final = 16 << 10
+
+
+async def run_user(agent: Agent, fn: Callable[..., Any], label: str, args: Any, kwargs: Any) -> Any:
+    """Run a user function or method the way the dispatcher would."""
+    if is_async_execution(fn):
+        cv = contextvars.copy_context()
+        ret = await agent.loop.run_in_executor(
+            agent.executor, cv.run, _call, fn, label, args, kwargs
+        )
+        return await _await_result(ret)
+    if inspect.iscoroutinefunction(fn):
+        return await _call(fn, label, args, kwargs)
+    cv = contextvars.copy_context()
+    return await agent.loop.run_in_executor(agent.executor, cv.run, _call, fn, label, args, kwargs)
+
+
+async def value_of(ctx: RRefContext, rec: Record) -> Any:
+    """The value of ``rec`` once created (or its creation error), within the deadline.
+
+    Raises:
+        RpcTimeoutError: the value was not created before the request's deadline.
+        Exception: what the function that was to create the value raised.
+    """
+    if not rec.ready.done():
+        try:
+            async with asyncio.timeout_at(current_deadline.get()):
+                await rec.ready
+        except TimeoutError:
+            raise RpcTimeoutError(
+                f"RRef {rec.rid} on {ctx.agent.name!r}: its value was not created before the "
+                "deadline (its remote() is still running, or never reached the owner)"
+            ) from None
+    return rec.get()
+
+
+def _rid(r0: int, r1: int) -> tuple[int, int]:
+    return (r0, r1)
+
+
+def is_plain(fn: Callable[..., Any]) -> bool:
+    """Neither ``async def`` nor ``@async_execution``: it runs in the pool, to completion."""
+    return not is_async_execution(fn) and not inspect.iscoroutinefunction(fn)
+
+
+def _early_copy(agent: Agent, peer: WorkerInfo, value: Any) -> list[Any] | None:
+    """``value`` encoded for its creator if small and free of side effects (no RRefs)."""
+    ctx = WireContext(agent, peer)
+    try:
+        header, buffers = encode(value, allow_pickle=agent.options.allow_pickle, context=ctx)
+    except RpcdistError:
+        ctx.abort()
+        return None
+    if ctx.extra.get("undo") or len(header) + sum(b.nbytes for b in buffers) > EARLY_BYTES:
+        ctx.abort()
+        return None
+    return [header, *(bytes(b) for b in buffers)]
+
+
+@internal_handler(REMOTE)
+async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[Any]:
+    """``[rid counter, fork counter | None, target, args, kwargs]`` from the creator.
+
+    ``target`` is a function name, or ``[r0, r1, name]`` for a method of another
+    owned value (``rref.remote().name(...)``). Replies ``[ok]``, or ``[True,
+    header, *buffers]`` with a small value encoded for the creator; a failure
+    is kept on the record, for ``to_here`` and proxies to raise.
+    """
+    n, f, target, args, kwargs = payload
+    ctx = context_of(agent)
+    rec = ctx.owners.begin_creation((src.id, n), None if f is None else (src.id, f), src.id)
+    try:
+        if isinstance(target, str):
+            fn, label = _resolve(target), target
+        else:
+            owned = await value_of(ctx, ctx.owners.record(_rid(target[0], target[1])))
+            fn = getattr(owned, target[2])
+            label = f"{type(owned).__qualname__}.{target[2]}"
+        value = await run_user(agent, fn, label, args, kwargs)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        ctx.owners.finish_creation(rec, error=e)
+        return [False]
+    return _created(agent, ctx, rec, src, f is not None, value)
+
+
+def create_value(src: int, n: int, f: int | None, name: str, args: Any, kwargs: Any) -> list[Any]:
+    """``remote()`` of a plain function from worker ``src``, in a pool thread.
+
+    Sent as a plain call (``CREATE``), so it takes the dispatcher's fast path;
+    replies as ``rref.remote`` does.
+    """
+    agent = current_agent()
+    ctx = context_of(agent)
+    rec = ctx.owners.begin_creation((src, n), None if f is None else (src, f), src)
+    try:
+        value = _call(_resolve(name), name, args, kwargs)
+    except BaseException as e:
+        ctx.owners.finish_creation(rec, error=e)
+        return [False]
+    return _created(agent, ctx, rec, agent.workers[src], f is not None, value)
+
+
+def _created(
+    agent: Agent, ctx: RRefContext, rec: Record, creator: WorkerInfo, user: bool, value: Any
+) -> list[Any]:
+    early = _early_copy(agent, creator, value) if user else None
+    dropped = ctx.owners.finish_creation(rec, value)
+    del dropped, value  # freed here if nobody holds it
+    return [True] if early is None else [True, *early]
+
+
+@internal_handler(FETCH)
+async def _on_fetch(agent: Agent, src: WorkerInfo, rid: list[int]) -> Any:
+    ctx = context_of(agent)
+    return await value_of(ctx, ctx.owners.record(_rid(rid[0], rid[1])))
+
+
+@internal_handler(INVOKE)
+async def _on_invoke(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[Any]:
+    """``[r0, r1, name, args, kwargs]``: call a method of an owned value.
+
+    Replies ``[whether the method is plain, its result]``.
+    """
+    r0, r1, name, args, kwargs = payload
+    ctx = context_of(agent)
+    value = await value_of(ctx, ctx.owners.record(_rid(r0, r1)))
+    fn = getattr(value, name)
+    label = f"{type(value).__qualname__}.{name}"
+    return [is_plain(fn), await run_user(agent, fn, label, args, kwargs)]
+
+
+def call_method(r0: int, r1: int, name: str, args: Any, kwargs: Any) -> Any:
+    """Call a plain method of an owned value, in a pool thread (see ``CALL_METHOD``).
+
+    Raises:
+        RpcTimeoutError: the value does not exist (yet) and did not appear in time.
+        Exception: what the method raised.
+    """
+    agent = current_agent()
+    rec = context_of(agent).owners.record(_rid(r0, r1))
+    if not rec.ready.done():  # rare: proxies come here only after a first call worked
+        rec.ready.wait(remaining(current_deadline.get()))
+    value = rec.get()
+    fn = getattr(value, name)
+    label = f"{type(value).__qualname__}.{name}"
+    if not is_plain(fn):  # the method changed kind: run it on the loop, from here
+        coro = run_user(agent, fn, label, args, kwargs)
+        return asyncio.run_coroutine_threadsafe(coro, agent.loop).result()
+    return _call(fn, label, args, kwargs)
+
+
+@internal_handler(HAS_ATTR)
+async def _on_has_attr(agent: Agent, src: WorkerInfo, payload: list[Any]) -> str:
+    """``[r0, r1, name]``: ``""`` if the owned value has attribute ``name``, else its type's name."""
+    r0, r1, name = payload
+    ctx = context_of(agent)
+    value = await value_of(ctx, ctx.owners.record(_rid(r0, r1)))
+    return "" if has_attr(value, name) else type(value).__qualname__
+
+
+def has_attr(value: Any, name: str) -> bool:
+    """``name`` is a method or attribute of ``value``'s type or instance (no getters run)."""
+    return hasattr(type(value), name) or name in getattr(value, "__dict__", ())
