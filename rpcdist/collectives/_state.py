@@ -1,0 +1,175 @@
+"""Per-agent collective state: groups, backend choice, liveness, statistics.
+
+One :class:`CollectiveState` lives in ``agent.extensions["collectives"]``
+while a process group is initialised; its :meth:`statistics` merge into
+``agent.statistics()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import ConfigError
+from ._group import ProcessGroup
+from ._grpc_backend import GrpcEngine
+from ._link import AgentLink
+from ._shm import SLOT_BYTES, setup_segments
+from ._shm_algos import ShmEngine
+
+__all__ = ["BACKENDS", "CollectiveState", "cpu_backend"]
+
+_log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "shm", "grpc", "nccl")
+
+
+def cpu_backend(requested: str, hosts: Sequence[str]) -> str:
+    """The engine for host buffers of a group whose members run on ``hosts`` (pure).
+
+    ``auto`` (and ``nccl``, whose CPU side is ``auto``'s) picks shared memory
+    when every member is on one host, gRPC otherwise.
+
+    Raises:
+        ConfigError: ``shm`` asked for a group that spans hosts, or an
+            unknown backend.
+    """
+    if requested not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    same_host = len(set(hosts)) <= 1
+    if requested == "grpc":
+        return "grpc"
+    if requested == "shm" and not same_host:
+        raise ConfigError("backend='shm' needs every member of the group on one host")
+    return "shm" if same_host else "grpc"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X", b"x")
+
+
+class CollectiveState:
+    """The collective layer of one agent."""
+
+    def __init__(
+        self, agent: Any, backend: str, timeout: float | None, slot_bytes: int = SLOT_BYTES
+    ) -> None:
+        self.agent = agent
+        self.backend = backend
+        self.timeout = timeout
+        self.slot_bytes = slot_bytes
+        self.tag = ""
+        self.job = ""
+        self.pids: dict[int, int] = {}
+        self.groups: dict[int, ProcessGroup] = {}
+        self._next_gid = 1
+        self._gid_lock = threading.Lock()
+        self.world: ProcessGroup | None = None
+
+    async def setup(self, timeout: float) -> None:
+        """Agree on a tag and job id, share pids, make the default group (collective)."""
+        store, r, n = self.agent.store, self.agent.rank, self.agent.world_size
+        epoch = await store.add(f"coll/epoch/{r}", 1)
+        self.tag = f"c{epoch}"
+        if r == 0:
+            await store.set(f"{self.tag}/job", secrets.token_hex(4).encode())
+        self.job = (await store.get(f"{self.tag}/job", timeout)).decode()
+        await store.set(f"{self.tag}/pid/{r}", str(os.getpid()).encode())
+        got = await asyncio.gather(*(store.get(f"{self.tag}/pid/{q}", timeout) for q in range(n)))
+        self.pids = {q: int(v) for q, v in enumerate(got)}
+        self.world = await self.make_group(0, tuple(range(n)), self.backend, self.timeout)
+
+    def next_gid(self) -> int:
+        with self._gid_lock:
+            gid = self._next_gid
+            self._next_gid += 1
+            return gid
+
+    async def make_group(
+        self, gid: int, ranks: tuple[int, ...], backend: str, timeout: float | None
+    ) -> ProcessGroup:
+        """Create group ``gid``; its members set up their engine together (on the loop).
+
+        Raises:
+            ConfigError: ``backend`` cannot serve these ranks.
+            RpcTimeoutError: a member did not take part in time.
+        """
+        group = ProcessGroup(self, gid, ranks, timeout)
+        if group.is_member:
+            group.backend, group.engine = await self._engine(group, backend)
+            group.requested = backend
+            if isinstance(group.engine, ShmEngine):
+                group.engine.seg.check = group.check
+        self.groups[gid] = group
+        return group
+
+    async def _engine(self, group: ProcessGroup, backend: str) -> tuple[str, Any]:
+        kind = cpu_backend(backend, [self.agent.hosts[g] for g in group.ranks])
+        limit = self.agent.options.init_timeout
+        if kind == "shm" and group.size > 1:
+            seg = await setup_segments(
+                self.agent.store,
+                f"{self.tag}/g{group.gid}/shm",
+                f"rpcdist-{self.job}-{self.tag}-g{group.gid}",
+                group.ranks,
+                group.rank,
+                limit,
+                self.slot_bytes,
+            )
+            if not isinstance(seg, str):
+                return "shm", ShmEngine(seg)
+            if backend == "shm":
+                raise ConfigError(f"backend='shm': shared memory is not usable: {seg}")
+            _log.warning("%s: shared memory is not usable (%s); using gRPC", group.describe(), seg)
+            kind = "grpc"
+        # A group of one moves no data: any engine will do; keep the chosen name.
+        link = AgentLink(self.agent, group.ranks, group.rank)
+        return kind, GrpcEngine(link, group.prefix)
+
+    def dead_peers(self, ranks: Sequence[int]) -> list[int]:
+        """Members on this host whose process has exited."""
+        hosts, me = self.agent.hosts, self.agent.rank
+        return [
+            q
+            for q in ranks
+            if q != me
+            and hosts.get(q) == hosts.get(me)
+            and q in self.pids
+            and not _alive(self.pids[q])
+        ]
+
+    def statistics(self) -> dict[str, int]:
+        """Collectives queued, in flight (gauges) and completed, failed (counters)."""
+        groups = list(self.groups.values())
+        return {
+            "collectives_queued": sum(g.queued for g in groups),
+            "collectives_inflight": sum(g.inflight for g in groups),
+            "collectives_completed": sum(g.completed for g in groups),
+            "collectives_failed": sum(g.failed for g in groups),
+        }
+
+    def close(self, gid: int | None = None) -> None:
+        """Destroy one group, or all (not on the loop: it joins worker threads)."""
+        for g in [gid] if gid is not None else list(self.groups):
+            group = self.groups.pop(g, None)
+            if group is not None:
+                group.close()

@@ -1,0 +1,79 @@
+"""CuPy buffers: staged through host memory on the CPU engines, NCCL where usable.
+
+Skipped without CuPy and a CUDA device; run on the GPU machine when one is lent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rpcdist.testing import run_workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
+
+
+def _cuda_devices() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+needs_gpu = pytest.mark.skipif(_cuda_devices() < 1, reason="needs CuPy and a CUDA device")
+
+
+def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -> None:
+    import cupy
+
+    from rpcdist import collectives as dist
+    from rpcdist.collectives import ReduceOp
+
+    if own_gpu:
+        cupy.cuda.Device(rank).use()
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=60)
+    try:
+        for dtype in ("float32", "float64", "int64", "complex64"):
+            x = cupy.arange(1000, dtype=dtype) * (rank + 1)
+            dist.all_reduce(x)
+            expected = np.arange(1000, dtype=dtype) * sum(range(1, world + 1))
+            np.testing.assert_array_equal(cupy.asnumpy(x), expected)
+        y = cupy.full(10, rank + 1.0)
+        dist.all_reduce(y, ReduceOp.AVG)
+        assert float(y[0]) == (world + 1) / 2
+        z = cupy.full(5, rank, "int32")
+        dist.all_reduce(z, ReduceOp.BXOR)  # not an NCCL op: falls back, staged
+        b = cupy.full(7, rank, "float32")
+        dist.broadcast(b, world - 1)
+        assert bool((b == world - 1).all())
+        outs = [cupy.empty(3, "float32") for _ in range(world)]
+        dist.all_gather(outs, cupy.full(3, rank, "float32"))
+        assert all(bool((o == q).all()) for q, o in enumerate(outs))
+        rs = cupy.empty(4, "float32")
+        dist.reduce_scatter(rs, [cupy.full(4, 1.0, "float32") for _ in range(world)])
+        assert bool((rs == world).all())
+        red = cupy.full(6, 2.0)
+        dist.reduce(red, 0, ReduceOp.PROD)
+        if rank == 0:
+            assert float(red[0]) == 2.0**world
+        if own_gpu:  # every rank has its own GPU: the default group went through NCCL
+            from rpcdist.collectives._api import resolve
+
+            assert resolve(None).extra.get("nccl") is not None
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gpu
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["shm", "grpc"])
+def test_cupy_buffers_on_the_cpu_engines(backend):
+    run_workers(cupy_worker, 2, args=(backend, False), timeout=150)
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices for NCCL")
+@pytest.mark.timeout(180)
+def test_cupy_buffers_through_nccl():
+    run_workers(cupy_worker, 2, args=("nccl", True), timeout=150)

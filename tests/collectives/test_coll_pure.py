@@ -1,0 +1,277 @@
+"""Pure layers of the collectives: ring schedule, splits, trees, metadata, backend choice."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import types
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rpcdist import CollectiveError, ConfigError
+from rpcdist.collectives import ReduceOp
+from rpcdist.collectives._nccl import NcclEngine, nccl_supports, usable, use_nccl
+from rpcdist.collectives._ops import Meta, check_op, validate
+from rpcdist.collectives._ring import (
+    ag_step,
+    chain_neighbours,
+    dissemination_peers,
+    lane_count,
+    lanes,
+    rs_step,
+    simulate_ring_allreduce,
+    split,
+    tree_children,
+    tree_parent,
+)
+from rpcdist.collectives._state import cpu_backend
+
+
+@given(st.integers(0, 1000), st.integers(1, 17))
+def test_split_covers_the_range_with_sizes_differing_by_at_most_one(n, parts):
+    ranges = split(n, parts)
+    assert len(ranges) == parts
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_split_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        split(3, 0)
+    with pytest.raises(ValueError):
+        split(-1, 2)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_ring_schedule_sends_what_the_left_neighbour_expects(p):
+    for step in range(p - 1):
+        for r in range(p):
+            sent = rs_step(r, p, step)[0]
+            assert rs_step((r + 1) % p, p, step)[1] == sent
+            sent = ag_step(r, p, step)[0]
+            assert ag_step((r + 1) % p, p, step)[1] == sent
+    for r in range(p):
+        # Rank r finishes reduce-scatter with segment r, and all-gather
+        # brings every other segment exactly once.
+        if p > 1:
+            assert rs_step(r, p, p - 2)[1] == r
+        got = {ag_step(r, p, s)[1] for s in range(p - 1)}
+        assert got == set(range(p)) - {r}
+        # Each forwarded segment is the one received a step before.
+        for s in range(1, p - 1):
+            assert rs_step(r, p, s)[0] == rs_step(r, p, s - 1)[1]
+            assert ag_step(r, p, s)[0] == ag_step(r, p, s - 1)[1]
+
+
+@given(
+    st.integers(1, 7),
+    st.integers(0, 60),
+    st.integers(1, 9),
+    st.sampled_from(["add", "max", "xor"]),
+    st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_simulated_ring_allreduce_equals_the_reduction(p, n, chunk, opname, seed):
+    rng = np.random.default_rng(seed)
+    inputs = [list(rng.integers(0, 100, n)) for _ in range(p)]
+    fn = {"add": operator.add, "max": max, "xor": operator.xor}[opname]
+    expected = [functools.reduce(fn, col) for col in zip(*inputs)] if n else []
+    for got in simulate_ring_allreduce(inputs, fn, chunk):
+        assert got == expected
+
+
+def test_simulated_ring_needs_equal_lengths():
+    with pytest.raises(ValueError):
+        simulate_ring_allreduce([[1, 2], [1]], operator.add)
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=8), st.integers(1, 4096))
+def test_lanes_cut_every_segment_into_chunks_of_at_most_chunk(sizes, chunk):
+    count = lane_count(sizes, chunk)
+    assert count >= 1
+    assert count == max(1, -(-max(sizes) // chunk))
+    for size in sizes:
+        ranges = lanes(size, count)
+        assert len(ranges) == count and ranges[-1][1] == size
+        assert all(b - a <= chunk for a, b in ranges)
+
+
+@pytest.mark.parametrize("p", range(1, 18))
+def test_binomial_tree_is_a_spanning_tree(p):
+    seen = {0}
+    frontier = [0]
+    while frontier:
+        node = frontier.pop()
+        for c in tree_children(node, p):
+            assert tree_parent(c) == node and c not in seen
+            seen.add(c)
+            frontier.append(c)
+    assert seen == set(range(p))
+    assert tree_parent(0) == -1
+
+
+@pytest.mark.parametrize("p", range(1, 10))
+def test_chain_and_dissemination(p):
+    assert chain_neighbours(0, p)[0] == -1 and chain_neighbours(p - 1, p)[1] == -1
+    for r in range(p):
+        heard = {r}
+        for k, (to, frm) in enumerate(dissemination_peers(r, p)):
+            assert to == (r + 2**k) % p and frm == (r - 2**k) % p
+        # After the rounds, r has heard from everyone transitively.
+        knows = [{q} for q in range(p)]
+        for k in range(len(dissemination_peers(0, p))):
+            knows = [knows[q] | knows[(q - 2**k) % p] for q in range(p)]
+        heard |= knows[r]
+        assert heard == set(range(p))
+
+
+def test_check_op_accepts_and_rejects():
+    assert check_op(ReduceOp.SUM, np.dtype("f4")) is ReduceOp.SUM
+    assert check_op(3, np.dtype("i4")) is ReduceOp.MAX
+    with pytest.raises(ConfigError, match="integer"):
+        check_op(ReduceOp.BXOR, np.dtype("f4"))
+    with pytest.raises(ConfigError, match="AVG"):
+        check_op(ReduceOp.AVG, np.dtype("i8"))
+    with pytest.raises(ConfigError):
+        check_op("sum", np.dtype("f4"))
+
+
+def test_meta_names_both_sides_of_a_mismatch():
+    a = Meta("all_reduce", 3, ReduceOp.SUM, -1, "f4", (4,))
+    b = Meta("all_reduce", 3, ReduceOp.SUM, -1, "f8", (4,))
+    a.check(a.wire, 1, "x")
+    with pytest.raises(CollectiveError, match=r"float64\[4\].*float32\[4\]"):
+        a.check(b.wire, 1, "all_reduce #3")
+
+
+def test_validate_pairs_piece_sizes():
+    ok = [
+        Meta("all_to_all", 0, 0, -1, "f4", (), [1, 2], [1, 3]).full,
+        Meta("all_to_all", 0, 0, -1, "f4", (), [3, 4], [2, 4]).full,
+    ]
+    validate(ok, "x")
+    bad = [ok[0], Meta("all_to_all", 0, 0, -1, "f4", (), [5, 4], [2, 4]).full]
+    with pytest.raises(CollectiveError, match="sends 5 elements to rank 0"):
+        validate(bad, "x")
+    gathers = [
+        Meta("gather", 1, 0, 0, "f4", (), [2], [2, 3]).full,
+        Meta("gather", 1, 0, 0, "f4", (), [4], []).full,
+    ]
+    with pytest.raises(CollectiveError, match="expects 3"):
+        validate(gathers, "x")
+    with pytest.raises(CollectiveError, match="rank 1 called"):
+        validate([ok[0], Meta("broadcast", 0, 0, 1, "f4", (2,)).full], "x")
+
+
+def test_cpu_backend_choice():
+    assert cpu_backend("auto", ["h", "h"]) == "shm"
+    assert cpu_backend("auto", ["h", "k"]) == "grpc"
+    assert cpu_backend("nccl", ["h"]) == "shm"
+    assert cpu_backend("grpc", ["h", "h"]) == "grpc"
+    assert cpu_backend("shm", ["h", "h"]) == "shm"
+    with pytest.raises(ConfigError, match="one host"):
+        cpu_backend("shm", ["h", "k"])
+    with pytest.raises(ConfigError, match="backend"):
+        cpu_backend("mpi", ["h"])
+
+
+def test_nccl_selection_logic():
+    assert usable([[True, "h/0"], [True, "h/1"]])
+    assert not usable([[True, "h/0"], [True, "h/0"]])  # two ranks share a GPU
+    assert not usable([[True, "h/0"], [False, "no cupy"]])
+    assert not usable([])
+    assert use_nccl("auto", True, True)
+    assert not use_nccl("auto", False, True)  # NumPy buffers never go to NCCL
+    assert not use_nccl("auto", True, False)
+    assert not use_nccl("shm", True, True) and not use_nccl("grpc", True, True)
+    with pytest.raises(ConfigError, match="nccl"):
+        use_nccl("nccl", True, False)
+    f4, c8, b1 = np.dtype("f4"), np.dtype("c8"), np.dtype("?")
+    assert nccl_supports("all_reduce", f4, ReduceOp.SUM)
+    assert nccl_supports("all_reduce", c8, ReduceOp.AVG)
+    assert not nccl_supports("all_reduce", c8, ReduceOp.MAX)
+    assert not nccl_supports("all_reduce", np.dtype("i4"), ReduceOp.BXOR)
+    assert not nccl_supports("all_reduce", b1, ReduceOp.MAX)
+    assert not nccl_supports("all_reduce", np.dtype("i2"), ReduceOp.SUM)
+    assert not nccl_supports("all_gather", f4, None, [2, 3])
+    assert nccl_supports("all_gather", f4, None, [3, 3])
+    assert not nccl_supports("all_to_all", f4, None)
+
+
+class _FakeBuf:
+    def __init__(self, ptr: int, size: int, dtype: str) -> None:
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.size = size
+        self.dtype = np.dtype(dtype)
+        self.divided_by = 1
+
+    def __itruediv__(self, k: int) -> _FakeBuf:
+        self.divided_by = k
+        return self
+
+
+def _fake_nccl_engine(rank: int = 0):
+    calls = []
+
+    class Comm:
+        def __getattr__(self, name):
+            return lambda *a: calls.append((name, a))
+
+    nccl = types.SimpleNamespace(
+        NCCL_FLOAT32=7,
+        NCCL_FLOAT64=8,
+        NCCL_INT64=4,
+        NCCL_SUM=0,
+        NCCL_PROD=1,
+        NCCL_MAX=2,
+        NCCL_MIN=3,
+    )
+    event = types.SimpleNamespace(record=lambda s: None, synchronize=lambda: None)
+    cuda = types.SimpleNamespace(Device=lambda i: nullcontext(), Event=lambda **kw: event)
+    cupy = types.SimpleNamespace(cuda=cuda)
+    return NcclEngine(Comm(), nccl, cupy, 4, rank), calls
+
+
+def test_nccl_engine_translates_calls():
+    import asyncio
+
+    eng, calls = _fake_nccl_engine()
+    stream = types.SimpleNamespace(ptr=99)
+    src, dst = _FakeBuf(1, 10, "f4"), _FakeBuf(2, 10, "f4")
+    cplx = _FakeBuf(3, 5, "c16")
+
+    async def go() -> None:
+        await eng.run(
+            "all_reduce", {"src": src, "dst": dst, "op": ReduceOp.MAX, "device": 0}, stream, 5, "x"
+        )
+        await eng.run(
+            "all_reduce",
+            {"src": cplx, "dst": cplx, "op": ReduceOp.AVG, "device": 0},
+            stream,
+            5,
+            "x",
+        )
+        await eng.run("broadcast", {"buf": src, "root": 2, "device": 0}, stream, 5, "x")
+        await eng.run(
+            "reduce",
+            {"src": src, "dst": src, "op": ReduceOp.SUM, "root": 1, "device": 0},
+            stream,
+            5,
+            "x",
+        )
+
+    asyncio.run(go())
+    assert calls[0] == ("allReduce", (1, 2, 10, 7, 2, 99))
+    assert calls[1] == ("allReduce", (3, 3, 10, 8, 0, 99))  # complex as float pairs, AVG as SUM
+    assert cplx.divided_by == 4  # ... then divided on the GPU
+    assert calls[2] == ("broadcast", (1, 1, 10, 7, 2, 99))
+    assert calls[3] == ("reduce", (1, 1, 10, 7, 0, 1, 99))
+    with pytest.raises(CollectiveError, match="does not run"):
+        asyncio.run(eng.run("all_to_all", {"device": 0}, stream, 5, "x"))
