@@ -63,3 +63,18 @@ def _no_thread_leak() -> Iterator[None]:
             break
         time.sleep(0.01)
     assert not extra, f"threads left behind: {[t.name for t in extra]}"
+
+
+# The device parametrisation of the tensor, nn and optim tests.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """``"cpu"``, and ``"cuda:0"`` where CuPy and a CUDA device are present."""
+    from rpcdist.tensor import cuda_is_available
+
+    dev: str = request.param
+    if dev != "cpu" and not cuda_is_available():
+        pytest.skip("CuPy or a CUDA device is not available")
+    return dev
