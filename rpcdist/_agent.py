@@ -52,6 +52,7 @@ from ._transport._frames import (
     InMessage,
     OutMessage,
 )
+from ._transport._shm import SegmentWriter, shm_available
 from ._worker import WorkerInfo, check_worker_name
 
 __all__ = ["Agent", "internal_handler"]
@@ -154,6 +155,9 @@ class Agent:
         self.mailbox = Mailbox()
         self.extensions: dict[str, Any] = {}
         self._fn_names: dict[Any, str] = {}
+        self.segments: SegmentWriter | None = (
+            SegmentWriter() if self.options.shm_threshold_bytes and shm_available() else None
+        )
         self._store: Any = None
         self._store_server: Any = None
         self._server: _grpc.Server | None = None
@@ -432,6 +436,7 @@ class Agent:
             read=call.read,
             on_message=self._on_message,
             options=self.options,
+            segments=self._segments_for(dst),
         )
         self._out[dst] = conn
         self._calls[dst] = call
@@ -470,6 +475,12 @@ class Agent:
         if cancelled:
             raise asyncio.CancelledError
 
+    def _segments_for(self, rank: int) -> SegmentWriter | None:
+        """The /dev/shm writer for a peer on this host, else None."""
+        if self.segments is not None and self.hosts.get(rank) == self.hosts.get(self.rank):
+            return self.segments
+        return None
+
     def _fail_peer(self, dst: int, exc: RpcdistError) -> None:
         for call_id, p in list(self._pending.items()):
             if p.dst == dst:
@@ -495,6 +506,7 @@ class Agent:
             alloc=lambda kind, key, total: (
                 self.mailbox.alloc(rank, key, total) if kind == P2P else None
             ),
+            segments=self._segments_for(rank),
         )
         self._in.add(conn)
         try:
@@ -747,6 +759,8 @@ class Agent:
         await asyncio.gather(*self._out_tasks.values(), *self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(0.5 if graceful else 0)
+        if self.segments is not None:
+            self.segments.cleanup()
         if self._store is not None:
             try:
                 if leave:

@@ -23,7 +23,7 @@ ERROR_REPLY: Kind
 P2P: Kind
 
 class Frame(_message.Message):
-    __slots__ = ("id", "kind", "first", "last", "method", "header", "buffer_sizes", "timeout_us", "data_len")
+    __slots__ = ("id", "kind", "first", "last", "method", "header", "buffer_sizes", "timeout_us", "data_len", "shm_path")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class Frame(_message.Message):
     BUFFER_SIZES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     DATA_LEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: Kind
     first: bool
@@ -42,7 +43,8 @@ class Frame(_message.Message):
     buffer_sizes: _containers.RepeatedScalarFieldContainer[int]
     timeout_us: int
     data_len: int
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., method: _Optional[str] = ..., header: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., data_len: _Optional[int] = ...) -> None: ...
+    shm_path: str
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., method: _Optional[str] = ..., header: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., data_len: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("frames",)

@@ -50,6 +50,8 @@ class OutMessage:
     #: Called once the last byte has been copied into a stream message, after
     #: which the caller may reuse its buffers.
     on_packed: Callable[[], None] | None = None
+    #: Set when the buffers travel in a /dev/shm file instead of the stream.
+    shm_path: str = ""
     _buf: int = 0
     _off: int = 0
     _started: bool = False
@@ -88,6 +90,9 @@ def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> 
                 f.buffer_sizes.extend(b.nbytes for b in m.buffers)
             if m.deadline is not None:
                 f.timeout_us = max(1, int((m.deadline - now) * 1e6))
+            if m.shm_path:
+                f.shm_path = m.shm_path
+                m._buf = len(m.buffers)  # nothing goes through the stream
             budget -= len(m.header) + 32
         take = min(chunk_bytes, max(budget, 0))
         taken = 0
@@ -126,6 +131,10 @@ class InMessage:
     buffers: list[memoryview]
     timeout_us: int
     received_at: float = field(default_factory=time.monotonic)
+    #: A /dev/shm file holding the buffers (``buffers`` is then empty until
+    #: the receiver maps it); ``sizes`` describe them.
+    shm_path: str = ""
+    sizes: list[int] = field(default_factory=list)
 
     @property
     def deadline(self) -> float | None:
@@ -186,6 +195,22 @@ class Reassembler:
                 if key in self._partial:
                     raise ProtocolError(f"message {key} started twice")
                 sizes = list(f.buffer_sizes)
+                if f.shm_path:
+                    if not f.last or f.data_len:
+                        raise ProtocolError(f"shared-memory message {key} carries stream data")
+                    done.append(
+                        InMessage(
+                            f.id,
+                            f.kind,
+                            f.method,
+                            f.header,
+                            [],
+                            f.timeout_us,
+                            shm_path=f.shm_path,
+                            sizes=sizes,
+                        )
+                    )
+                    continue
                 total = sum(sizes)
                 if total > self._max:
                     raise ProtocolError(f"message of {total} bytes exceeds the limit {self._max}")

@@ -28,7 +28,8 @@ from .._errors import (
     WorkerLostError,
 )
 from .._options import RpcOptions
-from ._frames import Allocator, InMessage, OutMessage, Reassembler, pack_batch
+from ._frames import P2P, Allocator, InMessage, OutMessage, Reassembler, pack_batch
+from ._shm import SegmentWriter, map_segment
 
 __all__ = ["Connection", "Server", "connect", "translate_rpc_error"]
 
@@ -98,8 +99,12 @@ class Connection:
         on_message: OnMessage,
         options: RpcOptions,
         alloc: Allocator | None = None,
+        segments: SegmentWriter | None = None,
     ) -> None:
         self.peer_rank = peer_rank
+        #: Set for a peer on this host: large payloads then go through /dev/shm.
+        self._segments = segments
+        self._shm_threshold = options.shm_threshold_bytes or 0
         self.label = label
         self._write = write
         self._read = read
@@ -122,6 +127,18 @@ class Connection:
         """
         if self.closed is not None:
             raise self.closed
+        if (
+            self._segments is not None
+            and msg.kind != P2P
+            and not msg.shm_path
+            and msg.payload_bytes >= self._shm_threshold
+        ):
+            try:
+                msg.shm_path = self._segments.write(msg.buffers)
+            except OSError as e:  # /dev/shm full or unavailable: use the stream
+                _log.debug(
+                    "shared-memory payload for %s failed, using the stream: %s", self.label, e
+                )
         self._queue.append(msg)
         self._wake.set()
 
@@ -145,6 +162,12 @@ class Connection:
             self.received_any = True
             self.messages_in += 1
             for m in self._reasm.feed(data):
+                if m.shm_path:
+                    try:
+                        m.buffers = map_segment(m.shm_path, m.sizes)
+                    except (OSError, ValueError) as e:
+                        _log.warning("dropping message %d from %s: %s", m.id, self.label, e)
+                        continue
                 self._on_message(self, m)
 
     async def run(self) -> None:
