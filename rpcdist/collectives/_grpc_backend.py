@@ -277,17 +277,19 @@ class GrpcEngine:
         acc[self.rank] = out
         await self._ring(seq, xp, ins, acc, op, meta, False)
 
+    def _topology(self, rel: int, nbytes: int) -> tuple[int, list[int], int]:
+        """(parent, children, chunk count) of relative rank ``rel`` for a rooted op:
+        a binomial tree for small payloads, a pipelined chain for large ones."""
+        if nbytes <= TREE_MAX_BYTES:
+            return tree_parent(rel), tree_children(rel, self.size), 1
+        prev, nxt = chain_neighbours(rel, self.size)
+        return prev, ([nxt] if nxt >= 0 else []), lane_count([nbytes], self.chunk_bytes)
+
     async def broadcast(self, seq: int, buf: np.ndarray, root: int, meta: Meta) -> None:
         """Tree (small) or pipelined chain (large) broadcast of the 1-D host ``buf``."""
         p = self.size
         rel = (self.rank - root) % p
-        small = buf.nbytes <= TREE_MAX_BYTES
-        if small:
-            parent, children, count = tree_parent(rel), tree_children(rel, p), 1
-        else:
-            prev, nxt = chain_neighbours(rel, p)
-            parent, children = prev, ([nxt] if nxt >= 0 else [])
-            count = lane_count([buf.nbytes], self.chunk_bytes)
+        parent, children, count = self._topology(rel, buf.nbytes)
         where = f"broadcast #{seq}"
         chunks = split(buf.size, count)
         futs = []
@@ -311,13 +313,7 @@ class GrpcEngine:
         """Tree (small) or pipelined chain (large) reduce of ``src`` into ``dst`` at ``root``."""
         p = self.size
         rel = (self.rank - root) % p
-        small = src.nbytes <= TREE_MAX_BYTES
-        if small:
-            parent, children, count = tree_parent(rel), tree_children(rel, p), 1
-        else:
-            prev, nxt = chain_neighbours(rel, p)
-            parent, children = prev, ([nxt] if nxt >= 0 else [])
-            count = lane_count([src.nbytes], self.chunk_bytes)
+        parent, children, count = self._topology(rel, src.nbytes)
         chunks = split(src.size, count)
         width = min(LANES_IN_FLIGHT, count)
         acc_all = dst if dst is not None else (xp.module.empty_like(src) if children else None)
