@@ -23,7 +23,7 @@ import grpc.aio
 import msgpack
 
 from . import _dispatch
-from ._context import WireContext, bind_agent, reset_agent
+from ._context import WireContext
 from ._deadline import UNSET, Unset, current_deadline, deadline_for
 from ._errors import (
     ClosedError,
@@ -783,19 +783,3 @@ class Agent:
     def _stop_threads(self, wait: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
         self._lt.stop()
-
-
-def in_agent(agent: Agent, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` with ``agent`` current (for pool threads)."""
-    token = bind_agent(agent)
-    try:
-        return fn(*args)
-    finally:
-        reset_agent(token)
-
-
-def copy_context_with(agent: Agent, deadline: float | None) -> contextvars.Context:
-    ctx = contextvars.copy_context()
-    ctx.run(bind_agent, agent)
-    ctx.run(current_deadline.set, deadline)
-    return ctx

@@ -194,11 +194,6 @@ class Connection:
             if not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
 
-    async def drain(self) -> None:
-        """Wait until everything queued has been handed to gRPC."""
-        while self._queue and self.closed is None:
-            await asyncio.sleep(0.001)
-
 
 def _read_file(path: str) -> bytes:
     return Path(path).read_bytes()

@@ -13,6 +13,7 @@ import random
 
 import numpy as np
 import pytest
+from coll_workers import DTYPES, UFUNC  # one oracle table for all collective tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,18 +23,6 @@ from rpcdist._transport._frames import P2P, InMessage
 from rpcdist.collectives import ReduceOp
 from rpcdist.collectives._grpc_backend import GrpcEngine
 from rpcdist.collectives._ops import Meta, xp_for
-
-DTYPES = ["int32", "int64", "uint8", "float32", "float64", "float16", "complex64", "bool"]
-UFUNC = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 
 class FakeLink:
