@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The suite runs on the default (TCP) transport; the RPC, RRef and security
+# tests run once more on the gRPC-stream transport.
+GRPC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref tests/test_security.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not multiprocess and not slow"

@@ -42,7 +42,8 @@ from ._options import RpcOptions
 from ._p2p import Mailbox
 from ._rendezvous import open_store, parse_init_method
 from ._serialization import decode, encode, exception_from_wire, function_name
-from ._transport import _grpc
+from ._transport import _grpc, _tcp
+from ._transport._conn import BaseConnection
 from ._transport._frames import (
     CALL,
     ERROR_REPLY,
@@ -141,10 +142,10 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         self.addresses: dict[int, str] = {}
         self.hosts: dict[int, str] = {}
-        self._out: dict[int, _grpc.Connection] = {}
+        self._out: dict[int, BaseConnection] = {}
         self._out_tasks: dict[int, asyncio.Task[None]] = {}
         self._calls: dict[int, Any] = {}
-        self._in: set[_grpc.Connection] = set()
+        self._in: set[BaseConnection] = set()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -156,11 +157,11 @@ class Agent:
         self.extensions: dict[str, Any] = {}
         self._fn_names: dict[Any, str] = {}
         self.segments: SegmentWriter | None = (
-            SegmentWriter() if self.options.shm_threshold_bytes and shm_available() else None
+            SegmentWriter() if self.options.payload_shm_threshold and shm_available() else None
         )
         self._store: Any = None
         self._store_server: Any = None
-        self._server: _grpc.Server | None = None
+        self._server: _grpc.Server | _tcp.TcpServer | None = None
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         self.loop = self._lt.loop
         self.executor = ThreadPoolExecutor(
@@ -191,11 +192,20 @@ class Agent:
         self._store, self._store_server = await open_store(
             self._spec, token=self.options.token, timeout=timeout
         )
-        self._server = _grpc.Server(self.options, self._on_stream)
+        if self.options.data_transport == "tcp":
+            self._server = _tcp.TcpServer(self.options, self._refusal, self._on_tcp_connection)
+        else:
+            self._server = _grpc.Server(self.options, self._on_stream)
         port = await self._server.start()
         host = self.options.peer_host()
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        me = {"name": self.name, "rank": self.rank, "addr": address, "host": _host_id()}
+        me = {
+            "name": self.name,
+            "rank": self.rank,
+            "addr": address,
+            "host": _host_id(),
+            "transport": self.options.data_transport,
+        }
         await self._store.set(f"rpc/worker/{self.rank}", msgpack.packb(me))
         entries = await asyncio.gather(
             *(self._store.get(f"rpc/worker/{r}", timeout) for r in range(self.world_size))
@@ -216,6 +226,14 @@ class Agent:
                     f"and rank {info['rank']}: names must be unique"
                 )
             seen[info["name"]] = info["rank"]
+        kinds = {i.get("transport") for i in infos}
+        if len(kinds) > 1:
+            mine = self.options.data_transport
+            other = next(i for i in infos if i.get("transport") != mine)
+            raise ConfigError(
+                f"worker {other['name']!r} uses transport {other.get('transport')!r} but "
+                f"{self.name!r} uses {mine!r}: every worker needs the same RpcOptions.transport"
+            )
 
     async def rename(self, name: str, timeout: float) -> None:
         """Change this worker's name, collectively (every worker calls it).
@@ -420,42 +438,73 @@ class Agent:
         except RpcdistError as e:
             self._finish(msg.id, exc=e)
 
-    def _connection(self, dst: int) -> _grpc.Connection:
+    def _connection(self, dst: int) -> BaseConnection:
         conn = self._out.get(dst)
         if conn is not None and conn.closed is None:
             return conn
         if self._closing and self.closed:
             raise ClosedError(f"agent {self.name!r} is shutting down")
         address = self.addresses[dst]
-        channel = _grpc.open_channel(self.options, address)
-        call = _grpc.connect(channel, options=self.options, my_rank=self.rank, my_name=self.name)
-        conn = _grpc.Connection(
-            peer_rank=dst,
-            label=f"worker {self.workers[dst].name!r} at {address}",
-            write=call.write,
-            read=call.read,
-            on_message=self._on_message,
-            options=self.options,
-            segments=self._segments_for(dst),
-        )
+        label = f"worker {self.workers[dst].name!r} at {address}"
+        if self.options.data_transport == "tcp":
+            conn = _tcp.TcpConnection(
+                self.loop,
+                peer_rank=dst,
+                label=label,
+                on_message=self._on_message,
+                options=self.options,
+                segments=self._segments_for(dst),
+            )
+            run = self._run_outgoing_tcp(dst, conn, address)
+        else:
+            channel = _grpc.open_channel(self.options, address)
+            call = _grpc.connect(
+                channel, options=self.options, my_rank=self.rank, my_name=self.name
+            )
+            conn = _grpc.Connection(
+                peer_rank=dst,
+                label=label,
+                write=call.write,
+                read=call.read,
+                on_message=self._on_message,
+                options=self.options,
+                segments=self._segments_for(dst),
+            )
+            self._calls[dst] = call
+            run = self._run_outgoing_grpc(dst, conn, call, channel)
         self._out[dst] = conn
-        self._calls[dst] = call
         # A clean context: the stream outlives the call that opened it, so it
         # must not inherit that call's deadline (or anything else).
         task = self.loop.create_task(
-            self._run_outgoing(dst, conn, channel), context=contextvars.Context()
+            self._run_outgoing(dst, conn, run), context=contextvars.Context()
         )
         self._out_tasks[dst] = task
         return conn
 
-    async def _run_outgoing(
-        self, dst: int, conn: _grpc.Connection, channel: grpc.aio.Channel
+    async def _run_outgoing_grpc(
+        self, dst: int, conn: _grpc.Connection, call: Any, channel: grpc.aio.Channel
     ) -> None:
+        try:
+            await _grpc.handshake(call)
+            await conn.run()
+        finally:
+            try:
+                await channel.close()
+            except BaseException:
+                pass
+
+    async def _run_outgoing_tcp(self, dst: int, conn: _tcp.TcpConnection, address: str) -> None:
+        sock = await _tcp.tcp_connect(
+            address, conn.label, options=self.options, my_rank=self.rank, my_name=self.name
+        )
+        conn.attach(sock)
+        await conn.run()
+
+    async def _run_outgoing(self, dst: int, conn: BaseConnection, run: Any) -> None:
         exc: RpcdistError
         cancelled = False
         try:
-            await _grpc.handshake(self._calls[dst])
-            await conn.run()
+            await run
             exc = WorkerLostError(f"{conn.label} ended its stream (it shut down)")
         except asyncio.CancelledError:
             cancelled = True
@@ -468,10 +517,6 @@ class Agent:
             self._calls.pop(dst, None)
             self._out_tasks.pop(dst, None)
         self._fail_peer(dst, exc)
-        try:
-            await channel.close()
-        except BaseException:
-            pass
         if cancelled:
             raise asyncio.CancelledError
 
@@ -520,7 +565,34 @@ class Agent:
             conn.closed = WorkerLostError(f"stream from {conn.label} ended")
             self._in.discard(conn)
 
-    def _on_message(self, conn: _grpc.Connection, m: InMessage) -> None:
+    def _refusal(self, rank: int, name: str) -> str | None:
+        if not 0 <= rank < len(self.workers) or self.workers[rank].name != name:
+            return f"worker {name!r} (rank {rank}) is not part of this job"
+        return None
+
+    async def _on_tcp_connection(self, rank: int, name: str, sock: Any) -> None:
+        conn = _tcp.TcpConnection(
+            self.loop,
+            peer_rank=rank,
+            label=f"worker {name!r}",
+            on_message=self._on_message,
+            options=self.options,
+            alloc=lambda kind, key, total: (
+                self.mailbox.alloc(rank, key, total) if kind == P2P else None
+            ),
+            segments=self._segments_for(rank),
+        )
+        conn.attach(sock)
+        self._in.add(conn)
+        try:
+            await conn.run()
+        except RpcdistError:
+            pass
+        finally:
+            conn.closed = conn.closed or WorkerLostError(f"stream from {conn.label} ended")
+            self._in.discard(conn)
+
+    def _on_message(self, conn: BaseConnection, m: InMessage) -> None:
         kind = m.kind
         if kind in (REPLY, ERROR_REPLY):
             self._on_reply(conn, m)
@@ -539,7 +611,7 @@ class Agent:
         if self._inflight == 0 and not self._pending:
             self._idle.set()
 
-    def _on_reply(self, conn: _grpc.Connection, m: InMessage) -> None:
+    def _on_reply(self, conn: BaseConnection, m: InMessage) -> None:
         p = self._pending.get(m.id)
         ctx = WireContext(self, self.workers[conn.peer_rank])
         if p is None:
@@ -752,6 +824,9 @@ class Agent:
         self.mailbox.fail_all(None, ClosedError(str(exc)))
         for call in list(self._calls.values()):
             await _grpc.close_call(call)
+        for conn in list(self._out.values()):
+            if isinstance(conn, _tcp.TcpConnection):
+                conn.shutdown_write()
         for task in list(self._out_tasks.values()):
             task.cancel()
         for task in list(self._tasks):

@@ -31,7 +31,7 @@ from .functions import ASYNC_EXECUTION_ATTR
 
 if TYPE_CHECKING:
     from ._agent import Agent
-    from ._transport._grpc import Connection
+    from ._transport._conn import BaseConnection as Connection
 
 __all__ = ["dispatch", "is_async_execution", "serve"]
 

@@ -12,8 +12,8 @@ import pytest
 import rpc_funcs as rf
 
 import rpcdist
-from rpcdist._transport import _grpc
-from rpcdist._transport._frames import CALL, OutMessage, pack_batch
+from rpcdist._transport import _grpc, _tcp
+from rpcdist._transport._frames import CALL, REPLY, OutMessage, pack_batch, parse_envelope
 from rpcdist.testing import local_agents, run_workers
 
 pytestmark = pytest.mark.multiprocess
@@ -75,20 +75,67 @@ def _record_call(value: str) -> bytes:
     return pack_batch(q, 1 << 20, 1 << 20)
 
 
-def test_unauthenticated_peer_is_rejected_and_nothing_runs():
-    opts = rpcdist.RpcOptions(token="s3cret")
+def _raw_tcp(agent_addr: str, token: str | None, frames: list[bytes], want_reply: bool = False):
+    """Speak the plain-socket transport by hand: hello, then ``frames``.
+
+    Returns ``("refused", reason)`` or ``("ok", bytes the agent sent back)``:
+    one reply envelope when ``want_reply``, else everything until the agent closes.
+    """
+    import socket
+    import struct
+
+    import msgpack
+
+    host, port = _tcp.split_address(agent_addr)
+    with socket.create_connection((host, port), timeout=10) as s:
+        hello = msgpack.packb({"rank": 1, "name": "worker1", "token": token})
+        s.sendall(_tcp.MAGIC + struct.pack("<I", len(hello)) + hello)
+        (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+        answer = msgpack.unpackb(s.recv(n, socket.MSG_WAITALL))
+        if answer.get("error"):
+            return "refused", answer["error"]
+        for f in frames:
+            s.sendall(f)
+        if want_reply:
+            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+            return "ok", s.recv(n, socket.MSG_WAITALL)
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(1 << 16):
+            got += chunk
+        return "ok", got
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
+    opts = rpcdist.RpcOptions(token="s3cret", transport=transport)
     with local_agents(2, options=opts) as (a, b):
         assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the right token works
         before = rf.records()
         for token in (None, "wrong"):
-            code, _ = _raw_stream(a.addresses[0], token, [_record_call("intruder")])
-            assert code == grpc.StatusCode.UNAUTHENTICATED
+            if transport == "grpc":
+                code, _ = _raw_stream(a.addresses[0], token, [_record_call("intruder")])
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+            else:
+                outcome, why = _raw_tcp(a.addresses[0], token, [_record_call("intruder")])
+                assert outcome == "refused" and "token" in why
         assert rf.records() == before
+        if transport == "tcp":  # the same hand-made call with the token does run
+            outcome, env = _raw_tcp(a.addresses[0], "s3cret", [_record_call("friend")], True)
+            frames = parse_envelope(memoryview(env)).frames
+            assert outcome == "ok" and [(f.kind, f.id) for f in frames] == [(REPLY, 1)]
+            assert rf.records() == [*before, "friend"]
 
 
-def test_fuzzed_frames_are_rejected_and_the_worker_keeps_serving():
-    with local_agents(2) as (a, b):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_fuzzed_frames_are_rejected_and_the_worker_keeps_serving(transport):
+    opts = rpcdist.RpcOptions(transport=transport)
+    with local_agents(2, options=opts) as (a, b):
         for junk in (b"", b"\x00", b"\xff" * 40, _record_call("x")[:-3], os.urandom(64)):
-            code, _ = _raw_stream(a.addresses[0], None, [junk])
-            assert code in (grpc.StatusCode.INVALID_ARGUMENT, "ok")
+            if transport == "grpc":
+                code, _ = _raw_stream(a.addresses[0], None, [junk])
+                assert code in (grpc.StatusCode.INVALID_ARGUMENT, "ok")
+            else:
+                outcome, reply = _raw_tcp(a.addresses[0], None, [junk])
+                assert outcome == "ok" and reply == b""  # closed, nothing ran
         assert b.rpc_async(0, rf.add, args=(2, 2)).wait(10) == 4

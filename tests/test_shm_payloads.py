@@ -20,9 +20,17 @@ def _ours() -> list[str]:
     return glob.glob(os.path.join(SHM_DIR, f"rpcdist-msg-{os.getpid()}-*"))
 
 
-def test_large_arrays_use_shared_memory_and_leave_nothing_behind():
+@pytest.mark.parametrize(
+    "opts",
+    [
+        rpcdist.RpcOptions(token=None, transport="grpc"),  # on by default there
+        rpcdist.RpcOptions(token=None, transport="tcp", shm_threshold_bytes=1 << 20),
+    ],
+    ids=["grpc-auto", "tcp-explicit"],
+)
+def test_large_arrays_use_shared_memory_and_leave_nothing_behind(opts):
     x = np.random.default_rng(0).random(1_000_000)  # 8 MB
-    with local_agents(2) as (a, b):
+    with local_agents(2, options=opts) as (a, b):
         got = a.rpc_async(1, rf.echo, args=({"x": x, "small": np.arange(3)},)).wait(30)
         assert np.array_equal(got["x"], x) and np.array_equal(got["small"], np.arange(3))
         got["x"][0] = -1.0  # writable, and private to us
@@ -34,14 +42,20 @@ def test_large_arrays_use_shared_memory_and_leave_nothing_behind():
         assert _ours() == []
 
 
-def test_shared_memory_can_be_turned_off():
+@pytest.mark.parametrize(
+    "opts",
+    [
+        rpcdist.RpcOptions(token=None, transport="grpc", shm_threshold_bytes=None),
+        rpcdist.RpcOptions(token=None, transport="tcp"),  # off by default there
+    ],
+    ids=["grpc-off", "tcp-auto"],
+)
+def test_shared_memory_can_be_turned_off(opts):
     x = np.ones(500_000)
-    with local_agents(2, options=rpcdist.RpcOptions(token=None, shm_threshold_bytes=None)) as (
-        a,
-        _,
-    ):
+    with local_agents(2, options=opts) as (a, _):
         assert a.segments is None
         assert np.array_equal(a.rpc_async(1, rf.echo, args=(x,)).wait(30), x)
+        assert _ours() == []
 
 
 def test_unclaimed_segments_are_removed_by_the_writer_and_bad_names_refused():

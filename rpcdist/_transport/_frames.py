@@ -15,12 +15,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from .._errors import ProtocolError
 from .._proto import rpc_pb2
 
-__all__ = ["InMessage", "OutMessage", "Reassembler", "pack_batch"]
+__all__ = [
+    "InMessage",
+    "OutMessage",
+    "Reassembler",
+    "pack_batch",
+    "pack_batch_parts",
+    "parse_envelope",
+]
 
 _LEN = struct.Struct("<I")
 #: Most frames coalesced into one stream message.
@@ -64,19 +72,27 @@ class OutMessage:
         return sum(b.nbytes for b in self.buffers)
 
 
-def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> bytes:
-    """Take frames from the head of ``queue`` into one stream message.
+def pack_batch_parts(
+    queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int, max_parts: int = 512
+) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
+    """Take frames from the head of ``queue`` into one stream message, unjoined.
+
+    Returns the head (``[u32 envelope length][Batch]``), the payload parts
+    that follow it (views of the senders' buffers: nothing is copied) and the
+    ``on_packed`` callbacks to run once those parts have been copied out.
 
     Whole small messages are coalesced; a large message contributes one chunk
     of at most ``chunk_bytes`` and stays at the head with its cursor advanced.
     Messages completely packed are removed from ``queue``.
     """
     batch = rpc_pb2.Batch()
-    parts: list[bytes | memoryview] = []
+    parts: list[memoryview] = []
     packed: list[Callable[[], None]] = []
     budget = batch_bytes
     now = time.monotonic()
-    while queue and budget > 0 and len(batch.frames) < MAX_FRAMES_PER_BATCH:
+    while (
+        queue and budget > 0 and len(batch.frames) < MAX_FRAMES_PER_BATCH and len(parts) < max_parts
+    ):
         m = queue[0]
         f = batch.frames.add()
         f.id = m.id
@@ -96,7 +112,7 @@ def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> 
             budget -= len(m.header) + 32
         take = min(chunk_bytes, max(budget, 0))
         taken = 0
-        while m._buf < len(m.buffers) and taken < take:
+        while m._buf < len(m.buffers) and taken < take and len(parts) < max_parts:
             b = m.buffers[m._buf]
             n = min(b.nbytes - m._off, take - taken)
             if n:
@@ -114,10 +130,28 @@ def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> 
             if m.on_packed is not None:
                 packed.append(m.on_packed)
     env = batch.SerializeToString()
-    data = b"".join([_LEN.pack(len(env)), env, *parts])
+    return _LEN.pack(len(env)) + env, parts, packed
+
+
+def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> bytes:
+    """:func:`pack_batch_parts` joined into one ``bytes`` (copying each payload byte once)."""
+    head, parts, packed = pack_batch_parts(queue, batch_bytes, chunk_bytes)
+    data = b"".join([head, *parts])
     for cb in packed:  # only now are the senders' buffers copied out
         cb()
     return data
+
+
+def parse_envelope(data: memoryview) -> rpc_pb2.Batch:
+    """Decode a ``Batch`` envelope.
+
+    Raises:
+        ProtocolError: it is malformed.
+    """
+    try:
+        return rpc_pb2.Batch.FromString(data)  # type: ignore[arg-type]
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise ProtocolError(f"malformed frame envelope: {e}") from e
 
 
 @dataclass(eq=False)
@@ -175,6 +209,7 @@ class Reassembler:
         return len(self._partial)
 
     def feed(self, data: bytes) -> list[InMessage]:
+        """Reassemble one whole stream message (head and payload area)."""
         mv = memoryview(data)
         if len(mv) < 4:
             raise ProtocolError(
@@ -183,72 +218,101 @@ class Reassembler:
         (n,) = _LEN.unpack_from(mv, 0)
         if 4 + n > len(mv):
             raise ProtocolError(f"envelope length {n} exceeds the {len(mv) - 4} bytes received")
-        try:
-            batch = rpc_pb2.Batch.FromString(mv[4 : 4 + n])  # type: ignore[arg-type]
-        except (DecodeError, ValueError, RuntimeError) as e:
-            raise ProtocolError(f"malformed frame envelope: {e}") from e
+        batch = parse_envelope(mv[4 : 4 + n])
         pos = 4 + n
         done: list[InMessage] = []
         for f in batch.frames:
-            key = (f.kind, f.id)
-            if f.first:
-                if key in self._partial:
-                    raise ProtocolError(f"message {key} started twice")
-                sizes = list(f.buffer_sizes)
-                if f.shm_path:
-                    if not f.last or f.data_len:
-                        raise ProtocolError(f"shared-memory message {key} carries stream data")
-                    done.append(
-                        InMessage(
-                            f.id,
-                            f.kind,
-                            f.method,
-                            f.header,
-                            [],
-                            f.timeout_us,
-                            shm_path=f.shm_path,
-                            sizes=sizes,
-                        )
-                    )
-                    continue
-                total = sum(sizes)
-                if total > self._max:
-                    raise ProtocolError(f"message of {total} bytes exceeds the limit {self._max}")
-                dest = self._alloc(f.kind, f.method, total) if (self._alloc and total) else None
-                if dest is None:
-                    dest = memoryview(bytearray(total))
-                elif dest.nbytes != total:
-                    raise ProtocolError(
-                        f"posted receive buffer has {dest.nbytes} bytes, message has {total}"
-                    )
-                bufs, off = [], 0
-                for s in sizes:
-                    bufs.append(dest[off : off + s])
-                    off += s
-                msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us)
-                p = _Partial(msg, dest, total)
-                self._partial[key] = p
-            else:
-                got = self._partial.get(key)
-                if got is None:
-                    raise ProtocolError(f"continuation frame for unknown message {key}")
-                p = got
+            dest = self.start_frame(f)
             if f.data_len:
                 end = pos + f.data_len
-                if end > len(mv) or p.filled + f.data_len > p.total:
+                if end > len(mv):
                     raise ProtocolError(
-                        f"frame of message {key} carries {f.data_len} bytes beyond its payload"
+                        f"frame of message {(f.kind, f.id)} carries {f.data_len} bytes "
+                        f"but only {len(mv) - pos} follow"
                     )
-                p.dest[p.filled : p.filled + f.data_len] = mv[pos:end]
-                p.filled += f.data_len
+                dest[:] = mv[pos:end]
                 pos = end
-            if f.last:
-                del self._partial[key]
-                if p.filled != p.total:
-                    raise ProtocolError(
-                        f"message {key} ended with {p.filled} of {p.total} payload bytes"
-                    )
-                done.append(p.msg)
+            got = self.finish_frame(f)
+            if got is not None:
+                done.append(got)
         if pos != len(mv):
             raise ProtocolError(f"{len(mv) - pos} stray bytes after the last frame")
         return done
+
+    def start_frame(self, f: rpc_pb2.Frame) -> memoryview:
+        """Account for frame ``f``; return where its ``data_len`` payload bytes go.
+
+        Raises:
+            ProtocolError: the frame is inconsistent with what came before.
+        """
+        key = (f.kind, f.id)
+        if f.first:
+            if key in self._partial:
+                raise ProtocolError(f"message {key} started twice")
+            sizes = list(f.buffer_sizes)
+            if f.shm_path:
+                if not f.last or f.data_len:
+                    raise ProtocolError(f"shared-memory message {key} carries stream data")
+                msg = InMessage(
+                    f.id,
+                    f.kind,
+                    f.method,
+                    f.header,
+                    [],
+                    f.timeout_us,
+                    shm_path=f.shm_path,
+                    sizes=sizes,
+                )
+                self._partial[key] = _Partial(msg, memoryview(b""), 0)
+                return memoryview(b"")
+            total = sum(sizes)
+            if total > self._max:
+                raise ProtocolError(f"message of {total} bytes exceeds the limit {self._max}")
+            dest = self._alloc(f.kind, f.method, total) if (self._alloc and total) else None
+            if dest is None:
+                dest = _fresh(total)
+            elif dest.nbytes != total:
+                raise ProtocolError(
+                    f"posted receive buffer has {dest.nbytes} bytes, message has {total}"
+                )
+            bufs, off = [], 0
+            for s in sizes:
+                bufs.append(dest[off : off + s])
+                off += s
+            msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us)
+            p = _Partial(msg, dest, total)
+            self._partial[key] = p
+        else:
+            got = self._partial.get(key)
+            if got is None:
+                raise ProtocolError(f"continuation frame for unknown message {key}")
+            p = got
+        if p.filled + f.data_len > p.total:
+            raise ProtocolError(
+                f"frame of message {key} carries {f.data_len} bytes beyond its payload"
+            )
+        start = p.filled
+        p.filled += f.data_len
+        return p.dest[start : p.filled]
+
+    def finish_frame(self, f: rpc_pb2.Frame) -> InMessage | None:
+        """After ``f``'s payload arrived: the whole message if ``f`` was its last frame."""
+        if not f.last:
+            return None
+        key = (f.kind, f.id)
+        p = self._partial.pop(key)
+        if p.filled != p.total:
+            raise ProtocolError(f"message {key} ended with {p.filled} of {p.total} payload bytes")
+        return p.msg
+
+
+def _fresh(n: int) -> memoryview:
+    """A writable buffer for ``n`` received bytes.
+
+    NumPy's allocator asks the kernel for huge pages on large blocks, so
+    touching a fresh 64 MiB buffer costs a few milliseconds instead of the
+    tens a ``bytearray`` takes in 4 KiB page faults (measured; docs/design.md).
+    """
+    if n < (1 << 20):
+        return memoryview(bytearray(n))
+    return memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]

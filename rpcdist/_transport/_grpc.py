@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,8 @@ from .._errors import (
     WorkerLostError,
 )
 from .._options import RpcOptions
-from ._frames import P2P, Allocator, InMessage, OutMessage, Reassembler, pack_batch
-from ._shm import SegmentWriter, map_segment
+from ._conn import BaseConnection
+from ._frames import pack_batch
 
 __all__ = ["Connection", "Server", "connect", "translate_rpc_error"]
 
@@ -59,8 +58,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
 
-OnMessage = Callable[["Connection", InMessage], None]
-
 
 def translate_rpc_error(e: BaseException, what: str, *, reached: bool) -> RpcdistError:
     """Map a gRPC (or OS) error on the stream to ``what`` to an rpcdist error."""
@@ -86,64 +83,23 @@ def translate_rpc_error(e: BaseException, what: str, *, reached: bool) -> Rpcdis
     return TransportError(f"stream to {what} failed: {type(e).__name__}: {e}")
 
 
-class Connection:
-    """One end of a peer stream: a coalescing writer and a reassembling reader."""
+class Connection(BaseConnection):
+    """One end of a peer gRPC stream: a coalescing writer and a reassembling reader."""
 
     def __init__(
         self,
         *,
-        peer_rank: int,
-        label: str,
         write: Callable[[bytes], Awaitable[None]],
         read: Callable[[], Awaitable[Any]],
-        on_message: OnMessage,
-        options: RpcOptions,
-        alloc: Allocator | None = None,
-        segments: SegmentWriter | None = None,
+        **kw: Any,
     ) -> None:
-        self.peer_rank = peer_rank
-        #: Set for a peer on this host: large payloads then go through /dev/shm.
-        self._segments = segments
-        self._shm_threshold = options.shm_threshold_bytes or 0
-        self.label = label
+        super().__init__(**kw)
         self._write = write
         self._read = read
-        self._on_message = on_message
-        self._batch_bytes = options.batch_bytes
-        self._chunk_bytes = options.chunk_bytes
-        self._queue: deque[OutMessage] = deque()
         self._wake = asyncio.Event()
-        self._reasm = Reassembler(alloc)
-        self.closed: RpcdistError | None = None
-        self.received_any = False
-        self.messages_out = 0
-        self.messages_in = 0
 
-    def send(self, msg: OutMessage) -> None:
-        """Queue ``msg``; call on the loop thread.
-
-        Raises:
-            RpcdistError: the connection is already closed (the reason).
-        """
-        if self.closed is not None:
-            raise self.closed
-        if (
-            self._segments is not None
-            and msg.kind != P2P
-            and not msg.shm_path
-            and msg.payload_bytes >= self._shm_threshold
-        ):
-            try:
-                msg.shm_path = self._segments.write(msg.buffers)
-            except OSError as e:  # /dev/shm full or unavailable: use the stream
-                _log.debug(
-                    "shared-memory payload for %s failed, using the stream: %s", self.label, e
-                )
-        self._queue.append(msg)
+    def _kick(self) -> None:
         self._wake.set()
-
-    def queued(self) -> int:
-        return len(self._queue)
 
     async def _writer(self) -> None:
         while True:
@@ -162,13 +118,7 @@ class Connection:
             self.received_any = True
             self.messages_in += 1
             for m in self._reasm.feed(data):
-                if m.shm_path:
-                    try:
-                        m.buffers = map_segment(m.shm_path, m.sizes)
-                    except (OSError, ValueError) as e:
-                        _log.warning("dropping message %d from %s: %s", m.id, self.label, e)
-                        continue
-                self._on_message(self, m)
+                self._deliver(m)
 
     async def run(self) -> None:
         """Pump both directions until the peer ends its side or a side fails.
