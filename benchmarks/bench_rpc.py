@@ -105,10 +105,11 @@ def _measure(sync_noop: Any, submit_noop: Any, echo: Any, quick: bool) -> dict[s
 # ---------------------------------------------------------------- rpcdist
 
 
-def _rpcdist_worker(rank: int, init: str, quick: bool, q: Any) -> None:
+def _rpcdist_worker(rank: int, init: str, quick: bool, transport: str, q: Any) -> None:
     import rpcdist
 
-    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120)
+    opts = rpcdist.RpcOptions(transport=transport)
+    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120, options=opts)
     try:
         if rank == 0:
             res = _measure(
@@ -285,10 +286,17 @@ def main() -> None:
     except ImportError:
         with_torch = False
 
-    runs: dict[str, list[dict[str, Any]]] = {"rpcdist": [], "grpc": [], "torch": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "rpcdist": [],
+        "rpcdist_grpc": [],
+        "grpc": [],
+        "torch": [],
+    }
     for i in range(a.repeats):
-        with __import__("tempfile").TemporaryDirectory() as tmp:
-            runs["rpcdist"].append(_run_pair(_rpcdist_worker, (f"file://{tmp}/rdv", a.quick)))
+        for name, transport in (("rpcdist", "tcp"), ("rpcdist_grpc", "grpc")):
+            with __import__("tempfile").TemporaryDirectory() as tmp:
+                init = f"file://{tmp}/rdv"
+                runs[name].append(_run_pair(_rpcdist_worker, (init, a.quick, transport)))
         ctx = mp.get_context("spawn")
         port_q, stop = ctx.Queue(), ctx.Event()
         srv = ctx.Process(target=_grpc_server, args=(port_q, stop), daemon=True)
@@ -315,6 +323,7 @@ def main() -> None:
         [
             "rpc_sync no-op p50 (µs)",
             r_p50,
+            m("rpcdist_grpc", "p50_us"),
             t_p50,
             m("grpc", "unary_p50_us"),
             s_p50,
@@ -326,6 +335,7 @@ def main() -> None:
         [
             "rpc_sync no-op p99 (µs)",
             m("rpcdist", "p99_us"),
+            m("rpcdist_grpc", "p99_us"),
             m("torch", "p99_us"),
             float("nan"),
             float("nan"),
@@ -338,6 +348,7 @@ def main() -> None:
         [
             f"rpc_async calls/s ({WINDOW} in flight)",
             r_c,
+            m("rpcdist_grpc", "calls_s"),
             t_c,
             g_c,
             float("nan"),
@@ -349,12 +360,22 @@ def main() -> None:
         k = f"echo_{mb}"
         rv, tv, gv = m("rpcdist", k), m("torch", k), m("grpc", k)
         rows.append(
-            [f"array echo {mb} MB, one-way GB/s", rv, tv, gv, float("nan"), rv / tv, rv / gv]
+            [
+                f"array echo {mb} MB, one-way GB/s",
+                rv,
+                m("rpcdist_grpc", k),
+                tv,
+                gv,
+                float("nan"),
+                rv / tv,
+                rv / gv,
+            ]
         )
     body = table(
         [
             "metric",
             "rpcdist",
+            "rpcdist, gRPC transport",
             "PyTorch RPC",
             "grpc.aio unary",
             "grpc.aio stream",
@@ -365,6 +386,9 @@ def main() -> None:
     )
     body += (
         f"\n\nMedians of {a.repeats} independent runs, each a fresh pair of processes. "
+        "`rpcdist` is the default transport (TCP sockets); the second column is "
+        "`RpcOptions(transport='grpc')` (used with TLS), in the same run. Ratios are "
+        "for the default. "
         "Latency ratios below 1 and throughput ratios above 1 favour rpcdist. "
         "The last column compares with the grpc.aio stream ping-pong for latency and with "
         "grpc.aio unary calls otherwise. Goals: p50 ≤ 0.9× PyTorch and ≤ 1.2× the stream "

@@ -13,6 +13,7 @@ import contextvars
 import itertools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,10 @@ def internal_handler(
     return register
 
 
+#: Calls up to this size may be sent from the calling thread (``_call_now``).
+_DIRECT_CALL_BYTES = 64 << 10
+
+
 @dataclass(eq=False, slots=True)
 class _Pending:
     fut: Future[Any]
@@ -147,6 +152,9 @@ class Agent:
         self._calls: dict[int, Any] = {}
         self._in: set[BaseConnection] = set()
         self._pending: dict[int, _Pending] = {}
+        #: Calls user threads handed to the loop that it has not sent yet.
+        self._submits_queued = 0
+        self._submit_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = 0
@@ -371,14 +379,66 @@ class Agent:
         fut: Future[Any] = Future()
         if self._lt.in_loop_thread():
             self._start_call(dst, msg, fut, label)
-        else:
+        elif not self._call_now(dst, msg, fut, label):
+            with self._submit_lock:
+                self._submits_queued += 1
             try:
-                self.loop.call_soon_threadsafe(self._start_call, dst, msg, fut, label)
+                self.loop.call_soon_threadsafe(self._start_call, dst, msg, fut, label, True)
             except RuntimeError as e:
+                with self._submit_lock:
+                    self._submits_queued -= 1
                 raise NotInitializedError(f"the rpcdist agent {self.name!r} has shut down") from e
         return fut
 
-    def _start_call(self, dst: int, msg: OutMessage, fut: Future[Any], label: str) -> None:
+    def _call_now(self, dst: int, msg: OutMessage, fut: Future[Any], label: str) -> bool:
+        """From a user thread: send a small call straight onto an idle link.
+
+        Saves the hop to the loop; the loop arms the call's timer afterwards
+        (:meth:`_arm`). Not taken while calls this agent handed to the loop
+        are still unsent (so one thread's calls keep their order), under
+        fault injection, or for payloads that may travel through /dev/shm.
+        Returns False, having done nothing, when not taken.
+        """
+        conn = self._out.get(dst)
+        if (
+            not isinstance(conn, _tcp.TcpConnection)
+            or self._submits_queued
+            or self.options.faults is not None
+            or self.closed
+            or len(msg.header) + msg.payload_bytes > _DIRECT_CALL_BYTES
+        ):
+            return False
+        call_id = msg.id = next(self._ids)
+        self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, None, time.monotonic())
+        if not conn.try_send_now(msg):
+            del self._pending[call_id]
+            return False
+        try:
+            self.loop.call_soon_threadsafe(self._arm, call_id)
+        except RuntimeError:
+            pass  # the loop is gone: handled just below
+        if self.closed:  # shut down meanwhile: _close may have missed this call
+            p = self._pending.pop(call_id, None)
+            if p is not None:
+                fut.set_exception(ClosedError(f"agent {self.name!r} shut down"))
+        return True
+
+    def _arm(self, call_id: int) -> None:
+        """On the loop, after :meth:`_call_now`: count the call, start its timer."""
+        self.calls_sent += 1
+        p = self._pending.get(call_id)
+        if p is None:  # already answered
+            return
+        self._idle.clear()
+        if p.deadline is not None:
+            p.timer = self.loop.call_at(p.deadline, self._expire, call_id)
+
+    def _start_call(
+        self, dst: int, msg: OutMessage, fut: Future[Any], label: str, queued: bool = False
+    ) -> None:
+        if queued:
+            with self._submit_lock:
+                self._submits_queued -= 1
         if self.closed:
             fut.set_exception(NotInitializedError(f"the rpcdist agent {self.name!r} has shut down"))
             return

@@ -155,9 +155,39 @@ def _run_plain(
         current_deadline.reset(t_deadline)
         reset_agent(t_agent)
     try:
-        agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
+        if _reply_now(agent, conn, m, kind, header, buffers):
+            agent.loop.call_soon_threadsafe(agent.handler_done)
+        else:
+            agent.loop.call_soon_threadsafe(
+                _send_reply, agent, conn, m, ctx, kind, header, buffers
+            )
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
+
+
+#: Replies up to this size may go out from the pool thread that made them.
+_DIRECT_REPLY_BYTES = 64 << 10
+
+
+def _reply_now(
+    agent: Agent,
+    conn: Connection,
+    m: InMessage,
+    kind: int,
+    header: bytes,
+    buffers: list[memoryview],
+) -> bool:
+    """From a pool thread: send a small reply straight away if the link allows.
+
+    Saves one thread hop per call (the reply no longer waits for the loop);
+    not done under fault injection, which decides on the loop.
+    """
+    send_now = getattr(conn, "try_send_now", None)
+    if send_now is None or agent.options.faults is not None:
+        return False
+    if len(header) + sum(b.nbytes for b in buffers) > _DIRECT_REPLY_BYTES:
+        return False
+    return bool(send_now(OutMessage(kind, m.method, header, buffers, id=m.id)))
 
 
 def _send_reply(

@@ -136,6 +136,23 @@ def record(value):
     return len(_records[os.getpid()])
 
 
+_arrivals: list = []
+
+
+async def arrive(value, padding=None):
+    """Record arrival order (an async handler starts in arrival order)."""
+    _arrivals.append(value)
+    return value
+
+
+def arrivals():
+    return list(_arrivals)
+
+
+def clear_arrivals():
+    _arrivals.clear()
+
+
 def records():
     return list(_records.get(os.getpid(), []))
 
@@ -153,6 +170,9 @@ def crash():
 
 
 nested_probe_done = threading.Event()
+#: The probe holds its reply until the test saw the caller time out (the
+#: caller and the nested call share one deadline, so they would race).
+nested_probe_release = threading.Event()
 nested_probe_result: list = []
 
 
@@ -166,3 +186,4 @@ def nested_timeout_probe(to, seconds):
         nested_probe_result.append(("timeout", time.monotonic() - start))
     finally:
         nested_probe_done.set()
+        nested_probe_release.wait(10)

@@ -207,8 +207,14 @@ def test_deadline_travels_with_nested_calls(agents3):
     a, _, _ = agents3
     rf.nested_probe_done.clear()
     rf.nested_probe_result.clear()
-    with as_current(a), pytest.raises(RpcTimeoutError):
-        rpcdist.rpc_sync("worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3)
+    rf.nested_probe_release.clear()
+    try:
+        with as_current(a), pytest.raises(RpcTimeoutError):
+            rpcdist.rpc_sync(
+                "worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3
+            )
+    finally:
+        rf.nested_probe_release.set()
     # On worker1 the nested call (no timeout of its own) inherited the 0.3 s
     # budget instead of the 30 s default.
     assert rf.nested_probe_done.wait(10)
@@ -326,3 +332,18 @@ def test_graceful_shutdown_timeout_raises_and_still_closes():
         assert a.closed and b.closed
         with pytest.raises(rpcdist.ClosedError):
             fut.wait(5)
+
+
+def test_calls_from_one_thread_arrive_in_order_across_send_paths(agents2):
+    """On an idle link a small call is written by the calling thread, a large
+    one by the loop; a small call right behind a large one must not overtake it."""
+    a, b = agents2
+    big = np.zeros(100_000, dtype=np.uint8)  # over the direct-send limit
+    rf.clear_arrivals()
+    assert a.rpc_async(1, rf.arrive, args=(-1,)).wait(30) == -1  # the link is up
+    rf.clear_arrivals()
+    for i in range(0, 100, 2):
+        first = a.rpc_async(1, rf.arrive, args=(i, big))
+        second = a.rpc_async(1, rf.arrive, args=(i + 1,))
+        assert (first.wait(30), second.wait(30)) == (i, i + 1)
+    assert rf.arrivals() == list(range(100))

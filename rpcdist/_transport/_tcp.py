@@ -25,6 +25,7 @@ import hmac
 import logging
 import socket
 import struct
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,7 +36,7 @@ from .._errors import ConnectError, ProtocolError, RpcdistError, WorkerLostError
 from .._options import RpcOptions
 from .._proto import rpc_pb2
 from ._conn import BaseConnection
-from ._frames import pack_batch_parts, parse_envelope
+from ._frames import OutMessage, pack_batch_parts, parse_envelope
 
 __all__ = ["TcpConnection", "TcpServer", "tcp_connect"]
 
@@ -98,6 +99,9 @@ class TcpConnection(BaseConnection):
         self._unsent: deque[memoryview] = deque()
         self._after_sent: list[Callable[[], None]] = []
         self._write_shut = False
+        #: Guards the socket's write side and the writer state above: the
+        #: loop writes, and so may a pool thread (:meth:`try_send_now`).
+        self._wlock = threading.Lock()
         # Reader: staging buffer [lo, hi), the envelope being worked through,
         # and the payload bytes still owed to the current frame.
         self._stage = bytearray(_STAGE_BYTES)
@@ -151,7 +155,8 @@ class TcpConnection(BaseConnection):
         self._detach()
 
     def _detach(self) -> None:
-        sock, self._sock = self._sock, None
+        with self._wlock:
+            sock, self._sock = self._sock, None
         if sock is None:
             return
         with contextlib.suppress(Exception):
@@ -160,65 +165,120 @@ class TcpConnection(BaseConnection):
             with contextlib.suppress(Exception):
                 self._loop.remove_writer(self._fd)
             self._parked = False
-        sock.close()
-        self._unsent.clear()
-        self._after_sent.clear()
+        with self._wlock:
+            sock.close()
+            self._unsent.clear()
+            self._after_sent.clear()
 
     # --------------------------------------------------------------- writing
 
     def _kick(self) -> None:
         # Deferred by one loop turn so that everything queued in this turn
         # goes out in one write.
-        if not self._flush_scheduled and not self._parked and self._sock is not None:
+        with self._wlock:
+            if self._flush_scheduled or self._parked or self._sock is None:
+                return
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            while True:
-                if not self._unsent:
-                    if not self._queue:
-                        break
-                    head, parts, packed = pack_batch_parts(
-                        self._queue, self._batch_bytes, self._chunk_bytes, _MAX_IOV - 1
-                    )
-                    self.messages_out += 1
-                    if sum(p.nbytes for p in parts) < _JOIN_BYTES:
-                        self._unsent.append(memoryview(b"".join([head, *parts])))
-                    else:
-                        self._unsent.append(memoryview(head))
-                        self._unsent.extend(parts)
-                    self._after_sent = packed
-                n = sock.sendmsg(list(self._unsent))
-                while n:
-                    first = self._unsent[0]
-                    if n >= first.nbytes:
-                        n -= first.nbytes
-                        self._unsent.popleft()
-                    else:
-                        self._unsent[0] = first[n:]
-                        n = 0
-                if not self._unsent:
-                    done, self._after_sent = self._after_sent, []
-                    for cb in done:  # the senders' bytes are in the kernel now
-                        cb()
-        except (BlockingIOError, InterruptedError):
-            if not self._parked:
-                self._parked = True
-                self._loop.add_writer(self._fd, self._on_writable)
-            return
-        except OSError as e:
-            self._end(WorkerLostError(f"lost the connection to {self.label}: {e}"))
-            return
-        if self._write_shut:
+        with self._wlock:
+            self._flush_scheduled = False
+            if self._sock is None:
+                return
+            try:
+                self._write_out()
+            except (BlockingIOError, InterruptedError):
+                if not self._parked:
+                    self._parked = True
+                    self._loop.add_writer(self._fd, self._on_writable)
+                return
+            except OSError as e:
+                error: OSError | None = e
+            else:
+                error = None
+        if error is not None:
+            self._end(WorkerLostError(f"lost the connection to {self.label}: {error}"))
+        elif self._write_shut:
             self.shutdown_write()
 
+    def _write_out(self) -> None:
+        """Send queued batches until done or the socket is full (holding ``_wlock``).
+
+        Raises:
+            BlockingIOError: the socket is full; the rest waits in ``_unsent``.
+            OSError: the socket failed.
+        """
+        assert self._sock is not None
+        while True:
+            if not self._unsent:
+                if not self._queue:
+                    return
+                head, parts, packed = pack_batch_parts(
+                    self._queue, self._batch_bytes, self._chunk_bytes, _MAX_IOV - 1
+                )
+                self.messages_out += 1
+                if sum(p.nbytes for p in parts) < _JOIN_BYTES:
+                    self._unsent.append(memoryview(b"".join([head, *parts])))
+                else:
+                    self._unsent.append(memoryview(head))
+                    self._unsent.extend(parts)
+                self._after_sent = packed
+            n = self._sock.sendmsg(list(self._unsent))
+            while n:
+                first = self._unsent[0]
+                if n >= first.nbytes:
+                    n -= first.nbytes
+                    self._unsent.popleft()
+                else:
+                    self._unsent[0] = first[n:]
+                    n = 0
+            if not self._unsent:
+                done, self._after_sent = self._after_sent, []
+                for cb in done:  # the senders' bytes are in the kernel now
+                    cb()
+
+    def try_send_now(self, msg: OutMessage) -> bool:
+        """Send ``msg`` from any thread, at once, if nothing is queued before it.
+
+        Saves the hop to the loop for a small reply a pool thread produced
+        (``msg`` must have no ``on_packed`` callback and no /dev/shm payload).
+        Returns False, having done nothing, when the link is busy, not up or
+        closed: the caller then queues ``msg`` on the loop as usual. Once
+        True, the message is the connection's: whatever the socket did not
+        take at once is finished by the loop.
+        """
+        with self._wlock:
+            if (
+                self._sock is None
+                or self.closed is not None
+                or self._parked
+                or self._flush_scheduled
+                or self._unsent
+                or self._queue
+            ):
+                return False
+            head, parts, _ = pack_batch_parts(
+                deque([msg]), self._batch_bytes, 1 << 62, _MAX_IOV - 1
+            )
+            data = memoryview(b"".join([head, *parts]))
+            self.messages_out += 1
+            try:
+                n = self._sock.sendmsg([data])
+                if n == data.nbytes:
+                    return True
+                self._unsent.append(data[n:])
+            except (BlockingIOError, InterruptedError):
+                self._unsent.append(data)
+            except OSError:
+                pass  # the loop's next read or write reports it
+            self._flush_scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+        return True
+
     def _on_writable(self) -> None:
-        self._parked = False
+        with self._wlock:
+            self._parked = False
         self._loop.remove_writer(self._fd)
         self._flush()
 
