@@ -158,9 +158,7 @@ def _run_plain(
         if _reply_now(agent, conn, m, kind, header, buffers):
             agent.loop.call_soon_threadsafe(agent.handler_done)
         else:
-            agent.loop.call_soon_threadsafe(
-                _send_reply, agent, conn, m, ctx, kind, header, buffers
-            )
+            agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
 

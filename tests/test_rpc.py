@@ -210,9 +210,7 @@ def test_deadline_travels_with_nested_calls(agents3):
     rf.nested_probe_release.clear()
     try:
         with as_current(a), pytest.raises(RpcTimeoutError):
-            rpcdist.rpc_sync(
-                "worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3
-            )
+            rpcdist.rpc_sync("worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3)
     finally:
         rf.nested_probe_release.set()
     # On worker1 the nested call (no timeout of its own) inherited the 0.3 s
