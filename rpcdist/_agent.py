@@ -394,15 +394,18 @@ class Agent:
         """From a user thread: send a small call straight onto an idle link.
 
         Saves the hop to the loop; the loop arms the call's timer afterwards
-        (:meth:`_arm`). Not taken while calls this agent handed to the loop
-        are still unsent (so one thread's calls keep their order), under
-        fault injection, or for payloads that may travel through /dev/shm.
+        (:meth:`_arm`). Only for a call made while none is in flight (under
+        load, one write per call would cost more than the hop saves: measured
+        -40% calls/s with 64 in flight); never while calls this agent handed
+        to the loop are still unsent (so one thread's calls keep their
+        order), under fault injection, or above 64 KiB.
         Returns False, having done nothing, when not taken.
         """
         conn = self._out.get(dst)
         if (
             not isinstance(conn, _tcp.TcpConnection)
             or self._submits_queued
+            or self._pending  # calls in flight: the loop's writes coalesce them
             or self.options.faults is not None
             or self.closed
             or len(msg.header) + msg.payload_bytes > _DIRECT_CALL_BYTES
@@ -664,6 +667,11 @@ class Agent:
             self.mailbox.deliver(conn.peer_rank, m)
         else:
             raise ProtocolError(f"unexpected frame kind {kind} from {conn.label}")
+
+    @property
+    def inflight_handlers(self) -> int:
+        """Handlers running now (read from any thread; a hint, not a lock)."""
+        return self._inflight
 
     def handler_done(self) -> None:
         self._inflight -= 1
