@@ -158,6 +158,9 @@ class Agent:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = 0
+        #: Guards ``_inflight`` and ``calls_handled``: pool threads that send
+        #: their own replies account for them too.
+        self._count_lock = threading.Lock()
         self._idle = asyncio.Event()
         self.calls_sent = 0
         self.calls_handled = 0
@@ -660,7 +663,8 @@ class Agent:
         if kind in (REPLY, ERROR_REPLY):
             self._on_reply(conn, m)
         elif kind in (CALL, INTERNAL):
-            self._inflight += 1
+            with self._count_lock:
+                self._inflight += 1
             self._idle.clear()
             _dispatch.dispatch(self, conn, m)
         elif kind == P2P:
@@ -674,8 +678,23 @@ class Agent:
         return self._inflight
 
     def handler_done(self) -> None:
-        self._inflight -= 1
-        self.calls_handled += 1
+        """Account for a finished handler (on the loop)."""
+        with self._count_lock:
+            self._inflight -= 1
+            self.calls_handled += 1
+        if self._inflight == 0 and not self._pending:
+            self._idle.set()
+
+    def handler_done_threadsafe(self) -> None:
+        """:meth:`handler_done` from a pool thread, before it sends the reply itself."""
+        with self._count_lock:
+            self._inflight -= 1
+            self.calls_handled += 1
+            idle = self._inflight == 0
+        if idle:
+            self.loop.call_soon_threadsafe(self._check_idle)
+
+    def _check_idle(self) -> None:
         if self._inflight == 0 and not self._pending:
             self._idle.set()
 

@@ -155,9 +155,7 @@ def _run_plain(
         current_deadline.reset(t_deadline)
         reset_agent(t_agent)
     try:
-        if _reply_now(agent, conn, m, kind, header, buffers):
-            agent.loop.call_soon_threadsafe(agent.handler_done)
-        else:
+        if not _reply_now(agent, conn, m, kind, header, buffers):
             agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
@@ -189,7 +187,10 @@ def _reply_now(
         return False
     if len(header) + sum(b.nbytes for b in buffers) > _DIRECT_REPLY_BYTES:
         return False
-    return bool(send_now(OutMessage(kind, m.method, header, buffers, id=m.id)))
+    # Counted just before the reply leaves, so the caller never sees its
+    # reply before this worker's statistics include the call.
+    reply = OutMessage(kind, m.method, header, buffers, id=m.id)
+    return bool(send_now(reply, before=agent.handler_done_threadsafe))
 
 
 def _send_reply(

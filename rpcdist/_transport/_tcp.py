@@ -238,7 +238,7 @@ class TcpConnection(BaseConnection):
                 for cb in done:  # the senders' bytes are in the kernel now
                     cb()
 
-    def try_send_now(self, msg: OutMessage) -> bool:
+    def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
         """Send ``msg`` from any thread, at once, if nothing is queued before it.
 
         Saves the hop to the loop for a small reply a pool thread produced
@@ -246,7 +246,8 @@ class TcpConnection(BaseConnection):
         Returns False, having done nothing, when the link is busy, not up or
         closed: the caller then queues ``msg`` on the loop as usual. Once
         True, the message is the connection's: whatever the socket did not
-        take at once is finished by the loop.
+        take at once is finished by the loop. ``before`` runs just before the
+        first byte is written, only if it will be.
         """
         with self._wlock:
             if (
@@ -263,6 +264,8 @@ class TcpConnection(BaseConnection):
             )
             data = memoryview(b"".join([head, *parts]))
             self.messages_out += 1
+            if before is not None:
+                before()
             try:
                 n = self._sock.sendmsg([data])
                 if n == data.nbytes:
