@@ -1,10 +1,12 @@
 """Pure framing: pack outgoing messages into stream messages and reassemble them.
 
 A stream message is ``[u32 envelope length][rpc_pb2.Batch][payload area]``;
-see ``proto/rpcdist/v1/rpc.proto``. Packing copies each payload byte once
-(into the stream message handed to gRPC); reassembly copies it once more, out
-of gRPC's receive buffer into the destination (a fresh ``bytearray`` or a
-buffer the receiver posted in advance). No sockets, no event loop.
+see ``proto/rpcdist/v1/rpc.proto``. :func:`pack_batch_parts` copies nothing
+(the TCP transport hands its parts to ``sendmsg``); :func:`pack_batch` joins
+them for gRPC. The :class:`Reassembler` says where each frame's payload goes
+(a fresh buffer or one the receiver posted in advance): the TCP transport
+receives into it directly, :meth:`Reassembler.feed` copies a whole gRPC
+message into it. No sockets, no event loop.
 """
 
 from __future__ import annotations
