@@ -406,7 +406,7 @@ class Agent:
         """
         conn = self._out.get(dst)
         if (
-            not isinstance(conn, _tcp.TcpConnection)
+            conn is None
             or self._submits_queued
             or self._pending  # calls in flight: the loop's writes coalesce them
             or self.options.faults is not None
@@ -521,7 +521,7 @@ class Agent:
                 options=self.options,
                 segments=self._segments_for(dst),
             )
-            run = self._run_outgoing_tcp(dst, conn, address)
+            run = self._run_outgoing_tcp(conn, address)
         else:
             channel = _grpc.open_channel(self.options, address)
             call = _grpc.connect(
@@ -537,7 +537,7 @@ class Agent:
                 segments=self._segments_for(dst),
             )
             self._calls[dst] = call
-            run = self._run_outgoing_grpc(dst, conn, call, channel)
+            run = self._run_outgoing_grpc(conn, call, channel)
         self._out[dst] = conn
         # A clean context: the stream outlives the call that opened it, so it
         # must not inherit that call's deadline (or anything else).
@@ -548,7 +548,7 @@ class Agent:
         return conn
 
     async def _run_outgoing_grpc(
-        self, dst: int, conn: _grpc.Connection, call: Any, channel: grpc.aio.Channel
+        self, conn: _grpc.Connection, call: Any, channel: grpc.aio.Channel
     ) -> None:
         try:
             await _grpc.handshake(call)
@@ -559,7 +559,7 @@ class Agent:
             except BaseException:
                 pass
 
-    async def _run_outgoing_tcp(self, dst: int, conn: _tcp.TcpConnection, address: str) -> None:
+    async def _run_outgoing_tcp(self, conn: _tcp.TcpConnection, address: str) -> None:
         sock = await _tcp.tcp_connect(
             address, conn.label, options=self.options, my_rank=self.rank, my_name=self.name
         )
@@ -614,9 +614,7 @@ class Agent:
             read=context.read,
             on_message=self._on_message,
             options=self.options,
-            alloc=lambda kind, key, total: (
-                self.mailbox.alloc(rank, key, total) if kind == P2P else None
-            ),
+            alloc=self._p2p_alloc(rank),
             segments=self._segments_for(rank),
         )
         self._in.add(conn)
@@ -631,6 +629,14 @@ class Agent:
             conn.closed = WorkerLostError(f"stream from {conn.label} ended")
             self._in.discard(conn)
 
+    def _p2p_alloc(self, rank: int) -> Callable[[int, str, int], memoryview | None]:
+        """Where an incoming message from ``rank`` lands: a posted P2P receive, else fresh."""
+
+        def alloc(kind: int, key: str, total: int) -> memoryview | None:
+            return self.mailbox.alloc(rank, key, total) if kind == P2P else None
+
+        return alloc
+
     def _refusal(self, rank: int, name: str) -> str | None:
         if not 0 <= rank < len(self.workers) or self.workers[rank].name != name:
             return f"worker {name!r} (rank {rank}) is not part of this job"
@@ -643,9 +649,7 @@ class Agent:
             label=f"worker {name!r}",
             on_message=self._on_message,
             options=self.options,
-            alloc=lambda kind, key, total: (
-                self.mailbox.alloc(rank, key, total) if kind == P2P else None
-            ),
+            alloc=self._p2p_alloc(rank),
             segments=self._segments_for(rank),
         )
         conn.attach(sock)

@@ -180,8 +180,7 @@ def _reply_now(
     loop leave several per write, which measured faster. Not done under
     fault injection, which decides on the loop.
     """
-    send_now = getattr(conn, "try_send_now", None)
-    if send_now is None or agent.options.faults is not None:
+    if agent.options.faults is not None:
         return False
     if agent.inflight_handlers > 1:  # busy: replies coalesce better on the loop
         return False
@@ -190,7 +189,7 @@ def _reply_now(
     # Counted just before the reply leaves, so the caller never sees its
     # reply before this worker's statistics include the call.
     reply = OutMessage(kind, m.method, header, buffers, id=m.id)
-    return bool(send_now(reply, before=agent.handler_done_threadsafe))
+    return conn.try_send_now(reply, before=agent.handler_done_threadsafe)
 
 
 def _send_reply(

@@ -80,6 +80,13 @@ class BaseConnection:
         """Start moving queued messages (the subclass's writer)."""
         raise NotImplementedError
 
+    def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
+        """Send ``msg`` at once from any thread, if the transport can; False if not.
+
+        This transport cannot: everything goes through the loop.
+        """
+        return False
+
     def queued(self) -> int:
         return len(self._queue)
 

@@ -224,6 +224,20 @@ class TcpConnection(BaseConnection):
                     self._unsent.append(memoryview(head))
                     self._unsent.extend(parts)
                 self._after_sent = packed
+            self._send_unsent()
+            done, self._after_sent = self._after_sent, []
+            for cb in done:  # the senders' bytes are in the kernel now
+                cb()
+
+    def _send_unsent(self) -> None:
+        """Write ``_unsent`` until it is empty (holding ``_wlock``).
+
+        Raises:
+            BlockingIOError: the socket is full; the rest stays in ``_unsent``.
+            OSError: the socket failed.
+        """
+        assert self._sock is not None
+        while self._unsent:
             n = self._sock.sendmsg(list(self._unsent))
             while n:
                 first = self._unsent[0]
@@ -233,10 +247,6 @@ class TcpConnection(BaseConnection):
                 else:
                     self._unsent[0] = first[n:]
                     n = 0
-            if not self._unsent:
-                done, self._after_sent = self._after_sent, []
-                for cb in done:  # the senders' bytes are in the kernel now
-                    cb()
 
     def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
         """Send ``msg`` from any thread, at once, if nothing is queued before it.
@@ -262,20 +272,15 @@ class TcpConnection(BaseConnection):
             head, parts, _ = pack_batch_parts(
                 deque([msg]), self._batch_bytes, 1 << 62, _MAX_IOV - 1
             )
-            data = memoryview(b"".join([head, *parts]))
+            self._unsent.append(memoryview(b"".join([head, *parts])))
             self.messages_out += 1
             if before is not None:
                 before()
             try:
-                n = self._sock.sendmsg([data])
-                if n == data.nbytes:
-                    return True
-                self._unsent.append(data[n:])
-            except (BlockingIOError, InterruptedError):
-                self._unsent.append(data)
-            except OSError:
-                pass  # the loop's next read or write reports it
-            self._flush_scheduled = True
+                self._send_unsent()
+                return True
+            except OSError:  # full (or failed): the loop parks the rest (or reports it)
+                self._flush_scheduled = True
         self._loop.call_soon_threadsafe(self._flush)
         return True
 
