@@ -15,13 +15,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The suite runs on the default (TCP) transport; the RPC, RRef and security
+# The suite runs on the default (plain-socket) transport; the RPC, RRef and security
 # tests run once more on the gRPC-stream transport.
 GRPC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref tests/test_security.py
+# Same-host workers use Unix sockets by default; this pass keeps loopback TCP
+# (the path between hosts) under test too.
+TCP_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/test_tcp_transport.py \
+	tests/collectives/test_coll_inprocess.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
+	RPCDIST_LOCAL_SOCKETS=0 $(BIN)/python -m pytest -q $(TCP_SUITE)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not multiprocess and not slow"

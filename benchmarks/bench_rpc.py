@@ -108,7 +108,11 @@ def _measure(sync_noop: Any, submit_noop: Any, echo: Any, quick: bool) -> dict[s
 def _rpcdist_worker(rank: int, init: str, quick: bool, transport: str, q: Any) -> None:
     import rpcdist
 
-    opts = rpcdist.RpcOptions(transport=transport)
+    # "tcp-only": the TCP transport with same-host Unix sockets turned off,
+    # which is what two workers on different hosts would use.
+    opts = rpcdist.RpcOptions(
+        transport=transport.removesuffix("-only"), local_sockets=transport != "tcp-only"
+    )
     rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120, options=opts)
     try:
         if rank == 0:
@@ -288,12 +292,17 @@ def main() -> None:
 
     runs: dict[str, list[dict[str, Any]]] = {
         "rpcdist": [],
+        "rpcdist_tcp": [],
         "rpcdist_grpc": [],
         "grpc": [],
         "torch": [],
     }
     for i in range(a.repeats):
-        for name, transport in (("rpcdist", "tcp"), ("rpcdist_grpc", "grpc")):
+        for name, transport in (
+            ("rpcdist", "tcp"),
+            ("rpcdist_tcp", "tcp-only"),
+            ("rpcdist_grpc", "grpc"),
+        ):
             with __import__("tempfile").TemporaryDirectory() as tmp:
                 init = f"file://{tmp}/rdv"
                 runs[name].append(_run_pair(_rpcdist_worker, (init, a.quick, transport)))
@@ -323,6 +332,7 @@ def main() -> None:
         [
             "rpc_sync no-op p50 (µs)",
             r_p50,
+            m("rpcdist_tcp", "p50_us"),
             m("rpcdist_grpc", "p50_us"),
             t_p50,
             m("grpc", "unary_p50_us"),
@@ -335,6 +345,7 @@ def main() -> None:
         [
             "rpc_sync no-op p99 (µs)",
             m("rpcdist", "p99_us"),
+            m("rpcdist_tcp", "p99_us"),
             m("rpcdist_grpc", "p99_us"),
             m("torch", "p99_us"),
             float("nan"),
@@ -348,6 +359,7 @@ def main() -> None:
         [
             f"rpc_async calls/s ({WINDOW} in flight)",
             r_c,
+            m("rpcdist_tcp", "calls_s"),
             m("rpcdist_grpc", "calls_s"),
             t_c,
             g_c,
@@ -363,6 +375,7 @@ def main() -> None:
             [
                 f"array echo {mb} MB, one-way GB/s",
                 rv,
+                m("rpcdist_tcp", k),
                 m("rpcdist_grpc", k),
                 tv,
                 gv,
@@ -375,6 +388,7 @@ def main() -> None:
         [
             "metric",
             "rpcdist",
+            "rpcdist, TCP only",
             "rpcdist, gRPC transport",
             "PyTorch RPC",
             "grpc.aio unary",
@@ -386,9 +400,11 @@ def main() -> None:
     )
     body += (
         f"\n\nMedians of {a.repeats} independent runs, each a fresh pair of processes. "
-        "`rpcdist` is the default transport (TCP sockets); the second column is "
-        "`RpcOptions(transport='grpc')` (used with TLS), in the same run. Ratios are "
-        "for the default. "
+        "`rpcdist` is the default: plain sockets, which between two workers on one "
+        "host are Unix sockets; `TCP only` turns those off "
+        "(`RpcOptions(local_sockets=False)`: loopback TCP, the path between hosts); "
+        "`gRPC transport` is `RpcOptions(transport='grpc')` (used with TLS). All in the "
+        "same run; ratios are for the default. "
         "Latency ratios below 1 and throughput ratios above 1 favour rpcdist. "
         "The last column compares with the grpc.aio stream ping-pong for latency and with "
         "grpc.aio unary calls otherwise. Goals: p50 ≤ 0.9× PyTorch and ≤ 1.2× the stream "

@@ -9,6 +9,7 @@ thread pool, ``async def`` handlers on the loop itself.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import itertools
 import logging
@@ -16,7 +17,6 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from ._futures import Future
 from ._loop import LoopThread
 from ._options import RpcOptions
 from ._p2p import Mailbox
+from ._pool import WorkerPool
 from ._rendezvous import open_store, parse_init_method
 from ._serialization import decode, encode, exception_from_wire, function_name
 from ._transport import _grpc, _tcp
@@ -89,6 +90,11 @@ def internal_handler(
 
 #: Calls up to this size may be sent from the calling thread (``_call_now``).
 _DIRECT_CALL_BYTES = 64 << 10
+#: How often the loop arms the timers of calls user threads sent themselves.
+_ARM_PERIOD = 0.25
+#: A directly sent call whose deadline is nearer than this wakes the loop to
+#: arm its timer at once; later deadlines wait for the next sweep.
+_ARM_AT_ONCE = 4 * _ARM_PERIOD
 
 
 @dataclass(eq=False, slots=True)
@@ -162,6 +168,16 @@ class Agent:
         #: their own replies account for them too.
         self._count_lock = threading.Lock()
         self._idle = asyncio.Event()
+        #: Calls user threads sent themselves whose timers the loop has not
+        #: armed yet (see ``_call_now``); drained every ``_ARM_PERIOD``.
+        self._to_arm: collections.deque[int] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
+        #: Thread wake-ups held back to the end of the read callback that
+        #: caused them (``wake_after_read``).
+        self._wakeups: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        #: Set while a graceful shutdown waits for ``_idle``: only then do
+        #: threads that finish work off the loop wake it to re-check.
+        self._quiescing = False
         self.calls_sent = 0
         self.calls_handled = 0
         self.mailbox = Mailbox()
@@ -170,14 +186,14 @@ class Agent:
         self.segments: SegmentWriter | None = (
             SegmentWriter() if self.options.payload_shm_threshold and shm_available() else None
         )
+        #: Abstract Unix socket names of same-host peers (``local_sockets``).
+        self._unix_names: dict[int, str] = {}
         self._store: Any = None
         self._store_server: Any = None
         self._server: _grpc.Server | _tcp.TcpServer | None = None
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         self.loop = self._lt.loop
-        self.executor = ThreadPoolExecutor(
-            max_workers=num_worker_threads, thread_name_prefix=f"rpcdist-worker-{self.name}"
-        )
+        self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
 
     # ------------------------------------------------------------------ start
 
@@ -199,6 +215,7 @@ class Agent:
 
     async def _start(self) -> None:
         self._idle.set()
+        self._sweeper = self.loop.call_later(_ARM_PERIOD, self._sweep)
         timeout = self.options.init_timeout
         self._store, self._store_server = await open_store(
             self._spec, token=self.options.token, timeout=timeout
@@ -216,6 +233,7 @@ class Agent:
             "addr": address,
             "host": _host_id(),
             "transport": self.options.data_transport,
+            "unix": getattr(self._server, "unix_name", None),
         }
         await self._store.set(f"rpc/worker/{self.rank}", msgpack.packb(me))
         entries = await asyncio.gather(
@@ -226,6 +244,12 @@ class Agent:
         self._by_name = {w.name: w for w in self.workers}
         self.addresses = {i["rank"]: i["addr"] for i in infos}
         self.hosts = {i["rank"]: i["host"] for i in infos}
+        me_host = self.hosts[self.rank]
+        self._unix_names = {
+            i["rank"]: i["unix"]
+            for i in infos
+            if i.get("unix") and i["host"] == me_host and self.options.unix_sockets
+        }
         # After this barrier every worker has its table (so may be called) and
         # has read every entry (so rank 0 may stop the store on failure).
         await self._store.barrier("rpc/init", self.world_size, timeout)
@@ -415,14 +439,22 @@ class Agent:
         ):
             return False
         call_id = msg.id = next(self._ids)
-        self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, None, time.monotonic())
+        now = time.monotonic()
+        self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, None, now)
         if not conn.try_send_now(msg):
             del self._pending[call_id]
             return False
-        try:
-            self.loop.call_soon_threadsafe(self._arm, call_id)
-        except RuntimeError:
-            pass  # the loop is gone: handled just below
+        with self._count_lock:
+            self.calls_sent += 1
+        if msg.deadline is None:
+            pass  # no timer to arm
+        elif msg.deadline - now > _ARM_AT_ONCE:
+            self._to_arm.append(call_id)  # the sweep arms it: no wake-up now
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._arm, call_id)
+            except RuntimeError:
+                pass  # the loop is gone: handled just below
         if self.closed:  # shut down meanwhile: _close may have missed this call
             p = self._pending.pop(call_id, None)
             if p is not None:
@@ -430,14 +462,17 @@ class Agent:
         return True
 
     def _arm(self, call_id: int) -> None:
-        """On the loop, after :meth:`_call_now`: count the call, start its timer."""
-        self.calls_sent += 1
+        """On the loop, after :meth:`_call_now`: start the call's timer."""
         p = self._pending.get(call_id)
-        if p is None:  # already answered
-            return
-        self._idle.clear()
-        if p.deadline is not None:
+        if p is not None and p.timer is None and p.deadline is not None:  # not answered yet
             p.timer = self.loop.call_at(p.deadline, self._expire, call_id)
+
+    def _sweep(self) -> None:
+        """Every ``_ARM_PERIOD`` on the loop: arm the timers of direct calls."""
+        while self._to_arm:
+            self._arm(self._to_arm.popleft())
+        if not self.closed:
+            self._sweeper = self.loop.call_later(_ARM_PERIOD, self._sweep)
 
     def _start_call(
         self, dst: int, msg: OutMessage, fut: Future[Any], label: str, queued: bool = False
@@ -454,7 +489,8 @@ class Agent:
             timer = self.loop.call_at(msg.deadline, self._expire, call_id)
         self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, timer, time.monotonic())
         self._idle.clear()
-        self.calls_sent += 1
+        with self._count_lock:
+            self.calls_sent += 1
         try:
             self._send(dst, msg, label)
         except RpcdistError as e:
@@ -472,7 +508,15 @@ class Agent:
                 ),
             )
 
-    def _finish(self, call_id: int, *, value: Any = None, exc: BaseException | None = None) -> None:
+    def _finish(
+        self,
+        call_id: int,
+        *,
+        value: Any = None,
+        exc: BaseException | None = None,
+        conn: BaseConnection | None = None,
+    ) -> None:
+        """Complete call ``call_id``; ``conn``: the reply came in on it."""
         p = self._pending.pop(call_id, None)
         if p is None:
             return
@@ -480,10 +524,11 @@ class Agent:
             p.timer.cancel()
         if not self._pending and self._inflight == 0:
             self._idle.set()
-        if exc is not None:
-            p.fut.set_exception(exc)
+        if conn is not None and not p.fut._has_callbacks():
+            # Only threads wait on it: wake them when the read callback ends.
+            self.wake_after_read(conn, p.fut._complete, value, exc)
         else:
-            p.fut.set_result(value)
+            p.fut._complete(value, exc)
 
     def _send(self, dst: int, msg: OutMessage, label: str) -> None:
         faults = self.options.faults
@@ -520,6 +565,7 @@ class Agent:
                 on_message=self._on_message,
                 options=self.options,
                 segments=self._segments_for(dst),
+                after_read=self._flush_wakeups,
             )
             run = self._run_outgoing_tcp(conn, address)
         else:
@@ -560,9 +606,24 @@ class Agent:
                 pass
 
     async def _run_outgoing_tcp(self, conn: _tcp.TcpConnection, address: str) -> None:
-        sock = await _tcp.tcp_connect(
-            address, conn.label, options=self.options, my_rank=self.rank, my_name=self.name
-        )
+        sock = None
+        unix = self._unix_names.get(conn.peer_rank)
+        if unix is not None:
+            try:
+                sock = await _tcp.tcp_connect(
+                    address,
+                    conn.label,
+                    options=self.options,
+                    my_rank=self.rank,
+                    my_name=self.name,
+                    unix=unix,
+                )
+            except _tcp.Unreachable as e:  # e.g. another network namespace
+                _log.debug("dialling %s over TCP: %s", conn.label, e)
+        if sock is None:
+            sock = await _tcp.tcp_connect(
+                address, conn.label, options=self.options, my_rank=self.rank, my_name=self.name
+            )
         conn.attach(sock)
         await conn.run()
 
@@ -651,6 +712,7 @@ class Agent:
             options=self.options,
             alloc=self._p2p_alloc(rank),
             segments=self._segments_for(rank),
+            after_read=self._flush_wakeups,
         )
         conn.attach(sock)
         self._in.add(conn)
@@ -676,6 +738,30 @@ class Agent:
         else:
             raise ProtocolError(f"unexpected frame kind {kind} from {conn.label}")
 
+    def wake_after_read(self, conn: BaseConnection, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)``, which wakes another thread, once ``conn``'s
+        current read callback ends (at once on a transport without one).
+
+        Waking a pool or user thread while the loop still has the rest of
+        the callback to run makes that thread wait for the GIL: a second
+        wake-up, measured at several us each on the benchmark machine.
+        """
+        if conn.after_read is None:
+            fn(*args)
+        else:
+            self._wakeups.append((fn, args))
+
+    def _flush_wakeups(self) -> None:
+        wakeups = self._wakeups
+        while wakeups:
+            batch = wakeups[:]
+            wakeups.clear()
+            for fn, args in batch:
+                try:
+                    fn(*args)
+                except Exception:
+                    _log.exception("error waking a thread for %r", fn)
+
     @property
     def inflight_handlers(self) -> int:
         """Handlers running now (read from any thread; a hint, not a lock)."""
@@ -695,12 +781,14 @@ class Agent:
             self._inflight -= 1
             self.calls_handled += 1
             idle = self._inflight == 0
-        if idle:
+        if idle and self._quiescing:  # else nobody waits: spare the loop a wake-up
             self.loop.call_soon_threadsafe(self._check_idle)
 
     def _check_idle(self) -> None:
         if self._inflight == 0 and not self._pending:
             self._idle.set()
+        else:
+            self._idle.clear()  # user threads add calls without touching the loop
 
     def _on_reply(self, conn: BaseConnection, m: InMessage) -> None:
         p = self._pending.get(m.id)
@@ -716,12 +804,12 @@ class Agent:
         try:
             value = decode(m.header, m.buffers, allow_pickle=self.options.allow_pickle, context=ctx)
         except SerializationError as e:
-            self._finish(m.id, exc=e)
+            self._finish(m.id, exc=e, conn=conn)
             return
         if m.kind == REPLY:
-            self._finish(m.id, value=value)
+            self._finish(m.id, value=value, conn=conn)
         else:
-            self._finish(m.id, exc=exception_from_wire(value))
+            self._finish(m.id, exc=exception_from_wire(value), conn=conn)
 
     # --------------------------------------------------- internal & control
 
@@ -884,7 +972,11 @@ class Agent:
         """Wait until no worker has work in flight (two stable rounds)."""
         previous: tuple[int, int] | None = None
         pause = 0.002
+        # From here on, threads finishing work wake the loop (see
+        # handler_done_threadsafe); what finished before is checked now.
+        self._quiescing = True
         for round_no in itertools.count():
+            self._check_idle()
             await self._idle.wait()
             report = [self.calls_sent, self.calls_handled, int(self._idle.is_set())]
             await self._store.set(f"rpc/quiesce/{round_no}/{self.rank}", msgpack.packb(report))
@@ -910,6 +1002,8 @@ class Agent:
     ) -> None:
         self._closing = True
         self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for call_id in list(self._pending):
             self._finish(call_id, exc=type(exc)(str(exc)))
         self.mailbox.fail_all(None, ClosedError(str(exc)))

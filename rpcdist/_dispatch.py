@@ -106,15 +106,20 @@ def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
                 _send_reply(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
                 return
             if not ctx.gates:
-                try:
-                    agent.executor.submit(_run_plain, agent, conn, m, fn, args, kwargs, ctx)
-                except RuntimeError:  # the pool was shut down: the agent is closing
-                    agent.handler_done()
+                agent.wake_after_read(conn, _post_plain, agent, conn, m, fn, args, kwargs, ctx)
                 return
             # Never decode twice: decoding has side effects (RRef forks).
             agent.spawn(serve(agent, conn, m, (ctx, args, kwargs)))
             return
     agent.spawn(serve(agent, conn, m))
+
+
+def _post_plain(agent: Agent, *job: Any) -> None:
+    """Hand ``_run_plain(agent, *job)`` to the pool (after the read callback)."""
+    try:
+        agent.executor.post(_run_plain, agent, *job)
+    except RuntimeError:  # the pool was shut down: the agent is closing
+        agent.handler_done()
 
 
 def _decode_call(agent: Agent, m: InMessage, ctx: WireContext) -> tuple[Any, Any]:

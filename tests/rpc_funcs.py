@@ -187,3 +187,13 @@ def nested_timeout_probe(to, seconds):
     finally:
         nested_probe_done.set()
         nested_probe_release.wait(10)
+
+
+#: Holds :func:`held` until the test lets it go.
+release = threading.Event()
+
+
+def held(value=None):
+    """Block a pool thread until ``release`` is set (at most 30 s)."""
+    release.wait(30)
+    return value

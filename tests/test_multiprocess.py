@@ -75,9 +75,16 @@ def _record_call(value: str) -> bytes:
     return pack_batch(q, 1 << 20, 1 << 20)
 
 
-def _raw_tcp(agent_addr: str, token: str | None, frames: list[bytes], want_reply: bool = False):
+def _raw_tcp(
+    agent_addr: str,
+    token: str | None,
+    frames: list[bytes],
+    want_reply: bool = False,
+    unix: str | None = None,
+):
     """Speak the plain-socket transport by hand: hello, then ``frames``.
 
+    Dials the agent's abstract Unix socket named ``unix`` instead of TCP when given.
     Returns ``("refused", reason)`` or ``("ok", bytes the agent sent back)``:
     one reply envelope when ``want_reply``, else everything until the agent closes.
     """
@@ -86,8 +93,13 @@ def _raw_tcp(agent_addr: str, token: str | None, frames: list[bytes], want_reply
 
     import msgpack
 
-    host, port = _tcp.split_address(agent_addr)
-    with socket.create_connection((host, port), timeout=10) as s:
+    if unix is not None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect("\0" + unix)
+    else:
+        s = socket.create_connection(_tcp.split_address(agent_addr), timeout=10)
+    with s:
         hello = msgpack.packb({"rank": 1, "name": "worker1", "token": token})
         s.sendall(_tcp.MAGIC + struct.pack("<I", len(hello)) + hello)
         (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
@@ -106,22 +118,32 @@ def _raw_tcp(agent_addr: str, token: str | None, frames: list[bytes], want_reply
         return "ok", got
 
 
-@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "unix", "grpc"])
 def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
-    opts = rpcdist.RpcOptions(token="s3cret", transport=transport)
+    opts = rpcdist.RpcOptions(
+        token="s3cret",
+        transport="grpc" if transport == "grpc" else "tcp",
+        local_sockets=transport == "unix",
+    )
     with local_agents(2, options=opts) as (a, b):
         assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the right token works
+        unix = a._server.unix_name if transport == "unix" else None
+        assert (unix is not None) == (transport == "unix")
         before = rf.records()
         for token in (None, "wrong"):
             if transport == "grpc":
                 code, _ = _raw_stream(a.addresses[0], token, [_record_call("intruder")])
                 assert code == grpc.StatusCode.UNAUTHENTICATED
             else:
-                outcome, why = _raw_tcp(a.addresses[0], token, [_record_call("intruder")])
+                outcome, why = _raw_tcp(
+                    a.addresses[0], token, [_record_call("intruder")], unix=unix
+                )
                 assert outcome == "refused" and "token" in why
         assert rf.records() == before
-        if transport == "tcp":  # the same hand-made call with the token does run
-            outcome, env = _raw_tcp(a.addresses[0], "s3cret", [_record_call("friend")], True)
+        if transport != "grpc":  # the same hand-made call with the token does run
+            outcome, env = _raw_tcp(
+                a.addresses[0], "s3cret", [_record_call("friend")], True, unix=unix
+            )
             frames = parse_envelope(memoryview(env)).frames
             assert outcome == "ok" and [(f.kind, f.id) for f in frames] == [(REPLY, 1)]
             assert rf.records() == [*before, "friend"]

@@ -203,6 +203,27 @@ def test_timeout_rules(agents2):
             rpcdist.rpc_sync("worker1", rf.no_args, timeout=-1)
 
 
+@pytest.mark.parametrize("timeout", [0.3, 1.6])
+def test_a_call_sent_from_the_calling_thread_still_times_out_on_time(agents2, timeout):
+    """An idle link's call goes out from the calling thread; the loop arms its
+    timer at once when the deadline is near (0.3 s), else at its next sweep
+    (1.6 s). Either way the call fails at its deadline, not later."""
+    import time
+
+    a, _ = agents2
+    assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the link is up and idle
+    rf.release.clear()
+    try:
+        start = time.monotonic()
+        fut = a.rpc_async(1, rf.held, timeout=timeout)
+        with pytest.raises(RpcTimeoutError, match="rpc_funcs:held"):
+            fut.wait(30)
+        waited = time.monotonic() - start
+        assert timeout - 0.01 <= waited < timeout + 0.5  # (uvloop timers: 1 ms grain)
+    finally:
+        rf.release.set()
+
+
 def test_deadline_travels_with_nested_calls(agents3):
     a, _, _ = agents3
     rf.nested_probe_done.clear()

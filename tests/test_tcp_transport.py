@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import pytest
+import rpc_funcs as rf
 
 from rpcdist import ProtocolError, RpcOptions, WorkerLostError
 from rpcdist._transport._frames import CALL, P2P, REPLY, OutMessage
@@ -179,3 +180,32 @@ def test_bad_bytes_end_the_connection_with_a_typed_error(junk, error):
         s1.close()
 
     asyncio.run(go())
+
+
+def _family(agent, dst: int) -> int:
+    return agent._out[dst]._sock.family
+
+
+def test_same_host_workers_talk_over_a_unix_socket_unless_turned_off():
+    from rpcdist.testing import local_agents
+
+    with local_agents(2, options=RpcOptions(token=None, local_sockets=True)) as (a, b):
+        assert a.rpc_async(1, rf.add, args=(1, 2)).wait(10) == 3
+        assert b.rpc_async(0, rf.add, args=(3, 4)).wait(10) == 7
+        assert _family(a, 1) == _family(b, 0) == socket.AF_UNIX
+    with local_agents(2, options=RpcOptions(token=None, local_sockets=False)) as (a, b):
+        assert a._server.unix_name is None
+        assert a.rpc_async(1, rf.add, args=(1, 2)).wait(10) == 3
+        assert _family(a, 1) == socket.AF_INET
+
+
+def test_a_unix_socket_that_cannot_be_reached_falls_back_to_tcp():
+    """Same host id but another network namespace looks like this: the
+    abstract name does not answer, so the worker dials TCP instead."""
+    from rpcdist.testing import local_agents
+
+    with local_agents(2, options=RpcOptions(token=None, local_sockets=True)) as (a, b):
+        a._unix_names[1] = "rpcdist-nobody-listens-here"
+        big = np.arange(300_000, dtype=np.float64)
+        assert np.array_equal(a.rpc_async(1, rf.echo, args=(big,)).wait(10), big)
+        assert _family(a, 1) == socket.AF_INET

@@ -36,8 +36,12 @@ class BaseConnection:
         options: RpcOptions,
         alloc: Allocator | None = None,
         segments: SegmentWriter | None = None,
+        after_read: Callable[[], None] | None = None,
     ) -> None:
         self.peer_rank = peer_rank
+        #: Called at the end of each read callback, after the messages read in
+        #: it were delivered (``None``: this transport does not call it).
+        self.after_read = after_read
         self.label = label
         #: Set for a peer on this host: large payloads then go through /dev/shm.
         self._segments = segments

@@ -241,6 +241,19 @@ class Reassembler:
             raise ProtocolError(f"{len(mv) - pos} stray bytes after the last frame")
         return done
 
+    def whole(self, f: rpc_pb2.Frame) -> InMessage | None:
+        """``f`` as a message if it is a whole one with no buffers (most small
+        calls and replies), skipping the bookkeeping; else ``None``.
+
+        Raises:
+            ProtocolError: a message with its id is already being received.
+        """
+        if not (f.first and f.last) or f.data_len or f.shm_path or f.buffer_sizes:
+            return None
+        if self._partial and (f.kind, f.id) in self._partial:
+            raise ProtocolError(f"message {(f.kind, f.id)} started twice")
+        return InMessage(f.id, f.kind, f.method, f.header, [], f.timeout_us)
+
     def start_frame(self, f: rpc_pb2.Frame) -> memoryview:
         """Account for frame ``f``; return where its ``data_len`` payload bytes go.
 

@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import secrets
 import socket
 import struct
 import threading
@@ -38,7 +40,7 @@ from .._proto import rpc_pb2
 from ._conn import BaseConnection
 from ._frames import OutMessage, pack_batch_parts, parse_envelope
 
-__all__ = ["TcpConnection", "TcpServer", "tcp_connect"]
+__all__ = ["TcpConnection", "TcpServer", "Unreachable", "tcp_connect"]
 
 _log = logging.getLogger(__name__)
 
@@ -293,13 +295,21 @@ class TcpConnection(BaseConnection):
     # --------------------------------------------------------------- reading
 
     def _on_readable(self) -> None:
+        try:
+            self._read()
+        finally:
+            if self.after_read is not None:
+                self.after_read()
+
+    def _read(self) -> None:
         sock = self._sock
         if sock is None:
             return
         try:
             for _ in range(_READS_PER_WAKEUP):
                 if self._need >= _DIRECT_BYTES and self._lo == self._hi:
-                    n = sock.recv_into(self._dest, self._need)
+                    want = self._need
+                    n = sock.recv_into(self._dest, want)
                     if n == 0:
                         return self._eof()
                     self._dest = self._dest[n:]
@@ -307,17 +317,24 @@ class TcpConnection(BaseConnection):
                     if not self._need:
                         self._end_frame()
                         self._process()
+                    if n < want:
+                        return  # drained: the next bytes wake us again
                     continue
                 if self._lo == self._hi:
                     self._lo = self._hi = 0
                 elif self._hi == len(self._stage):
                     self._compact()
+                want = len(self._stage) - self._hi
                 n = sock.recv_into(self._view[self._hi :])
                 if n == 0:
                     return self._eof()
                 self._hi += n
                 self.received_any = True
                 self._process()
+                if n < want:
+                    # Drained: skip the read that would only say EAGAIN (the
+                    # socket is level-triggered, so new bytes wake us again).
+                    return
         except (BlockingIOError, InterruptedError):
             return
         except RpcdistError as e:
@@ -380,12 +397,16 @@ class TcpConnection(BaseConnection):
             batch = parse_envelope(self._view[self._lo + 4 : self._lo + 4 + n])
             self._lo += 4 + n
             self.messages_in += 1
-            self._frames = list(batch.frames)
-            self._fi = 0
             if len(self._stage) > _STAGE_BYTES and self._lo == self._hi:
                 self._stage = bytearray(_STAGE_BYTES)
                 self._view = memoryview(self._stage)
                 self._lo = self._hi = 0
+            frames = batch.frames
+            if len(frames) == 1 and (m := self._reasm.whole(frames[0])) is not None:
+                self._deliver(m)  # one small message: the common case at low load
+                continue
+            self._frames = list(frames)
+            self._fi = 0
 
     def _end_frame(self) -> None:
         f = self._frames[self._fi]
@@ -427,25 +448,46 @@ async def _recv_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Any
         raise ProtocolError(f"malformed handshake message: {e}") from e
 
 
+class Unreachable(ConnectError):
+    """The peer's Unix socket could not be connected to (nothing was
+    exchanged): the caller dials TCP instead, so users never see this type."""
+
+
 async def tcp_connect(
-    address: str, label: str, *, options: RpcOptions, my_rank: int, my_name: str
+    address: str,
+    label: str,
+    *,
+    options: RpcOptions,
+    my_rank: int,
+    my_name: str,
+    unix: str | None = None,
 ) -> socket.socket:
     """Connect to a peer's :class:`TcpServer` and present our identity and token.
 
+    ``address`` is ``host:port``; with ``unix`` (the name of the peer's
+    abstract Unix socket), that socket is dialled instead.
+
     Raises:
-        ConnectError: the peer cannot be reached, or it refused us (e.g. our
-            job token), with its reason.
+        Unreachable: ``unix`` was given and that socket cannot be reached.
+        ConnectError: the peer cannot be reached over TCP, the handshake
+            failed, or the peer refused us (e.g. our job token), with its reason.
     """
     loop = asyncio.get_running_loop()
-    host, port = split_address(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    target: Any
+    if unix is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target = "\0" + unix
+    else:
+        host, port = split_address(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        target = (host, port)
     sock.setblocking(False)
     try:
         try:
-            await loop.sock_connect(sock, (host, port))
+            await loop.sock_connect(sock, target)
         except OSError as e:
-            raise ConnectError(f"could not connect to {label}: {e}") from e
+            kind = ConnectError if unix is None else Unreachable
+            raise kind(f"could not connect to {label}: {e}") from e
         try:
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
                 await loop.sock_sendall(sock, MAGIC)
@@ -480,13 +522,16 @@ class TcpServer:
         self._options = options
         self._validate = validate
         self._on_connection = on_connection
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
+        #: Name of the abstract Unix socket also listened on (``None``: none).
+        self.unix_name: str | None = None
 
     async def start(self) -> int:
-        """Listen on ``listen_host`` at a port the OS picks.
+        """Listen on ``listen_host`` at a port the OS picks (and on an abstract
+        Unix socket for same-host peers, when ``options.unix_sockets``).
 
         Raises:
             ConnectError: the address cannot be bound.
@@ -500,18 +545,33 @@ class TcpServer:
         except OSError as e:
             sock.close()
             raise ConnectError(f"cannot listen on {host}: {e}") from e
-        sock.setblocking(False)
-        self._listener = sock
         self.port = sock.getsockname()[1]
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._listen(sock)
+        if self._options.unix_sockets:
+            # The abstract namespace: no file to clean up, gone with the socket.
+            name = f"rpcdist-{os.getpid()}-{secrets.token_hex(8)}"
+            usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                usock.bind("\0" + name)
+                usock.listen(512)
+            except OSError as e:  # not fatal: peers dial TCP instead
+                usock.close()
+                _log.debug("no Unix socket for same-host peers: %s", e)
+            else:
+                self.unix_name = name
+                self._listen(usock)
         return self.port
 
-    async def _accept_loop(self) -> None:
+    def _listen(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._listeners.append(sock)
+        self._accepting.append(asyncio.get_running_loop().create_task(self._accept_loop(sock)))
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        assert self._listener is not None
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._listener)
+                sock, _ = await loop.sock_accept(listener)
             except OSError as e:
                 _log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.05)
@@ -559,14 +619,14 @@ class TcpServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting and end every connection this server handed out."""
         del grace  # connections are closed by their owners first
-        if self._accepting is not None:
-            self._accepting.cancel()
+        for task in self._accepting:
+            task.cancel()
             with contextlib.suppress(BaseException):
-                await self._accepting
-            self._accepting = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+                await task
+        self._accepting = []
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
