@@ -84,6 +84,12 @@ def rpcdist_worker(
 ) -> Any:
     from rpcdist import collectives as dist
 
+    # "grpc": the forced network path over loopback TCP, as between hosts;
+    # "unix": the same path over the same-host Unix sockets the agent uses
+    # by default between workers on one machine.
+    if backend in ("grpc", "unix"):
+        os.environ["RPCDIST_LOCAL_SOCKETS"] = "1" if backend == "unix" else "0"
+    backend = "grpc" if backend == "unix" else backend
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=120)
     try:
         got = _measure(
@@ -145,7 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="p=2 only, fewer sizes")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
-    ap.add_argument("--impl", default="shm,grpc,gloo")
+    ap.add_argument("--impl", default="shm,grpc,unix,gloo")
     ap.add_argument("--p", default="2,4")
     args = ap.parse_args()
     sizes = [KB4, 1 << 20, 16 << 20] if args.quick else SIZES
