@@ -606,9 +606,8 @@ class Agent:
                 pass
 
     async def _run_outgoing_tcp(self, conn: _tcp.TcpConnection, address: str) -> None:
-        sock = None
         unix = self._unix_names.get(conn.peer_rank)
-        if unix is not None:
+        while True:  # the same-host Unix socket first, if any, then TCP
             try:
                 sock = await _tcp.tcp_connect(
                     address,
@@ -618,12 +617,10 @@ class Agent:
                     my_name=self.name,
                     unix=unix,
                 )
+                break
             except _tcp.Unreachable as e:  # e.g. another network namespace
                 _log.debug("dialling %s over TCP: %s", conn.label, e)
-        if sock is None:
-            sock = await _tcp.tcp_connect(
-                address, conn.label, options=self.options, my_rank=self.rank, my_name=self.name
-            )
+                unix = None
         conn.attach(sock)
         await conn.run()
 
