@@ -23,11 +23,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -61,6 +64,8 @@ _HELLO_MAX = 64 << 10
 _HANDSHAKE_TIMEOUT = 30.0
 #: Receive calls per readiness callback before yielding to other work.
 _READS_PER_WAKEUP = 16
+#: ``poll`` takes a C int of milliseconds.
+_POLL_MAX_MS = (1 << 31) - 1
 
 
 #: Send buffer asked for on Unix sockets (the kernel caps it at
@@ -124,17 +129,39 @@ class TcpConnection(BaseConnection):
         self._fi = 0
         self._dest = memoryview(b"")
         self._need = 0
+        #: Driven by the thread making a blocking call (:meth:`send_blocking`,
+        #: :meth:`read_blocking`) instead of by the loop.
+        self._threaded = False
+        self._poll: Any = None
 
     # ------------------------------------------------------------ lifecycle
 
-    def attach(self, sock: socket.socket) -> None:
-        """Take over a connected, handshaken socket and start moving bytes."""
+    def attach(self, sock: socket.socket, *, threaded: bool = False) -> None:
+        """Take over a connected, handshaken socket and start moving bytes.
+
+        With ``threaded``, the loop never touches it: one thread at a time
+        drives it with :meth:`send_blocking` and :meth:`read_blocking`, until
+        :meth:`hand_to_loop` (on the loop) gives it to the loop.
+        """
         _tune(sock)
         self._sock = sock
         self._fd = sock.fileno()
+        self._threaded = threaded
+        if threaded:
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
+            return
         self._loop.add_reader(self._fd, self._on_readable)
         if self._queue or self._unsent:
             self._kick()
+
+    def hand_to_loop(self) -> None:
+        """On the loop: the loop drives a threaded connection from now on."""
+        self._threaded = False
+        if self._sock is None or self.closed is not None:
+            self._end(self.closed)
+            return
+        self._loop.add_reader(self._fd, self._on_readable)
 
     async def run(self) -> None:
         """Serve the socket until the peer closes it or it fails.
@@ -155,6 +182,10 @@ class TcpConnection(BaseConnection):
                 self._sock.shutdown(socket.SHUT_WR)
 
     def _end(self, exc: RpcdistError | None) -> None:
+        if self._threaded:  # its thread sees ``closed`` and lets the socket go
+            if self.closed is None:
+                self.closed = exc or WorkerLostError(f"{self.label} closed the connection")
+            return
         if not self._ended.done():
             if exc is None:
                 self._ended.set_result(None)
@@ -302,6 +333,72 @@ class TcpConnection(BaseConnection):
         self._loop.remove_writer(self._fd)
         self._flush()
 
+    # ------------------------------------------------- driven by one thread
+
+    def send_blocking(self, msg: OutMessage, deadline: float | None) -> bool:
+        """Threaded mode: write all of ``msg`` (no ``on_packed``, no /dev/shm
+        payload), waiting for room until ``deadline`` (``time.monotonic()``).
+
+        Returns False if the deadline passed first; the stream then ends
+        mid-message and must be closed.
+
+        Raises:
+            OSError: the socket failed.
+        """
+        queue = deque([msg])
+        with self._wlock:
+            while queue:
+                head, parts, _ = pack_batch_parts(queue, self._batch_bytes, 1 << 62, _MAX_IOV - 1)
+                self._unsent.append(memoryview(b"".join([head, *parts])))
+                self.messages_out += 1
+            while True:
+                if self._sock is None:
+                    raise OSError(f"the connection to {self.label} was closed")
+                try:
+                    self._send_unsent()
+                    return True
+                except (BlockingIOError, InterruptedError):
+                    pass
+                p = select.poll()
+                p.register(self._fd, select.POLLOUT)
+                ms = _poll_ms(deadline)
+                if ms == 0 or not p.poll(ms):
+                    self._unsent.clear()
+                    return False
+
+    def read_blocking(self, deadline: float | None) -> bool:
+        """Threaded mode: wait until bytes arrive (or ``deadline`` passes),
+        then read and deliver what is there; ``closed`` is set if it ended.
+
+        Returns False if the deadline passed first.
+        """
+        ms = _poll_ms(deadline)
+        if ms == 0 or not self._poll.poll(ms):
+            return False
+        self._read()
+        return True
+
+    def idle_ok(self) -> bool:
+        """Threaded mode, between calls: open, and nothing (EOF) waiting in it."""
+        return self._sock is not None and self.closed is None and not self._poll.poll(0)
+
+    def interrupt(self) -> None:
+        """From any thread: wake a thread blocked in :meth:`read_blocking` (it sees EOF)."""
+        with self._wlock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close_threaded(self) -> None:
+        """Threaded mode: close the socket (its thread is done with it)."""
+        with self._wlock:
+            sock, self._sock = self._sock, None
+            self._unsent.clear()
+        if sock is not None:
+            sock.close()
+        if self.closed is None:
+            self.closed = WorkerLostError(f"the connection to {self.label} was closed")
+
     # --------------------------------------------------------------- reading
 
     def _on_readable(self) -> None:
@@ -426,6 +523,14 @@ class TcpConnection(BaseConnection):
         m = self._reasm.finish_frame(f)
         if m is not None:
             self._deliver(m)
+
+
+def _poll_ms(deadline: float | None) -> int | None:
+    """``poll``'s timeout until ``deadline`` (``None``: no limit; 0: passed)."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    return min(math.ceil(left * 1000), _POLL_MAX_MS) if left > 0 else 0
 
 
 # ------------------------------------------------------------------ handshake
