@@ -21,12 +21,16 @@ GRPC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref tests/test
 # Same-host workers use Unix sockets by default; this pass keeps loopback TCP
 # (the path between hosts) under test too.
 TCP_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/test_tcp_transport.py \
-	tests/collectives/test_coll_inprocess.py
+	tests/test_sync_calls.py tests/collectives/test_coll_inprocess.py
+# rpc_sync drives a connection of its own from the calling thread where it can;
+# this pass keeps its other path (through the agent loop) under test as well.
+LOOP_SYNC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref/test_rref_basic.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
 	RPCDIST_LOCAL_SOCKETS=0 $(BIN)/python -m pytest -q $(TCP_SUITE)
+	RPCDIST_SYNC_CHANNELS=0 $(BIN)/python -m pytest -q $(LOOP_SYNC_SUITE)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not multiprocess and not slow"

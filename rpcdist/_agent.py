@@ -44,6 +44,7 @@ from ._p2p import Mailbox
 from ._pool import WorkerPool
 from ._rendezvous import open_store, parse_init_method
 from ._serialization import decode, encode, exception_from_wire, function_name
+from ._sync_calls import NOT_TAKEN, SyncCalls
 from ._transport import _grpc, _tcp
 from ._transport._conn import BaseConnection
 from ._transport._frames import (
@@ -161,12 +162,12 @@ class Agent:
         #: Calls user threads handed to the loop that it has not sent yet.
         self._submits_queued = 0
         self._submit_lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self.call_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = 0
         #: Guards ``_inflight`` and ``calls_handled``: pool threads that send
         #: their own replies account for them too.
-        self._count_lock = threading.Lock()
+        self.count_lock = threading.Lock()
         self._idle = asyncio.Event()
         #: Calls user threads sent themselves whose timers the loop has not
         #: armed yet (see ``_call_now``); drained every ``_ARM_PERIOD``.
@@ -194,6 +195,7 @@ class Agent:
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         self.loop = self._lt.loop
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
+        self.sync = SyncCalls(self)
 
     # ------------------------------------------------------------------ start
 
@@ -384,6 +386,27 @@ class Agent:
                 )
             raise
 
+    def call_message(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        timeout: float | Unset | None,
+    ) -> tuple[WorkerInfo, OutMessage]:
+        """The CALL message for ``func(*args, **kwargs)`` on ``to``, and the callee.
+
+        Raises:
+            ConfigError: unknown worker or bad arguments.
+            SerializationError: ``func`` or an argument cannot be sent.
+        """
+        self._check_open()
+        peer = self.worker(to)
+        method = self.function_name(func)
+        deadline = deadline_for(timeout, self._rpc_timeout)
+        header, buffers = self.encode_call(args, kwargs, peer)
+        return peer, OutMessage(CALL, method, header, buffers, deadline=deadline)
+
     def rpc_async(
         self,
         to: str | int | WorkerInfo,
@@ -393,13 +416,29 @@ class Agent:
         timeout: float | Unset | None = UNSET,
     ) -> Future[Any]:
         """Call ``func(*args, **kwargs)`` on ``to``; see ``rpcdist.rpc_async``."""
-        self._check_open()
-        peer = self.worker(to)
-        method = self.function_name(func)
-        deadline = deadline_for(timeout, self._rpc_timeout)
-        header, buffers = self.encode_call(args, kwargs, peer)
-        msg = OutMessage(CALL, method, header, buffers, deadline=deadline)
-        return self.submit_call(peer.id, msg, method)
+        peer, msg = self.call_message(to, func, args, kwargs, timeout)
+        return self.submit_call(peer.id, msg, msg.method)
+
+    def rpc_sync(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: Any = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | Unset | None = UNSET,
+    ) -> Any:
+        """Call ``func(*args, **kwargs)`` on ``to`` and wait; see ``rpcdist.rpc_sync``."""
+        self._lt.check_not_loop_thread("rpc_sync()")
+        peer, msg = self.call_message(to, func, args, kwargs, timeout)
+        if self.sync.eligible(msg):
+            got = self.sync.call(peer, msg, msg.method)
+            if got is not NOT_TAKEN:
+                return got
+        return self.submit_call(peer.id, msg, msg.method).wait()
+
+    def has_queued_calls(self) -> bool:
+        """Whether calls of this agent's are in flight on the loop's links (any thread)."""
+        return bool(self._pending or self._submits_queued)
 
     def submit_call(self, dst: int, msg: OutMessage, label: str) -> Future[Any]:
         """Send a request from any thread; the Future gets its reply."""
@@ -438,13 +477,13 @@ class Agent:
             or len(msg.header) + msg.payload_bytes > _DIRECT_CALL_BYTES
         ):
             return False
-        call_id = msg.id = next(self._ids)
+        call_id = msg.id = next(self.call_ids)
         now = time.monotonic()
         self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, None, now)
         if not conn.try_send_now(msg):
             del self._pending[call_id]
             return False
-        with self._count_lock:
+        with self.count_lock:
             self.calls_sent += 1
         if msg.deadline is None:
             pass  # no timer to arm
@@ -483,13 +522,13 @@ class Agent:
         if self.closed:
             fut.set_exception(NotInitializedError(f"the rpcdist agent {self.name!r} has shut down"))
             return
-        call_id = msg.id = next(self._ids)
+        call_id = msg.id = next(self.call_ids)
         timer = None
         if msg.deadline is not None:
             timer = self.loop.call_at(msg.deadline, self._expire, call_id)
         self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, timer, time.monotonic())
         self._idle.clear()
-        with self._count_lock:
+        with self.count_lock:
             self.calls_sent += 1
         try:
             self._send(dst, msg, label)
@@ -522,7 +561,7 @@ class Agent:
             return
         if p.timer is not None:
             p.timer.cancel()
-        if not self._pending and self._inflight == 0:
+        if self._inflight == 0 and self._no_calls():
             self._idle.set()
         if conn is not None and not p.fut._has_callbacks():
             # Only threads wait on it: wake them when the read callback ends.
@@ -556,7 +595,7 @@ class Agent:
         if self._closing and self.closed:
             raise ClosedError(f"agent {self.name!r} is shutting down")
         address = self.addresses[dst]
-        label = f"worker {self.workers[dst].name!r} at {address}"
+        label = self.peer_label(dst)
         if self.options.data_transport == "tcp":
             conn = _tcp.TcpConnection(
                 self.loop,
@@ -564,7 +603,7 @@ class Agent:
                 label=label,
                 on_message=self._on_message,
                 options=self.options,
-                segments=self._segments_for(dst),
+                segments=self.segments_for(dst),
                 after_read=self._flush_wakeups,
             )
             run = self._run_outgoing_tcp(conn, address)
@@ -580,7 +619,7 @@ class Agent:
                 read=call.read,
                 on_message=self._on_message,
                 options=self.options,
-                segments=self._segments_for(dst),
+                segments=self.segments_for(dst),
             )
             self._calls[dst] = call
             run = self._run_outgoing_grpc(conn, call, channel)
@@ -606,23 +645,33 @@ class Agent:
                 pass
 
     async def _run_outgoing_tcp(self, conn: _tcp.TcpConnection, address: str) -> None:
-        unix = self._unix_names.get(conn.peer_rank)
-        while True:  # the same-host Unix socket first, if any, then TCP
+        conn.attach(await self.dial(conn.peer_rank, conn.label))
+        await conn.run()
+
+    async def dial(self, dst: int, label: str) -> socket.socket:
+        """Connect to worker ``dst``'s TCP server (on the loop): its same-host
+        Unix socket first, if any, then TCP.
+
+        Raises:
+            ConnectError: it cannot be reached, or refused us.
+        """
+        unix = self._unix_names.get(dst)
+        while True:
             try:
-                sock = await _tcp.tcp_connect(
-                    address,
-                    conn.label,
+                return await _tcp.tcp_connect(
+                    self.addresses[dst],
+                    label,
                     options=self.options,
                     my_rank=self.rank,
                     my_name=self.name,
                     unix=unix,
                 )
-                break
             except _tcp.Unreachable as e:  # e.g. another network namespace
-                _log.debug("dialling %s over TCP: %s", conn.label, e)
+                _log.debug("dialling %s over TCP: %s", label, e)
                 unix = None
-        conn.attach(sock)
-        await conn.run()
+
+    def peer_label(self, dst: int) -> str:
+        return f"worker {self.workers[dst].name!r} at {self.addresses[dst]}"
 
     async def _run_outgoing(self, dst: int, conn: BaseConnection, run: Any) -> None:
         exc: RpcdistError
@@ -644,7 +693,7 @@ class Agent:
         if cancelled:
             raise asyncio.CancelledError
 
-    def _segments_for(self, rank: int) -> SegmentWriter | None:
+    def segments_for(self, rank: int) -> SegmentWriter | None:
         """The /dev/shm writer for a peer on this host, else None."""
         if self.segments is not None and self.hosts.get(rank) == self.hosts.get(self.rank):
             return self.segments
@@ -673,7 +722,7 @@ class Agent:
             on_message=self._on_message,
             options=self.options,
             alloc=self._p2p_alloc(rank),
-            segments=self._segments_for(rank),
+            segments=self.segments_for(rank),
         )
         self._in.add(conn)
         try:
@@ -708,7 +757,7 @@ class Agent:
             on_message=self._on_message,
             options=self.options,
             alloc=self._p2p_alloc(rank),
-            segments=self._segments_for(rank),
+            segments=self.segments_for(rank),
             after_read=self._flush_wakeups,
         )
         conn.attach(sock)
@@ -721,12 +770,34 @@ class Agent:
             conn.closed = conn.closed or WorkerLostError(f"stream from {conn.label} ended")
             self._in.discard(conn)
 
+    def adopt_late(self, conn: _tcp.TcpConnection) -> None:
+        """On the loop: serve a thread-driven connection whose call timed out.
+
+        Half-closed, so the callee ends it once it has answered (or at once,
+        dropping the reply, if it has not started the answer); a reply that
+        still comes is handled as any late reply.
+        """
+        if self.closed:
+            conn.close_threaded()
+            return
+        conn._on_message = self._on_message
+        conn.after_read = self._flush_wakeups
+        conn.hand_to_loop()
+        conn.shutdown_write()
+        self.spawn(self._serve_late(conn))
+
+    async def _serve_late(self, conn: _tcp.TcpConnection) -> None:
+        try:
+            await conn.run()
+        except RpcdistError:
+            pass
+
     def _on_message(self, conn: BaseConnection, m: InMessage) -> None:
         kind = m.kind
         if kind in (REPLY, ERROR_REPLY):
             self._on_reply(conn, m)
         elif kind in (CALL, INTERNAL):
-            with self._count_lock:
+            with self.count_lock:
                 self._inflight += 1
             self._idle.clear()
             _dispatch.dispatch(self, conn, m)
@@ -766,23 +837,36 @@ class Agent:
 
     def handler_done(self) -> None:
         """Account for a finished handler (on the loop)."""
-        with self._count_lock:
+        with self.count_lock:
             self._inflight -= 1
             self.calls_handled += 1
-        if self._inflight == 0 and not self._pending:
+        if self._inflight == 0 and self._no_calls():
             self._idle.set()
 
     def handler_done_threadsafe(self) -> None:
         """:meth:`handler_done` from a pool thread, before it sends the reply itself."""
-        with self._count_lock:
+        with self.count_lock:
             self._inflight -= 1
             self.calls_handled += 1
             idle = self._inflight == 0
-        if idle and self._quiescing:  # else nobody waits: spare the loop a wake-up
-            self.loop.call_soon_threadsafe(self._check_idle)
+        if idle:
+            self.woke_idle_threadsafe()
+
+    def woke_idle_threadsafe(self) -> None:
+        """From a thread that finished some work off the loop: a graceful
+        shutdown waiting for idleness re-checks (else nobody waits: the loop
+        is spared the wake-up)."""
+        if self._quiescing:
+            try:
+                self.loop.call_soon_threadsafe(self._check_idle)
+            except RuntimeError:  # the loop is gone
+                pass
+
+    def _no_calls(self) -> bool:
+        return not self._pending and not self.sync.inflight
 
     def _check_idle(self) -> None:
-        if self._inflight == 0 and not self._pending:
+        if self._inflight == 0 and self._no_calls():
             self._idle.set()
         else:
             self._idle.clear()  # user threads add calls without touching the loop
@@ -864,7 +948,7 @@ class Agent:
                 done.set_result(None)
 
         msg = OutMessage(P2P, key, header, buffers, on_packed=packed)
-        msg.id = next(self._ids)
+        msg.id = next(self.call_ids)
         self._send(dst, msg, "p2p")
         conn = self._out.get(dst)
         if conn is None:
@@ -904,13 +988,14 @@ class Agent:
     def statistics(self) -> dict[str, int]:
         """Counters for tests and debugging; every gauge is 0 when idle."""
         stats = {
-            "pending_calls": len(self._pending),
+            "pending_calls": len(self._pending) + self.sync.inflight,
             "inflight_handlers": self._inflight,
             "queued_frames": sum(c.queued() for c in list(self._out.values())),
             "outgoing_streams": len(self._out),
             "incoming_streams": len(self._in),
             "calls_sent": self.calls_sent,
             "calls_handled": self.calls_handled,
+            "direct_sync_calls": self.sync.calls,
         }
         stats.update(self.mailbox.statistics())
         for ext in list(self.extensions.values()):
@@ -1001,6 +1086,7 @@ class Agent:
         self.closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self.sync.close()
         for call_id in list(self._pending):
             self._finish(call_id, exc=type(exc)(str(exc)))
         self.mailbox.fail_all(None, ClosedError(str(exc)))

@@ -207,9 +207,7 @@ def rpc_sync(
             ``await rpc_async(...)`` there).
         Exception: what ``func`` raised on the callee, with ``remote_traceback``.
     """
-    agent = current_agent()
-    agent.check_not_loop_thread("rpc_sync()")
-    return agent.rpc_async(to, func, args, kwargs, timeout).wait()
+    return current_agent().rpc_sync(to, func, args, kwargs, timeout)
 
 
 def get_worker_info(name: str | None = None) -> WorkerInfo:

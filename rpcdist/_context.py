@@ -65,11 +65,14 @@ class WireContext:
         extra: Free-form state for extensions.
     """
 
-    __slots__ = ("agent", "extra", "gates", "peer")
+    __slots__ = ("agent", "extra", "gated", "gates", "peer")
 
-    def __init__(self, agent: Agent, peer: WorkerInfo) -> None:
+    def __init__(self, agent: Agent, peer: WorkerInfo, *, gated: bool = True) -> None:
         self.agent = agent
         self.peer = peer
+        #: Whether decoding adds ``gates`` (only a received call waits on
+        #: them; a reply decoded off the loop must not create loop futures).
+        self.gated = gated
         self.gates: list[Awaitable[Any]] = []
         self.extra: dict[str, Any] = {}
 

@@ -57,6 +57,12 @@ class RpcOptions:
             socket cannot be reached (another network namespace) is dialled
             over TCP instead. Defaults to on unless ``RPCDIST_LOCAL_SOCKETS=0``;
             turn it off to measure the cross-host TCP path on one machine.
+        sync_channels: Connections per peer that ``rpc_sync`` may drive from
+            the calling thread itself (TCP transport, requests up to 64 KiB,
+            when this worker has no other calls in flight): the reply then
+            wakes the caller directly instead of going through the agent loop
+            (docs/design.md, "Blocking calls"). ``0`` turns this off.
+            Defaults to ``RPCDIST_SYNC_CHANNELS`` or 4.
         ignore_rref_leaks: Let a graceful shutdown succeed even when RRef values
             owned here are still referenced by forks that were never deleted
             (by default it raises ``RRefError`` naming them).
@@ -80,6 +86,9 @@ class RpcOptions:
     transport: str = field(default_factory=lambda: os.environ.get("RPCDIST_TRANSPORT", "auto"))
     local_sockets: bool = field(
         default_factory=lambda: os.environ.get("RPCDIST_LOCAL_SOCKETS", "1") != "0"
+    )
+    sync_channels: int | str = field(
+        default_factory=lambda: os.environ.get("RPCDIST_SYNC_CHANNELS", "4")
     )
 
     __module__ = "rpcdist"
@@ -111,6 +120,17 @@ class RpcOptions:
             raise ConfigError("RpcOptions.tls_cert_file and tls_key_file must be set together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ConfigError("RpcOptions.tls_ca_file is required with TLS (to verify peers)")
+        n = self.sync_channels
+        if isinstance(n, str):
+            try:
+                n = int(n)
+            except ValueError:
+                raise ConfigError(
+                    f"RpcOptions.sync_channels (or RPCDIST_SYNC_CHANNELS) must be an int >= 0, "
+                    f"got {n!r}"
+                ) from None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
         if self.transport not in ("auto", "tcp", "grpc"):
             raise ConfigError(
                 f"RpcOptions.transport must be 'auto', 'tcp' or 'grpc', got {self.transport!r}"
@@ -119,7 +139,7 @@ class RpcOptions:
             raise ConfigError(
                 "RpcOptions.transport='tcp' does not do TLS: use 'grpc' (or 'auto') with TLS"
             )
-        return dataclasses.replace(self)
+        return dataclasses.replace(self, sync_channels=n)
 
     @property
     def tls(self) -> bool:

@@ -382,7 +382,7 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
             ctx.owners.remove_fork(rid, child)  # a fork only while in transit
         else:
             ctx.post(sender, CHILD_ACCEPT, [c])
-        if not rec.ready.done():
+        if wctx.gated and not rec.ready.done():
             wctx.gates.append(gate(agent, rec.ready))
         return rref
     if sender == owner:  # the owner registered the fork before sending it
@@ -393,7 +393,8 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
     ctx.users.add_pending(child, rref, sender)
     ctx.post(owner, FORK_REQUEST, [r0, r1, sender, c])
     assert rref._confirmed is not None
-    wctx.gates.append(gate(agent, rref._confirmed))
+    if wctx.gated:
+        wctx.gates.append(gate(agent, rref._confirmed))
     return rref
 
 

@@ -21,6 +21,10 @@ def echo(x):
     return x
 
 
+def echo_size(n):
+    return b"y" * n
+
+
 def no_args():
     return "ok"
 

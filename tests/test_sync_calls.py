@@ -1,0 +1,186 @@
+"""``rpc_sync`` on connections the calling thread drives (``rpcdist._sync_calls``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import rpc_funcs as rf
+
+import rpcdist
+from rpcdist import ConfigError, RpcOptions, RpcTimeoutError
+from rpcdist.testing import as_current, local_agents
+
+_defaults = RpcOptions().validated()
+pytestmark = pytest.mark.skipif(
+    _defaults.data_transport != "tcp" or _defaults.sync_channels == 0,
+    reason="caller-driven connections are TCP-only (and turned off here)",
+)
+
+
+def _direct(agent) -> int:
+    return agent.statistics()["direct_sync_calls"]
+
+
+def _wait_until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_rpc_sync_goes_out_on_a_connection_of_its_own(agents2):
+    a, b = agents2
+    with as_current(a):
+        for i in range(20):
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(i, 1)) == i + 1
+        with pytest.raises(KeyError, match="boom"):
+            rpcdist.rpc_sync("worker1", rf.raise_key_error, args=("boom",))
+    assert _direct(a) == 21
+    assert a.sync.connections(1) == 1  # one connection, reused
+    assert b.statistics()["calls_handled"] >= 21
+
+
+def test_turned_off_every_call_takes_the_loop():
+    with local_agents(2, options=RpcOptions(token=None, sync_channels=0)) as (a, _):
+        with as_current(a):
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(2, 3)) == 5
+        assert _direct(a) == 0
+
+
+def test_large_requests_and_busy_workers_take_the_loop(agents2):
+    a, _ = agents2
+    big = b"x" * (100 << 10)
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker1", rf.echo, args=(big,)) == big
+        assert _direct(a) == 0
+        slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.3, "slow"))
+        assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 1)) == 2  # behind ``slow``
+        assert _direct(a) == 0
+        assert slow.wait(10) == "slow"
+        # A large reply comes back on the caller's own connection.
+        assert len(rpcdist.rpc_sync("worker1", rf.echo_size, args=(3 << 20,))) == 3 << 20
+        assert _direct(a) == 1
+
+
+def test_concurrent_threads_share_a_bounded_set_of_connections(agents2):
+    a, _ = agents2
+    results: dict[int, list[int]] = {}
+
+    def run(t: int) -> None:
+        with as_current(a):
+            results[t] = [
+                rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.002, t * 100 + i))
+                for i in range(25)
+            ]
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {t: [t * 100 + i for i in range(25)] for t in range(8)}
+    assert 1 <= a.sync.connections(1) <= 4
+
+
+def test_a_timed_out_call_frees_its_connection_and_the_next_call_works(agents2):
+    a, b = agents2
+    rf.release.clear()
+    try:
+        with as_current(a):
+            assert rpcdist.rpc_sync("worker1", rf.no_args) == "ok"
+            start = time.monotonic()
+            with pytest.raises(RpcTimeoutError, match="rpc_funcs:held"):
+                rpcdist.rpc_sync("worker1", rf.held, args=("late",), timeout=0.3)
+            waited = time.monotonic() - start
+            assert 0.29 <= waited < 0.8
+            assert a.sync.connections(1) == 0  # handed to the loop
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 2)) == 3  # a fresh one
+            assert a.sync.connections(1) == 1
+    finally:
+        rf.release.set()
+    # The late handler finishes; its reply is dropped or read and discarded.
+    _wait_until(lambda: b.statistics()["inflight_handlers"] == 0)
+
+
+def test_a_dead_idle_connection_is_replaced(agents2):
+    a, b = agents2
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker1", rf.no_args) == "ok"
+
+        async def drop_incoming() -> int:
+            conns = list(b._in)
+            for c in conns:
+                c._end(None)
+            return len(conns)
+
+        assert b.run(drop_incoming()) >= 1
+        (idle,) = a.sync._free[1]
+        _wait_until(lambda: not idle.idle_ok())  # the EOF has reached it
+        assert rpcdist.rpc_sync("worker1", rf.add, args=(4, 5)) == 9
+    assert a.sync.connections(1) == 1
+
+
+def test_nongraceful_shutdown_wakes_a_thread_blocked_in_rpc_sync():
+    rf.release.clear()
+    errors: list[BaseException] = []
+    try:
+        with local_agents(2) as (a, _):
+
+            def call() -> None:
+                with as_current(a):
+                    try:
+                        rpcdist.rpc_sync("worker1", rf.held, timeout=None)
+                    except BaseException as e:
+                        errors.append(e)
+
+            t = threading.Thread(target=call)
+            t.start()
+            _wait_until(lambda: a.statistics()["pending_calls"] == 1)
+            assert _direct(a) == 1
+            a.shutdown(graceful=False)
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        rf.release.set()
+    assert len(errors) == 1 and isinstance(errors[0], rpcdist.ClosedError), errors
+
+
+def test_graceful_shutdown_waits_for_a_blocking_call_in_flight():
+    rf.release.clear()
+    got: list[object] = []
+    with local_agents(2, graceful=True) as (a, b):
+
+        def call() -> None:
+            with as_current(a):
+                got.append(rpcdist.rpc_sync("worker1", rf.held, args=("done",), timeout=None))
+
+        t = threading.Thread(target=call)
+        t.start()
+        _wait_until(lambda: b.statistics()["inflight_handlers"] == 1)
+
+        def release_once_shutting_down() -> None:
+            _wait_until(lambda: a._quiescing)
+            rf.release.set()
+
+        releaser = threading.Thread(target=release_once_shutting_down)
+        releaser.start()
+        # local_agents shuts both down gracefully: it must wait for the call.
+    t.join(10)
+    releaser.join(10)
+    assert got == ["done"]
+
+
+@pytest.mark.parametrize("bad", [-1, "many", 1.5, True])
+def test_bad_sync_channels_option_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="sync_channels"):
+        RpcOptions(sync_channels=bad).validated()
+
+
+def test_environment_sets_the_default(monkeypatch):
+    monkeypatch.setenv("RPCDIST_SYNC_CHANNELS", "2")
+    assert RpcOptions().validated().sync_channels == 2
+    monkeypatch.setenv("RPCDIST_SYNC_CHANNELS", "lots")
+    with pytest.raises(ConfigError, match="RPCDIST_SYNC_CHANNELS"):
+        RpcOptions().validated()
