@@ -49,6 +49,12 @@ class WorkerPool(concurrent.futures.Executor):
         self._waiting_work = 0
         self._idle = 0
         self._shut = False
+        #: Work running now, on pool threads or on borrowed slots (at most
+        #: ``max_workers``); pool threads holding work but waiting for a slot
+        #: (only while slots are borrowed), and how a slot is handed to one.
+        self._active = 0
+        self._blocked = 0
+        self._handoff = threading.Semaphore(0)
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread; exceptions it raises are logged.
@@ -100,16 +106,22 @@ class WorkerPool(concurrent.futures.Executor):
     def _work(self) -> None:
         q = self._queue
         lock = self._lock
+        with lock:
+            self._idle += 1
         while True:
-            with lock:
-                self._idle += 1
             item = q.get()
             with lock:
                 self._idle -= 1
-                if item is not _STOP:
-                    self._waiting_work -= 1
-            if item is _STOP:
-                return
+                if item is _STOP:
+                    return
+                self._waiting_work -= 1
+                wait = self._active >= self._max  # only while slots are borrowed
+                if wait:
+                    self._blocked += 1
+                else:
+                    self._active += 1
+            if wait:
+                self._handoff.acquire()  # give_back() hands us its slot
             fn, args = item[0], item[1]
             try:
                 fn(*args)
@@ -118,6 +130,40 @@ class WorkerPool(concurrent.futures.Executor):
             # Drop every reference before waiting again: an idle thread must
             # not keep the last call's arguments or result (RRefs) alive.
             del item, fn, args
+            with lock:
+                self._idle += 1
+                handoff = self._release_slot()
+            if handoff:
+                self._handoff.release()
+
+    def _release_slot(self) -> bool:
+        """A slot is free (holding ``_lock``): True if it goes to a blocked thread."""
+        if self._blocked:
+            self._blocked -= 1
+            return True
+        self._active -= 1
+        return False
+
+    def try_borrow(self) -> bool:
+        """Take one of the ``max_workers`` slots to run work on the calling
+        thread, if one is free and no posted work waits for it; False if not.
+
+        While borrowed, the slot counts as running work: pool threads run at
+        most ``max_workers`` minus the borrowed slots. Return it with
+        :meth:`give_back`.
+        """
+        with self._lock:
+            if self._shut or self._active >= self._max or self._waiting_work or self._blocked:
+                return False
+            self._active += 1
+            return True
+
+    def give_back(self) -> None:
+        """Return a slot taken with :meth:`try_borrow`."""
+        with self._lock:
+            handoff = self._release_slot()
+        if handoff:
+            self._handoff.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; with ``cancel_futures``, drop work not started yet.
