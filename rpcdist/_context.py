@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable
+import time
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NotInitializedError, RpcTimeoutError
@@ -60,20 +60,21 @@ class WireContext:
     Attributes:
         agent: The local agent.
         peer: The worker the message goes to or came from.
-        gates: Awaitables that must complete before a received call runs
-            (for example, confirmations of the user RRefs among its arguments).
+        gates: What must complete before a received call runs (for example,
+            confirmations of the user RRefs among its arguments): loop
+            awaitables, or ``rpcdist.Future`` objects when ``off_loop``.
         extra: Free-form state for extensions.
     """
 
-    __slots__ = ("agent", "extra", "gated", "gates", "peer")
+    __slots__ = ("agent", "extra", "gates", "off_loop", "peer")
 
-    def __init__(self, agent: Agent, peer: WorkerInfo, *, gated: bool = True) -> None:
+    def __init__(self, agent: Agent, peer: WorkerInfo, *, off_loop: bool = False) -> None:
         self.agent = agent
         self.peer = peer
-        #: Whether decoding adds ``gates`` (only a received call waits on
-        #: them; a reply decoded off the loop must not create loop futures).
-        self.gated = gated
-        self.gates: list[Awaitable[Any]] = []
+        #: Decoding on a thread other than the agent loop's: ``gates`` then
+        #: holds ``rpcdist.Future`` objects to wait on, not loop awaitables.
+        self.off_loop = off_loop
+        self.gates: list[Any] = []
         self.extra: dict[str, Any] = {}
 
     def abort(self) -> None:
@@ -87,6 +88,29 @@ class WireContext:
         for undo in self.extra.pop("undo", ()):
             undo()
 
+    def wait_gates_blocking(self, deadline: float | None = None) -> None:
+        """:meth:`wait_gates` for an ``off_loop`` context, blocking this thread.
+
+        Raises:
+            RpcTimeoutError: they were not all done before ``deadline``.
+            Exception: what a gate failed with (e.g. its owner was lost).
+        """
+        gates, self.gates = self.gates, []
+        for fut in gates:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                fut.wait(left)
+            except RpcTimeoutError:
+                if not fut.done():  # (else the gate itself failed with a timeout)
+                    raise self._late() from None
+                raise
+
+    def _late(self) -> RpcTimeoutError:
+        return RpcTimeoutError(
+            f"a call from {self.peer.name!r} waited past its deadline for its "
+            "arguments (RRefs not yet confirmed by their owners)"
+        )
+
     async def wait_gates(self, deadline: float | None = None) -> None:
         """Wait for the gates, until ``deadline`` (the ``time.monotonic()`` clock) at most.
 
@@ -99,7 +123,4 @@ class WireContext:
                 async with asyncio.timeout_at(deadline):
                     await asyncio.gather(*gates)
             except TimeoutError:
-                raise RpcTimeoutError(
-                    f"a call from {self.peer.name!r} waited past its deadline for its "
-                    "arguments (RRefs not yet confirmed by their owners)"
-                ) from None
+                raise self._late() from None

@@ -382,8 +382,8 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
             ctx.owners.remove_fork(rid, child)  # a fork only while in transit
         else:
             ctx.post(sender, CHILD_ACCEPT, [c])
-        if wctx.gated and not rec.ready.done():
-            wctx.gates.append(gate(agent, rec.ready))
+        if not rec.ready.done():
+            _gate(wctx, rec.ready)
         return rref
     if sender == owner:  # the owner registered the fork before sending it
         rref = RRef._make(ctx, rid, child, owner, None, CONFIRMED)
@@ -393,9 +393,13 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
     ctx.users.add_pending(child, rref, sender)
     ctx.post(owner, FORK_REQUEST, [r0, r1, sender, c])
     assert rref._confirmed is not None
-    if wctx.gated:
-        wctx.gates.append(gate(agent, rref._confirmed))
+    _gate(wctx, rref._confirmed)
     return rref
+
+
+def _gate(wctx: WireContext, fut: Future[Any]) -> None:
+    """A received call must not run before ``fut`` completes (a confirmation)."""
+    wctx.gates.append(fut if wctx.off_loop else gate(wctx.agent, fut))
 
 
 register_extension(RRef, RREF_CODE, _encode_rref, _decode_rref)
