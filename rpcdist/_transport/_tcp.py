@@ -390,14 +390,24 @@ class TcpConnection(BaseConnection):
                     self._sock.shutdown(socket.SHUT_RDWR)
 
     def close_threaded(self) -> None:
-        """Threaded mode: close the socket (its thread is done with it)."""
+        """Threaded mode: close the socket (its thread is done with it).
+
+        If the loop is writing to it (a reply too large for one ``sendmsg``),
+        the loop closes it, after letting go of its writer registration.
+        """
+        if self.closed is None:
+            self.closed = WorkerLostError(f"the connection to {self.label} was closed")
         with self._wlock:
+            if self._parked or self._flush_scheduled:
+                try:
+                    self._loop.call_soon_threadsafe(self._detach)
+                    return
+                except RuntimeError:  # the loop is gone, and its registrations
+                    pass
             sock, self._sock = self._sock, None
             self._unsent.clear()
         if sock is not None:
             sock.close()
-        if self.closed is None:
-            self.closed = WorkerLostError(f"the connection to {self.label} was closed")
 
     # --------------------------------------------------------------- reading
 
@@ -576,11 +586,13 @@ async def tcp_connect(
     my_rank: int,
     my_name: str,
     unix: str | None = None,
+    sync: bool = False,
 ) -> socket.socket:
     """Connect to a peer's :class:`TcpServer` and present our identity and token.
 
     ``address`` is ``host:port``; with ``unix`` (the name of the peer's
-    abstract Unix socket), that socket is dialled instead.
+    abstract Unix socket), that socket is dialled instead. ``sync`` tells the
+    peer that one blocking call at a time will use the connection.
 
     Raises:
         Unreachable: ``unix`` was given and that socket cannot be reached.
@@ -607,6 +619,8 @@ async def tcp_connect(
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
                 await loop.sock_sendall(sock, MAGIC)
                 hello = {"rank": my_rank, "name": my_name, "token": options.token}
+                if sync:
+                    hello["sync"] = True
                 await _send_msg(loop, sock, hello)
                 reply = await _recv_msg(loop, sock)
         except (OSError, TimeoutError, ProtocolError) as e:
@@ -622,17 +636,19 @@ async def tcp_connect(
 
 #: ``validate(rank, name) -> None`` or the reason a peer is refused.
 Validate = Callable[[int, str], "str | None"]
+#: ``on_connection(rank, name, sock, sync)``; ``sync``: see :func:`tcp_connect`.
+OnConnection = Callable[[int, str, socket.socket, bool], Awaitable[None]]
 
 
 class TcpServer:
     """Accepts peer sockets, checks their hello and job token, then hands
-    them to ``on_connection(rank, name, sock)``."""
+    them to ``on_connection``."""
 
     def __init__(
         self,
         options: RpcOptions,
         validate: Validate,
-        on_connection: Callable[[int, str, socket.socket], Awaitable[None]],
+        on_connection: OnConnection,
     ) -> None:
         self._options = options
         self._validate = validate
@@ -718,7 +734,9 @@ class TcpServer:
         except BaseException:
             sock.close()
             raise
-        await self._on_connection(int(hello["rank"]), str(hello["name"]), sock)
+        await self._on_connection(
+            int(hello["rank"]), str(hello["name"]), sock, hello.get("sync") is True
+        )
 
     def _check(self, hello: dict[str, Any]) -> str | None:
         expected = self._options.token
