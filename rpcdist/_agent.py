@@ -648,9 +648,10 @@ class Agent:
         conn.attach(await self.dial(conn.peer_rank, conn.label))
         await conn.run()
 
-    async def dial(self, dst: int, label: str) -> socket.socket:
+    async def dial(self, dst: int, label: str, *, sync: bool = False) -> socket.socket:
         """Connect to worker ``dst``'s TCP server (on the loop): its same-host
-        Unix socket first, if any, then TCP.
+        Unix socket first, if any, then TCP. ``sync``: for blocking calls
+        (``_sync_calls``).
 
         Raises:
             ConnectError: it cannot be reached, or refused us.
@@ -665,6 +666,7 @@ class Agent:
                     my_rank=self.rank,
                     my_name=self.name,
                     unix=unix,
+                    sync=sync,
                 )
             except _tcp.Unreachable as e:  # e.g. another network namespace
                 _log.debug("dialling %s over TCP: %s", label, e)
@@ -749,7 +751,9 @@ class Agent:
             return f"worker {name!r} (rank {rank}) is not part of this job"
         return None
 
-    async def _on_tcp_connection(self, rank: int, name: str, sock: Any) -> None:
+    async def _on_tcp_connection(self, rank: int, name: str, sock: Any, sync: bool) -> None:
+        if sync and self.sync.serve(rank, name, sock):
+            return  # a thread of its own serves it
         conn = _tcp.TcpConnection(
             self.loop,
             peer_rank=rank,
@@ -791,6 +795,18 @@ class Agent:
             await conn.run()
         except RpcdistError:
             pass
+
+    def on_message(self, conn: BaseConnection, m: InMessage) -> None:
+        """Handle a message read off the loop by a thread (on the loop)."""
+        try:
+            self._on_message(conn, m)
+        except ProtocolError as e:
+            _log.warning("dropping a message from %s: %s", conn.label, e)
+
+    def handler_started_threadsafe(self) -> None:
+        """Account for a call a thread other than the loop's starts handling."""
+        with self.count_lock:
+            self._inflight += 1
 
     def _on_message(self, conn: BaseConnection, m: InMessage) -> None:
         kind = m.kind
@@ -1125,4 +1141,5 @@ class Agent:
 
     def _stop_threads(self, wait: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
+        self.sync.join(None if wait else 1.0)
         self._lt.stop()

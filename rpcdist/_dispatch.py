@@ -100,7 +100,7 @@ def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
         if fn is not None and _kind(fn) == 0:
             ctx = WireContext(agent, agent.workers[conn.peer_rank])
             try:
-                args, kwargs = _decode_call(agent, m, ctx)
+                args, kwargs = decode_call(agent, m, ctx)
             except BaseException as e:
                 ctx.abort()
                 _send_reply(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
@@ -117,12 +117,43 @@ def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
 def _post_plain(agent: Agent, *job: Any) -> None:
     """Hand ``_run_plain(agent, *job)`` to the pool (after the read callback)."""
     try:
-        agent.executor.post(_run_plain, agent, *job)
+        agent.executor.post(run_plain, agent, *job)
     except RuntimeError:  # the pool was shut down: the agent is closing
         agent.handler_done()
 
 
-def _decode_call(agent: Agent, m: InMessage, ctx: WireContext) -> tuple[Any, Any]:
+def plain_function(m: InMessage) -> Callable[..., Any] | None:
+    """The plain (not ``async``) function a CALL names, else None."""
+    try:
+        fn = _resolve(m.method)
+    except Exception:
+        return None  # serve() reports it
+    return fn if _kind(fn) == 0 else None
+
+
+def post_plain_threadsafe(agent: Agent, *job: Any) -> None:
+    """:func:`_post_plain` from a thread other than the loop's; ``job`` is
+    ``(conn, m, fn, args, kwargs, ctx)``."""
+    try:
+        agent.executor.post(run_plain, agent, *job)
+    except RuntimeError:  # the pool was shut down: the agent is closing
+        job[-1].abort()
+        agent.handler_done_threadsafe()
+
+
+def reply_error_threadsafe(
+    agent: Agent, conn: Connection, m: InMessage, ctx: WireContext, e: BaseException
+) -> None:
+    """From a thread other than the loop's: answer ``m`` with error ``e``."""
+    _reply_from_thread(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
+
+
+def decode_call(agent: Agent, m: InMessage, ctx: WireContext) -> tuple[Any, Any]:
+    """A CALL's ``(args, kwargs)``.
+
+    Raises:
+        SerializationError: the payload is malformed.
+    """
     decoded = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx)
     if not (isinstance(decoded, tuple) and len(decoded) == 2):
         raise SerializationError(f"malformed call payload for {m.method!r}")
@@ -133,7 +164,7 @@ def _encode_error(e: BaseException) -> tuple[bytes, list[memoryview]]:
     return encode(exception_to_wire(e), allow_pickle=False, context=None, where="error")
 
 
-def _run_plain(
+def run_plain(
     agent: Agent,
     conn: Connection,
     m: InMessage,
@@ -142,7 +173,8 @@ def _run_plain(
     kwargs: Any,
     ctx: WireContext,
 ) -> None:
-    """In a pool thread: run ``fn``, encode its reply, hand it to the loop."""
+    """In a pool thread (or on a borrowed slot): run ``fn``, encode its reply,
+    send it (or hand it to the loop)."""
     t_agent = bind_agent(agent)
     t_deadline = current_deadline.set(m.deadline)
     try:
@@ -159,6 +191,19 @@ def _run_plain(
     finally:
         current_deadline.reset(t_deadline)
         reset_agent(t_agent)
+    _reply_from_thread(agent, conn, m, ctx, kind, header, buffers)
+
+
+def _reply_from_thread(
+    agent: Agent,
+    conn: Connection,
+    m: InMessage,
+    ctx: WireContext,
+    kind: int,
+    header: bytes,
+    buffers: list[memoryview],
+) -> None:
+    """Account for the finished handler and send its reply, from a pool thread."""
     try:
         if not _reply_now(agent, conn, m, kind, header, buffers):
             agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
@@ -261,7 +306,7 @@ async def serve(
         else:
             fn = _resolve(m.method)
             if decoded is None:
-                args, kwargs = _decode_call(agent, m, ctx)
+                args, kwargs = decode_call(agent, m, ctx)
             else:
                 args, kwargs = decoded[1], decoded[2]
             _check_deadline(deadline, m.method, peer.name)

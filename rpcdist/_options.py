@@ -59,10 +59,11 @@ class RpcOptions:
             turn it off to measure the cross-host TCP path on one machine.
         sync_channels: Connections per peer that ``rpc_sync`` may drive from
             the calling thread itself (TCP transport, requests up to 64 KiB,
-            when this worker has no other calls in flight): the reply then
-            wakes the caller directly instead of going through the agent loop
-            (docs/design.md, "Blocking calls"). ``0`` turns this off.
-            Defaults to ``RPCDIST_SYNC_CHANNELS`` or 4.
+            when this worker has no other calls in flight), each served at
+            the callee by a thread of its own: a round trip then wakes two
+            threads instead of four (docs/design.md, "Blocking calls"). Also
+            the most such connections a worker serves per peer. ``0`` turns
+            this off. Defaults to ``RPCDIST_SYNC_CHANNELS`` or 4.
         ignore_rref_leaks: Let a graceful shutdown succeed even when RRef values
             owned here are still referenced by forks that were never deleted
             (by default it raises ``RRefError`` naming them).

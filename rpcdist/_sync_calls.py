@@ -1,15 +1,18 @@
-"""``rpc_sync`` on a connection the calling thread drives itself.
+"""``rpc_sync`` on connections driven by threads, not by the agent loops.
 
 A blocking call from a user or pool thread (TCP transport, nothing else in
 flight from this worker, a request of at most 64 KiB) takes one of a few
 spare connections to the callee, writes the call from its own thread and
-waits in ``poll`` on that socket for the reply. The reply's arrival wakes
-the waiting thread itself: the agent loop, and the hand-off from the loop
-to the waiting thread, are off the path (docs/design.md, "Blocking calls").
-The callee serves these connections like any other.
+waits in ``poll`` on that socket for the reply, whose arrival wakes the
+waiting thread itself. A connection is checked out for one call and
+returned after it, so there are at most ``RpcOptions.sync_channels`` per
+peer, shared by all threads.
 
-A connection is checked out for one call and returned after it, so there
-are at most ``RpcOptions.sync_channels`` per peer, shared by all threads.
+On the callee, such a connection (its hello says so) is read by a thread of
+its own, which runs a plain function in a slot borrowed from the handler
+pool and writes the reply itself. So a round trip wakes two threads instead
+of four (docs/design.md, "Blocking calls").
+
 When a call times out, its connection goes to the loop, which half-closes
 it and reads any reply that still comes (so RRef forks in a late reply are
 registered and released like those of any late reply). Anything that does
@@ -20,10 +23,13 @@ transport, a peer that cannot be dialled) takes the usual path.
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import _dispatch
 from ._context import WireContext
 from ._errors import (
     ClosedError,
@@ -35,7 +41,7 @@ from ._errors import (
 )
 from ._serialization import decode, exception_from_wire
 from ._transport._conn import BaseConnection
-from ._transport._frames import ERROR_REPLY, REPLY, InMessage, OutMessage
+from ._transport._frames import CALL, ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
 from ._transport._tcp import TcpConnection
 from ._worker import WorkerInfo
 
@@ -44,10 +50,15 @@ if TYPE_CHECKING:
 
 __all__ = ["NOT_TAKEN", "SyncCalls"]
 
+_log = logging.getLogger(__name__)
+
 #: Requests up to this size may take a thread-driven connection.
 MAX_REQUEST_BYTES = 64 << 10
 #: Returned by :meth:`SyncCalls.call` when the call was left to the usual path.
 NOT_TAKEN: Any = object()
+#: Most connections one agent serves with threads of their own; more are
+#: served by the loop.
+_MAX_SERVED = 64
 
 
 class _Channel(TcpConnection):
@@ -71,6 +82,27 @@ def _keep(conn: BaseConnection, m: InMessage) -> None:
     conn.replies.append(m)  # type: ignore[attr-defined]
 
 
+class _Served(TcpConnection):
+    """The callee's end of a caller-driven connection: calls land in ``inbox``."""
+
+    def __init__(self, agent: Agent, rank: int, name: str) -> None:
+        super().__init__(
+            agent.loop,
+            peer_rank=rank,
+            label=f"worker {name!r}",
+            on_message=_queue_call,
+            options=agent.options,
+            segments=agent.segments_for(rank),
+        )
+        self.inbox: list[InMessage] = []
+
+
+def _queue_call(conn: BaseConnection, m: InMessage) -> None:
+    if m.kind not in (CALL, INTERNAL):
+        raise ProtocolError(f"unexpected frame kind {m.kind} from {conn.label}")
+    conn.inbox.append(m)  # type: ignore[attr-defined]
+
+
 class SyncCalls:
     """One agent's thread-driven connections, and the calls made on them."""
 
@@ -82,6 +114,9 @@ class SyncCalls:
         self._busy: set[_Channel] = set()
         self._count: dict[int, int] = {}
         self._closed = False
+        #: Callee side: connections served by threads of their own.
+        self._served: dict[_Served, threading.Thread] = {}
+        self._served_per_peer: dict[int, int] = {}
         #: Calls in flight on these connections, and calls made on them
         #: (both under ``agent.count_lock``).
         self.inflight = 0
@@ -127,7 +162,7 @@ class SyncCalls:
             with agent.count_lock:
                 self.inflight -= 1
             agent.woke_idle_threadsafe()
-        ctx = WireContext(agent, peer, gated=False)
+        ctx = WireContext(agent, peer, off_loop=True)
         value = decode(
             reply.header, reply.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
         )
@@ -212,7 +247,7 @@ class SyncCalls:
         limit = 30.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             fut = asyncio.run_coroutine_threadsafe(
-                asyncio.wait_for(agent.dial(dst, chan.label), limit), agent.loop
+                asyncio.wait_for(agent.dial(dst, chan.label, sync=True), limit), agent.loop
             )
             sock = fut.result()
         except (RuntimeError, ConnectError, TimeoutError, OSError):
@@ -249,12 +284,92 @@ class SyncCalls:
         chan.close_threaded()
 
     def close(self) -> None:
-        """Close idle connections and wake threads waiting on busy ones (any thread)."""
+        """Close idle connections and wake threads waiting on busy or served
+        ones (any thread)."""
         with self._lock:
             self._closed = True
             idle = [c for chans in self._free.values() for c in chans]
             self._free.clear()
             for chan in self._busy:
                 chan.interrupt()
+            for served in self._served:
+                served.interrupt()
         for chan in idle:
             chan.close_threaded()
+
+    def join(self, timeout: float | None) -> None:
+        """Wait for the serving threads to end (after :meth:`close`)."""
+        with self._lock:
+            threads = list(self._served.values())
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            t.join(None if end is None else max(end - time.monotonic(), 0.0))
+
+    # ------------------------------------------------------------ callee side
+
+    def serve(self, rank: int, name: str, sock: socket.socket) -> bool:
+        """On the loop: serve a caller-driven connection from ``rank`` with a
+        thread of its own; False (nothing done) if it should be served by
+        the loop like any other (limits reached, fault injection)."""
+        agent = self._agent
+        with self._lock:
+            if (
+                self._closed
+                or agent.options.faults is not None
+                or self._served_per_peer.get(rank, 0) >= self._limit
+                or len(self._served) >= _MAX_SERVED
+            ):
+                return False
+            conn = _Served(agent, rank, name)
+            conn.attach(sock, threaded=True)
+            t = threading.Thread(
+                target=self._serve, args=(conn,), name=f"rpcdist-sync-{agent.name}", daemon=True
+            )
+            self._served[conn] = t
+            self._served_per_peer[rank] = self._served_per_peer.get(rank, 0) + 1
+        t.start()
+        return True
+
+    def _serve(self, conn: _Served) -> None:
+        try:
+            while conn.closed is None:
+                conn.read_blocking(None)
+                while conn.inbox:
+                    self._run(conn, conn.inbox.pop(0))
+        except Exception:  # a bug here: drop the link, loudly (the caller sees it lost)
+            _log.exception("error serving blocking calls from %s", conn.label)
+        finally:
+            with self._lock:
+                del self._served[conn]
+                self._served_per_peer[conn.peer_rank] -= 1
+            conn.close_threaded()
+
+    def _run(self, conn: _Served, m: InMessage) -> None:
+        """Handle one call on the serving thread: a plain function runs right
+        here, in a slot borrowed from the pool (so ``num_worker_threads``
+        still bounds running handlers); anything else goes where it would
+        have gone from the loop."""
+        agent = self._agent
+        fn = _dispatch.plain_function(m) if m.kind == CALL else None
+        if fn is None:  # internal, async def, @async_execution, unknown
+            try:
+                agent.loop.call_soon_threadsafe(agent.on_message, conn, m)
+            except RuntimeError:  # the loop is gone: shutting down
+                pass
+            return
+        agent.handler_started_threadsafe()
+        ctx = WireContext(agent, agent.workers[conn.peer_rank], off_loop=True)
+        try:
+            args, kwargs = _dispatch.decode_call(agent, m, ctx)
+            ctx.wait_gates_blocking(m.deadline)
+        except BaseException as e:
+            ctx.abort()
+            _dispatch.reply_error_threadsafe(agent, conn, m, ctx, e)
+            return
+        if agent.executor.try_borrow():
+            try:
+                _dispatch.run_plain(agent, conn, m, fn, args, kwargs, ctx)
+            finally:
+                agent.executor.give_back()
+        else:  # the pool is busy: queue behind its work
+            _dispatch.post_plain_threadsafe(agent, conn, m, fn, args, kwargs, ctx)

@@ -21,6 +21,33 @@ def echo(x):
     return x
 
 
+def thread_name():
+    return threading.current_thread().name
+
+
+_probe_lock = threading.Lock()
+_probe = {"running": 0, "peak": 0}
+
+
+def concurrency_probe(seconds):
+    """Count the handlers running at once here (see ``probe_peak``)."""
+    with _probe_lock:
+        _probe["running"] += 1
+        _probe["peak"] = max(_probe["peak"], _probe["running"])
+    time.sleep(seconds)
+    with _probe_lock:
+        _probe["running"] -= 1
+    return True
+
+
+def probe_peak(reset=False):
+    with _probe_lock:
+        peak = _probe["peak"]
+        if reset:
+            _probe["peak"] = 0
+        return peak
+
+
 def echo_size(n):
     return b"y" * n
 

@@ -30,6 +30,22 @@ def _wait_until(cond, timeout: float = 10.0) -> None:
         time.sleep(0.002)
 
 
+def _call_held(agent, errors: list[BaseException]) -> threading.Thread:
+    """A thread blocked in ``rpc_sync(worker1, held)`` until released; what it
+    raises lands in ``errors``."""
+
+    def call() -> None:
+        with as_current(agent):
+            try:
+                rpcdist.rpc_sync("worker1", rf.held, timeout=None)
+            except BaseException as e:
+                errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t
+
+
 def test_rpc_sync_goes_out_on_a_connection_of_its_own(agents2):
     a, b = agents2
     with as_current(a):
@@ -109,13 +125,9 @@ def test_a_dead_idle_connection_is_replaced(agents2):
     with as_current(a):
         assert rpcdist.rpc_sync("worker1", rf.no_args) == "ok"
 
-        async def drop_incoming() -> int:
-            conns = list(b._in)
-            for c in conns:
-                c._end(None)
-            return len(conns)
-
-        assert b.run(drop_incoming()) >= 1
+        served = list(b.sync._served)  # the callee's end, served by a thread
+        assert len(served) == 1
+        served[0].interrupt()  # as if the callee had closed it
         (idle,) = a.sync._free[1]
         _wait_until(lambda: not idle.idle_ok())  # the EOF has reached it
         assert rpcdist.rpc_sync("worker1", rf.add, args=(4, 5)) == 9
@@ -127,16 +139,7 @@ def test_nongraceful_shutdown_wakes_a_thread_blocked_in_rpc_sync():
     errors: list[BaseException] = []
     try:
         with local_agents(2) as (a, _):
-
-            def call() -> None:
-                with as_current(a):
-                    try:
-                        rpcdist.rpc_sync("worker1", rf.held, timeout=None)
-                    except BaseException as e:
-                        errors.append(e)
-
-            t = threading.Thread(target=call)
-            t.start()
+            t = _call_held(a, errors)
             _wait_until(lambda: a.statistics()["pending_calls"] == 1)
             assert _direct(a) == 1
             a.shutdown(graceful=False)
@@ -184,3 +187,53 @@ def test_environment_sets_the_default(monkeypatch):
     monkeypatch.setenv("RPCDIST_SYNC_CHANNELS", "lots")
     with pytest.raises(ConfigError, match="RPCDIST_SYNC_CHANNELS"):
         RpcOptions().validated()
+
+
+def test_the_callee_runs_a_plain_handler_on_the_connection_s_own_thread(agents2):
+    a, b = agents2
+    with as_current(a):
+        assert rpcdist.rpc_sync("worker1", rf.thread_name).startswith("rpcdist-sync-worker1")
+        assert rpcdist.rpc_sync("worker1", rf.async_add, args=(2, 3)) == 5  # on b's loop
+        assert (
+            rpcdist.rpc_async("worker1", rf.thread_name)
+            .wait(10)
+            .startswith(
+                "rpcdist-worker-worker1"  # the loop's path: a pool thread
+            )
+        )
+    assert len(b.sync._served) == 1
+
+
+def test_handlers_on_served_connections_count_against_num_worker_threads():
+    """Three threads call a one-thread callee at once: the handlers run one at a
+    time, whether on a served connection's thread or in the pool."""
+    with local_agents(2, num_worker_threads=1) as (a, b):
+        rf.probe_peak(reset=True)
+
+        def run() -> None:
+            with as_current(a):
+                for _ in range(5):
+                    assert rpcdist.rpc_sync("worker1", rf.concurrency_probe, args=(0.01,))
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert rf.probe_peak() == 1
+        assert b.statistics()["calls_handled"] == 15
+
+
+def test_a_callee_shut_down_mid_call_fails_the_blocking_call():
+    rf.release.clear()
+    try:
+        with local_agents(2) as (a, b):
+            errors: list[BaseException] = []
+            t = _call_held(a, errors)
+            _wait_until(lambda: b.statistics()["inflight_handlers"] == 1)
+            threading.Thread(target=b.shutdown, kwargs={"graceful": False}).start()
+            t.join(20)
+            assert not t.is_alive()
+            assert len(errors) == 1 and isinstance(errors[0], rpcdist.WorkerLostError), errors
+    finally:
+        rf.release.set()
