@@ -81,10 +81,13 @@ def _raw_tcp(
     frames: list[bytes],
     want_reply: bool = False,
     unix: str | None = None,
+    sync: bool = False,
 ):
     """Speak the plain-socket transport by hand: hello, then ``frames``.
 
-    Dials the agent's abstract Unix socket named ``unix`` instead of TCP when given.
+    Dials the agent's abstract Unix socket named ``unix`` instead of TCP when
+    given; ``sync`` asks for a connection served by a thread of its own (as
+    blocking calls use).
     Returns ``("refused", reason)`` or ``("ok", bytes the agent sent back)``:
     one reply envelope when ``want_reply``, else everything until the agent closes.
     """
@@ -100,8 +103,11 @@ def _raw_tcp(
     else:
         s = socket.create_connection(_tcp.split_address(agent_addr), timeout=10)
     with s:
-        hello = msgpack.packb({"rank": 1, "name": "worker1", "token": token})
-        s.sendall(_tcp.MAGIC + struct.pack("<I", len(hello)) + hello)
+        hello = {"rank": 1, "name": "worker1", "token": token}
+        if sync:
+            hello["sync"] = True
+        body = msgpack.packb(hello)
+        s.sendall(_tcp.MAGIC + struct.pack("<I", len(body)) + body)
         (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
         answer = msgpack.unpackb(s.recv(n, socket.MSG_WAITALL))
         if answer.get("error"):
@@ -118,13 +124,14 @@ def _raw_tcp(
         return "ok", got
 
 
-@pytest.mark.parametrize("transport", ["tcp", "unix", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "unix", "tcp-sync", "grpc"])
 def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
     opts = rpcdist.RpcOptions(
         token="s3cret",
         transport="grpc" if transport == "grpc" else "tcp",
         local_sockets=transport == "unix",
     )
+    sync = transport == "tcp-sync"
     with local_agents(2, options=opts) as (a, b):
         assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the right token works
         unix = a._server.unix_name if transport == "unix" else None
@@ -136,28 +143,30 @@ def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
                 assert code == grpc.StatusCode.UNAUTHENTICATED
             else:
                 outcome, why = _raw_tcp(
-                    a.addresses[0], token, [_record_call("intruder")], unix=unix
+                    a.addresses[0], token, [_record_call("intruder")], unix=unix, sync=sync
                 )
                 assert outcome == "refused" and "token" in why
         assert rf.records() == before
         if transport != "grpc":  # the same hand-made call with the token does run
             outcome, env = _raw_tcp(
-                a.addresses[0], "s3cret", [_record_call("friend")], True, unix=unix
+                a.addresses[0], "s3cret", [_record_call("friend")], True, unix=unix, sync=sync
             )
             frames = parse_envelope(memoryview(env)).frames
             assert outcome == "ok" and [(f.kind, f.id) for f in frames] == [(REPLY, 1)]
             assert rf.records() == [*before, "friend"]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "tcp-sync", "grpc"])
 def test_fuzzed_frames_are_rejected_and_the_worker_keeps_serving(transport):
-    opts = rpcdist.RpcOptions(transport=transport)
+    opts = rpcdist.RpcOptions(transport=transport.removesuffix("-sync"))
     with local_agents(2, options=opts) as (a, b):
         for junk in (b"", b"\x00", b"\xff" * 40, _record_call("x")[:-3], os.urandom(64)):
             if transport == "grpc":
                 code, _ = _raw_stream(a.addresses[0], None, [junk])
                 assert code in (grpc.StatusCode.INVALID_ARGUMENT, "ok")
             else:
-                outcome, reply = _raw_tcp(a.addresses[0], None, [junk])
+                outcome, reply = _raw_tcp(
+                    a.addresses[0], None, [junk], sync=transport == "tcp-sync"
+                )
                 assert outcome == "ok" and reply == b""  # closed, nothing ran
         assert b.rpc_async(0, rf.add, args=(2, 2)).wait(10) == 4
