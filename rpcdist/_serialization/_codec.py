@@ -20,6 +20,10 @@ CODEC_VERSION: Final = 1
 Buffer = bytes | bytearray | memoryview
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
+#: Strings are UTF-8 on the wire; a lone surrogate (a str Python allows, e.g.
+#: from ``os.fsdecode`` or inside a NumPy unicode scalar) travels as its
+#: 3-byte form instead of failing, so every str round-trips exactly.
+_STR_ERRORS = "surrogatepass"
 
 
 def encode(
@@ -48,7 +52,7 @@ def encode(
     """
     state = EncodeState(allow_pickle, context)
     try:
-        header = _packb(obj, default=state.default, strict_types=True)
+        header = _packb(obj, default=state.default, strict_types=True, unicode_errors=_STR_ERRORS)
     except Exception as exc:
         if isinstance(exc, RpcdistError) and not isinstance(exc, SerializationError):
             raise
@@ -113,7 +117,11 @@ def decode(
     state = DecodeState(buffers, allow_pickle, context)
     try:
         obj = _unpackb(
-            header, ext_hook=state.ext_hook, list_hook=state.list_hook, strict_map_key=False
+            header,
+            ext_hook=state.ext_hook,
+            list_hook=state.list_hook,
+            strict_map_key=False,
+            unicode_errors=_STR_ERRORS,
         )
         count = len(buffers)
     except RpcdistError:

@@ -69,6 +69,8 @@ def test_arrays_keep_dtype_shape_and_bits(a: Any) -> None:
         complex(math.nan, -0.0),
         "",
         "héllo ✓",
+        "\ud800 lone surrogates \udfff",  # e.g. from os.fsdecode
+        {"\udcff": np.str_("\ud800")},
         b"",
         b"\x00\xff",
         [],
