@@ -481,8 +481,9 @@ class Agent:
         now = time.monotonic()
         self._pending[call_id] = _Pending(fut, dst, label, msg.deadline, None, now)
         if not conn.try_send_now(msg):
-            del self._pending[call_id]
-            return False
+            # Not sent; True if the link failed meanwhile and the loop has
+            # already failed the call (its Future holds the error).
+            return self._pending.pop(call_id, None) is None
         with self.count_lock:
             self.calls_sent += 1
         if msg.deadline is None:
