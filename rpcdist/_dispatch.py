@@ -115,11 +115,17 @@ def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
 
 
 def _post_plain(agent: Agent, *job: Any) -> None:
-    """Hand ``_run_plain(agent, *job)`` to the pool (after the read callback)."""
+    """Hand ``run_plain(agent, *job)`` to the pool (on the loop, after the read callback)."""
+    post_plain(agent, *job, on_loop=True)
+
+
+def post_plain(agent: Agent, *job: Any, on_loop: bool = False) -> None:
+    """Hand ``run_plain(agent, *job)`` to the pool from any thread; ``job`` is
+    ``(conn, m, fn, args, kwargs, ctx)``."""
     try:
         agent.executor.post(run_plain, agent, *job)
     except RuntimeError:  # the pool was shut down: the agent is closing
-        agent.handler_done()
+        agent.handler_done() if on_loop else agent.handler_done_threadsafe()
 
 
 def plain_function(m: InMessage) -> Callable[..., Any] | None:
@@ -129,16 +135,6 @@ def plain_function(m: InMessage) -> Callable[..., Any] | None:
     except Exception:
         return None  # serve() reports it
     return fn if _kind(fn) == 0 else None
-
-
-def post_plain_threadsafe(agent: Agent, *job: Any) -> None:
-    """:func:`_post_plain` from a thread other than the loop's; ``job`` is
-    ``(conn, m, fn, args, kwargs, ctx)``."""
-    try:
-        agent.executor.post(run_plain, agent, *job)
-    except RuntimeError:  # the pool was shut down: the agent is closing
-        job[-1].abort()
-        agent.handler_done_threadsafe()
 
 
 def reply_error_threadsafe(

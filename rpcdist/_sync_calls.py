@@ -372,4 +372,4 @@ class SyncCalls:
             finally:
                 agent.executor.give_back()
         else:  # the pool is busy: queue behind its work
-            _dispatch.post_plain_threadsafe(agent, conn, m, fn, args, kwargs, ctx)
+            _dispatch.post_plain(agent, conn, m, fn, args, kwargs, ctx)

@@ -312,11 +312,7 @@ class TcpConnection(BaseConnection):
                 or self._queue
             ):
                 return False
-            head, parts, _ = pack_batch_parts(
-                deque([msg]), self._batch_bytes, 1 << 62, _MAX_IOV - 1
-            )
-            self._unsent.append(memoryview(b"".join([head, *parts])))
-            self.messages_out += 1
+            self._stage_whole(msg)
             if before is not None:
                 before()
             try:
@@ -326,6 +322,15 @@ class TcpConnection(BaseConnection):
                 self._flush_scheduled = True
         self._loop.call_soon_threadsafe(self._flush)
         return True
+
+    def _stage_whole(self, msg: OutMessage) -> None:
+        """Pack all of ``msg`` into ``_unsent``, joined (holding ``_wlock``;
+        for the small messages written straight from a thread)."""
+        queue = deque([msg])
+        while queue:
+            head, parts, _ = pack_batch_parts(queue, self._batch_bytes, 1 << 62, _MAX_IOV - 1)
+            self._unsent.append(memoryview(b"".join([head, *parts])))
+            self.messages_out += 1
 
     def _on_writable(self) -> None:
         with self._wlock:
@@ -345,12 +350,8 @@ class TcpConnection(BaseConnection):
         Raises:
             OSError: the socket failed.
         """
-        queue = deque([msg])
         with self._wlock:
-            while queue:
-                head, parts, _ = pack_batch_parts(queue, self._batch_bytes, 1 << 62, _MAX_IOV - 1)
-                self._unsent.append(memoryview(b"".join([head, *parts])))
-                self.messages_out += 1
+            self._stage_whole(msg)
             while True:
                 if self._sock is None:
                     raise OSError(f"the connection to {self.label} was closed")
