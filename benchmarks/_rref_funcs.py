@@ -35,7 +35,7 @@ def drop_all() -> int:
 
 
 def rref_stats() -> dict[str, int]:
-    import rpcdist._context as c
+    import rpcdist._rpc._context as c
 
     stats = c.current_agent().statistics()
     return {k: v for k, v in stats.items() if k.startswith("rref_")}

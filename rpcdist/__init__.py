@@ -18,15 +18,6 @@ import importlib
 from typing import Any
 
 from . import functions, futures
-from ._api import (
-    get_rpc_timeout,
-    get_worker_info,
-    init_rpc,
-    rpc_async,
-    rpc_sync,
-    set_rpc_timeout,
-    shutdown,
-)
 from ._deadline import UNSET
 from ._errors import (
     AutogradError,
@@ -50,7 +41,16 @@ from ._errors import (
 )
 from ._futures import Future
 from ._options import RpcOptions
-from ._rref import RRef, remote
+from ._rpc._api import (
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    rpc_async,
+    rpc_sync,
+    set_rpc_timeout,
+    shutdown,
+)
+from ._rref._rref import RRef, remote
 from ._save import load, save
 from ._serialization import register_type
 from ._worker import WorkerInfo

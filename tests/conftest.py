@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rpcdist._agent import Agent
+from rpcdist._rpc._agent import Agent
 from rpcdist.testing import local_agents
 
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rpcdist import _rendezvous
 from rpcdist._errors import ConfigError, ConnectError
-from rpcdist._rendezvous import RendezvousSpec, open_store, parse_init_method
-from rpcdist._store import StoreClient, StoreServer
+from rpcdist._store import StoreClient, StoreServer, _rendezvous
+from rpcdist._store._rendezvous import RendezvousSpec, open_store, parse_init_method
 
 pytestmark = pytest.mark.timeout(30)
 

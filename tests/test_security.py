@@ -11,7 +11,7 @@ import pytest
 import rpc_funcs as rf
 
 import rpcdist
-from rpcdist._agent import Agent
+from rpcdist._rpc._agent import Agent
 from rpcdist.testing import local_agents
 
 

@@ -1,4 +1,4 @@
-"""``rpc_sync`` on connections the calling thread drives (``rpcdist._sync_calls``)."""
+"""``rpc_sync`` on connections the calling thread drives (``rpcdist._rpc._sync_calls``)."""
 
 from __future__ import annotations
 

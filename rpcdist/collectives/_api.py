@@ -9,9 +9,9 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from .._api import release_agent, start_agent_for
-from .._context import current_agent, default_agent
 from .._errors import ConfigError, NotInitializedError, RpcdistError
+from .._rpc._api import release_agent, start_agent_for
+from .._rpc._context import current_agent, default_agent
 from ._group import ProcessGroup
 from ._state import BACKENDS, CollectiveState
 

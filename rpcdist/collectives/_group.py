@@ -39,7 +39,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._agent import internal_handler
 from .._errors import (
     ClosedError,
     CollectiveError,
@@ -48,6 +47,7 @@ from .._errors import (
     TransportError,
 )
 from .._futures import Future
+from .._rpc._agent import internal_handler
 from .._worker import WorkerInfo
 from ._shm import CHECK_PERIOD
 from ._work import Work

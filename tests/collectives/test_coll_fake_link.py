@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcdist import CollectiveError
-from rpcdist._p2p import Mailbox
+from rpcdist._rpc._p2p import Mailbox
 from rpcdist._transport._frames import P2P, InMessage
 from rpcdist.collectives import ReduceOp
 from rpcdist.collectives._grpc_backend import GrpcEngine

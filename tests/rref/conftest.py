@@ -11,7 +11,7 @@ import pytest
 import rref_funcs as rf
 
 from rpcdist import RpcOptions
-from rpcdist._agent import Agent
+from rpcdist._rpc._agent import Agent
 from rpcdist.testing import FaultInjector, local_agents
 
 #: Gauges that read 0 on every worker once every RRef is dropped and the protocol settled.

@@ -216,7 +216,7 @@ def alive(token):
 
 def wait_for_forks(count, timeout=10.0):
     """On an owner: wait until it knows exactly ``count`` forks; return the reading."""
-    agent = rpcdist._context.current_agent()
+    agent = rpcdist._rpc._context.current_agent()
     end = time.monotonic() + timeout
     while True:
         n = agent.statistics().get("rref_forks", 0)
@@ -241,7 +241,7 @@ def relay_and_report(src, h, to, owner):
     """Get an RRef from ``src`` in a reply (not gated, so unconfirmed here), pass it
     to ``to``, which drops it; report what the owner and this worker see meanwhile."""
     rref = rpcdist.rpc_sync(src, take_and_drop, args=(h,))
-    pending_here = rpcdist._context.current_agent().statistics()["rref_pending_users"]
+    pending_here = rpcdist._rpc._context.current_agent().statistics()["rref_pending_users"]
     hz = rpcdist.rpc_sync(to, keep, args=(rref,))
     rpcdist.rpc_sync(to, drop, args=(hz,))
     forks = rpcdist.rpc_sync(owner, wait_for_forks, args=(1,))
@@ -254,7 +254,7 @@ def make_tracked(token, seconds=0.0):
 
 
 def stats():
-    return rpcdist._context.current_agent().statistics()
+    return rpcdist._rpc._context.current_agent().statistics()
 
 
 def forward_async_and_drop(h, to):

@@ -8,7 +8,7 @@ import time
 import rref_funcs as rf
 
 import rpcdist
-from rpcdist._context import current_agent
+from rpcdist._rpc._context import current_agent
 
 _GAUGES = ("rref_owners", "rref_forks", "rref_pending_users", "rref_pending_children")
 

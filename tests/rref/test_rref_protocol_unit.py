@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from rpcdist import RRefCreationError
-from rpcdist._rref_protocol import ABSENT, CREATING, FAILED, READY, Ids, OwnerTable, UserTable
+from rpcdist._rref._protocol import ABSENT, CREATING, FAILED, READY, Ids, OwnerTable, UserTable
 
 
 class FakeRRef:

@@ -10,8 +10,8 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-from ._errors import CollectiveError, ProtocolError
-from ._transport._frames import InMessage
+from .._errors import CollectiveError, ProtocolError
+from .._transport._frames import InMessage
 
 __all__ = ["Mailbox"]
 

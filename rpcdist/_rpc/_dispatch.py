@@ -17,21 +17,21 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._context import WireContext, bind_agent, reset_agent
-from ._deadline import current_deadline
-from ._errors import (
+from .._deadline import current_deadline
+from .._errors import (
     ProtocolError,
     RpcTimeoutError,
     SerializationError,
 )
-from ._futures import Future
-from ._serialization import decode, encode, exception_to_wire, resolve_function
-from ._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
-from .functions import ASYNC_EXECUTION_ATTR
+from .._futures import Future
+from .._serialization import decode, encode, exception_to_wire, resolve_function
+from .._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
+from ..functions import ASYNC_EXECUTION_ATTR
+from ._context import WireContext, bind_agent, reset_agent
 
 if TYPE_CHECKING:
+    from .._transport._conn import BaseConnection as Connection
     from ._agent import Agent
-    from ._transport._conn import BaseConnection as Connection
 
 __all__ = ["dispatch", "is_async_execution", "serve"]
 

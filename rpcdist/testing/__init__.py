@@ -22,11 +22,11 @@ import traceback
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-from ._agent import Agent
-from ._context import bind_agent, reset_agent, set_default_agent
-from ._errors import RpcdistError, RpcTimeoutError
-from ._options import RpcOptions
-from ._transport._faults import Fault, FaultInjector
+from .._errors import RpcdistError, RpcTimeoutError
+from .._options import RpcOptions
+from .._rpc._agent import Agent
+from .._rpc._context import bind_agent, reset_agent, set_default_agent
+from .._transport._faults import Fault, FaultInjector
 
 __all__ = [
     "Fault",

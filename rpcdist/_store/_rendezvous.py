@@ -27,9 +27,11 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._deadline import deadline_for, remaining
-from ._errors import ConfigError, ConnectError
-from ._store import StoreClient, StoreServer, format_address
+from .._deadline import deadline_for, remaining
+from .._errors import ConfigError, ConnectError
+from ._client import StoreClient
+from ._common import format_address
+from ._server import StoreServer
 
 __all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
 

@@ -6,13 +6,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._deadline import UNSET, Unset
+from .._errors import ConfigError, NotInitializedError
+from .._futures import Future
+from .._options import RpcOptions
+from .._worker import WorkerInfo
 from ._agent import Agent
 from ._context import current_agent, default_agent, set_default_agent
-from ._deadline import UNSET, Unset
-from ._errors import ConfigError, NotInitializedError
-from ._futures import Future
-from ._options import RpcOptions
-from ._worker import WorkerInfo
 
 __all__ = [
     "get_rpc_timeout",

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final
 
-from ._errors import RRefCreationError
-from ._futures import Future
+from .._errors import RRefCreationError
+from .._futures import Future
 
 __all__ = [
     "ABSENT",

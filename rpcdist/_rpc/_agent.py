@@ -23,10 +23,8 @@ from typing import Any
 import grpc.aio
 import msgpack
 
-from . import _dispatch
-from ._context import WireContext
-from ._deadline import UNSET, Unset, current_deadline, deadline_for
-from ._errors import (
+from .._deadline import UNSET, Unset, current_deadline, deadline_for
+from .._errors import (
     ClosedError,
     ConfigError,
     NotInitializedError,
@@ -37,17 +35,15 @@ from ._errors import (
     TransportError,
     WorkerLostError,
 )
-from ._futures import Future
-from ._loop import LoopThread
-from ._options import RpcOptions
-from ._p2p import Mailbox
-from ._pool import WorkerPool
-from ._rendezvous import open_store, parse_init_method
-from ._serialization import decode, encode, exception_from_wire, function_name
-from ._sync_calls import NOT_TAKEN, SyncCalls
-from ._transport import _grpc, _tcp
-from ._transport._conn import BaseConnection
-from ._transport._frames import (
+from .._futures import Future
+from .._loop import LoopThread
+from .._options import RpcOptions
+from .._pool import WorkerPool
+from .._serialization import decode, encode, exception_from_wire, function_name
+from .._store._rendezvous import open_store, parse_init_method
+from .._transport import _grpc, _tcp
+from .._transport._conn import BaseConnection
+from .._transport._frames import (
     CALL,
     ERROR_REPLY,
     INTERNAL,
@@ -56,8 +52,12 @@ from ._transport._frames import (
     InMessage,
     OutMessage,
 )
-from ._transport._shm import SegmentWriter, shm_available
-from ._worker import WorkerInfo, check_worker_name
+from .._transport._shm import SegmentWriter, shm_available
+from .._worker import WorkerInfo, check_worker_name
+from . import _dispatch
+from ._context import WireContext
+from ._p2p import Mailbox
+from ._sync_calls import NOT_TAKEN, SyncCalls
 
 __all__ = ["Agent", "internal_handler"]
 

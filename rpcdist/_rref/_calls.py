@@ -15,9 +15,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._context import WireContext
-from ._deadline import Unset, deadline_for
-from ._errors import (
+from .._deadline import Unset, deadline_for
+from .._errors import (
     ConfigError,
     ConnectError,
     OwnerLostError,
@@ -26,13 +25,14 @@ from ._errors import (
     SerializationError,
     WorkerLostError,
 )
-from ._futures import Future
-from ._rref_context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext
-from ._rref_owner import CREATE, FETCH, REMOTE
-from ._rref_protocol import Record
-from ._serialization import decode, encode
-from ._transport._frames import CALL, INTERNAL, OutMessage
-from ._worker import WorkerInfo
+from .._futures import Future
+from .._rpc._context import WireContext
+from .._serialization import decode, encode
+from .._transport._frames import CALL, INTERNAL, OutMessage
+from .._worker import WorkerInfo
+from ._context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext
+from ._owner import CREATE, FETCH, REMOTE
+from ._protocol import Record
 
 if TYPE_CHECKING:
     from ._rref import RRef

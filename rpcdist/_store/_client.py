@@ -14,19 +14,15 @@ Every gRPC error is translated in :meth:`StoreClient._call` (and in
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import secrets
-import socket
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from ._deadline import UNSET, Unset, deadline_for, remaining
-from ._errors import (
+from .._deadline import UNSET, Unset, deadline_for, remaining
+from .._errors import (
     ClosedError,
     ConfigError,
     ConnectError,
@@ -35,32 +31,17 @@ from ._errors import (
     RpcTimeoutError,
     WorkerLostError,
 )
-from ._proto import store_pb2 as pb
+from .._proto import store_pb2 as pb
+from ._common import BARRIER_PREFIX as _BARRIER_PREFIX
+from ._common import INT64 as _INT64
+from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
+from ._common import SERVICE as _SERVICE
+from ._common import TOKEN_METADATA_KEY
 
-__all__ = ["TOKEN_METADATA_KEY", "StoreClient", "StoreServer", "format_address"]
+__all__ = ["StoreClient"]
 
 logger = logging.getLogger(__name__)
 
-#: gRPC metadata key that carries the job token on every store call.
-TOKEN_METADATA_KEY = "rpcdist-token"
-
-_SERVICE = "rpcdist.v1.Store"
-_BARRIER_PREFIX = "rpcdist/barrier/"
-_INT64 = range(-(2**63), 2**63)
-
-_MESSAGE_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-]
-_SERVER_OPTIONS = [
-    *_MESSAGE_OPTIONS,
-    ("grpc.so_reuseport", 0),
-    # Accept the clients' keepalive pings during long waits; ping idle clients
-    # so that the waiters of a vanished client are dropped.
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
 _CLIENT_OPTIONS = [
     *_MESSAGE_OPTIONS,
     # A waiting get sends no data for a long time: keep pinging so that a
@@ -79,226 +60,6 @@ _RETRY_MAX_DELAY = 1.0
 _PING_ATTEMPT_TIMEOUT = 5.0
 
 _M = TypeVar("_M", bound=Message)
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 literal host in brackets (``[::1]:29500``)."""
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
-
-
-def _bind_failure_reason(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound, found by binding a plain socket there."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        return f"cannot resolve {host!r}: {exc}"
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(sockaddr)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return "gRPC could not listen there"
-
-
-async def _abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
-    await context.abort(code, details)
-    raise AssertionError("grpc.aio context.abort() returned")  # pragma: no cover
-
-
-class StoreServer:
-    """Serves the key-value store; rank 0 runs one.
-
-    All methods run on the event loop that called :meth:`start`. Operations
-    on one server are atomic with respect to each other: a handler never
-    awaits between reading and writing the table.
-    """
-
-    def __init__(self, *, token: str | None) -> None:
-        self._token = None if token is None else token.encode()
-        self._data: dict[str, bytes] = {}
-        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
-        self._server: Any = None
-        self._closing = False
-        self._changed = asyncio.Event()
-        #: Random per instance; clients learn it from Ping, rendezvous files record it.
-        self.server_id = secrets.token_hex(16)
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen on ``host:port`` and return the bound port (``0``: the OS picks).
-
-        Raises:
-            ConnectError: The address cannot be bound (in use, not local, ...).
-            ClosedError: The server was stopped or already started.
-        """
-        if self._server is not None or self._closing:
-            raise ClosedError(f"store server {self.server_id} was already started")
-        address = format_address(host, port)
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((self._generic_handler(),))
-        try:
-            bound = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            reason = _bind_failure_reason(host, port)
-            raise ConnectError(f"store server cannot listen on {address}: {reason}") from exc
-        if not bound:  # older grpcio reports a bind failure as port 0
-            reason = _bind_failure_reason(host, port)
-            raise ConnectError(f"store server cannot listen on {address}: {reason}")
-        await server.start()
-        self._server = server
-        logger.debug("store server %s listening on %s", self.server_id, format_address(host, bound))
-        return int(bound)
-
-    async def stop(self, grace: float | None = 0.5) -> None:
-        """Stop serving; waiting calls end at once with ``UNAVAILABLE``. Idempotent."""
-        if self._closing:
-            return
-        self._closing = True
-        for key in list(self._waiters):
-            self._wake(key)
-        if self._server is not None:
-            await self._server.stop(grace)
-        logger.debug("store server %s stopped", self.server_id)
-
-    def statistics(self) -> dict[str, int]:
-        """``keys`` stored and ``waiters``: calls blocked until a key is set."""
-        return {
-            "keys": len(self._data),
-            "waiters": sum(len(waiters) for waiters in self._waiters.values()),
-        }
-
-    async def _wait_statistics(self, predicate: Callable[[dict[str, int]], bool]) -> None:
-        """Wait until ``predicate(self.statistics())`` holds (a hook for tests)."""
-        while not predicate(self.statistics()):
-            self._changed.clear()
-            await self._changed.wait()
-
-    # -- handlers ------------------------------------------------------------
-
-    def _generic_handler(self) -> Any:
-        methods: Mapping[str, tuple[Callable[[Any, Any], Any], Any, Any]] = {
-            "Ping": (self._ping, pb.PingRequest, pb.PingResponse),
-            "Set": (self._set, pb.SetRequest, pb.SetResponse),
-            "Get": (self._get, pb.GetRequest, pb.GetResponse),
-            "Wait": (self._wait, pb.WaitRequest, pb.WaitResponse),
-            "Add": (self._add, pb.AddRequest, pb.AddResponse),
-            "CompareSet": (self._compare_set, pb.CompareSetRequest, pb.CompareSetResponse),
-            "Delete": (self._delete, pb.DeleteRequest, pb.DeleteResponse),
-        }
-        return grpc.method_handlers_generic_handler(
-            _SERVICE,
-            {
-                name: grpc.unary_unary_rpc_method_handler(
-                    self._guarded(handler),
-                    request_deserializer=request.FromString,
-                    response_serializer=response.SerializeToString,
-                )
-                for name, (handler, request, response) in methods.items()
-            },
-        )
-
-    def _guarded(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        async def guarded(request: Any, context: Any) -> Any:
-            if self._token is not None:
-                metadata = dict(context.invocation_metadata() or ())
-                offered = metadata.get(TOKEN_METADATA_KEY)
-                if not isinstance(offered, str) or not hmac.compare_digest(
-                    offered.encode(), self._token
-                ):
-                    await _abort(
-                        context,
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        f"missing or wrong {TOKEN_METADATA_KEY!r} metadata",
-                    )
-            if self._closing:
-                await _abort(context, grpc.StatusCode.UNAVAILABLE, "store server is shutting down")
-            return await handler(request, context)
-
-        return guarded
-
-    def _store(self, key: str, value: bytes) -> None:
-        self._data[key] = value
-        self._wake(key)
-
-    def _wake(self, key: str) -> None:
-        for waiter in self._waiters.pop(key, ()):
-            if not waiter.done():
-                waiter.set_result(None)
-        self._changed.set()
-
-    async def _until_set(self, key: str, context: Any) -> None:
-        """Wait until ``key`` is stored; abort the call if the server stops first."""
-        while key not in self._data:
-            if self._closing:
-                await _abort(
-                    context,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"store server shut down while the caller waited for key {key!r}",
-                )
-            waiter = asyncio.get_running_loop().create_future()
-            waiters = self._waiters.setdefault(key, set())
-            waiters.add(waiter)
-            self._changed.set()
-            try:
-                await waiter
-            finally:
-                waiters.discard(waiter)
-                if not waiters and self._waiters.get(key) is waiters:
-                    del self._waiters[key]
-                self._changed.set()
-
-    async def _ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
-        return pb.PingResponse(server_id=self.server_id)
-
-    async def _set(self, request: pb.SetRequest, context: Any) -> pb.SetResponse:
-        self._store(request.key, request.value)
-        return pb.SetResponse()
-
-    async def _get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:
-        await self._until_set(request.key, context)
-        return pb.GetResponse(value=self._data[request.key])
-
-    async def _wait(self, request: pb.WaitRequest, context: Any) -> pb.WaitResponse:
-        while missing := [key for key in request.keys if key not in self._data]:
-            await self._until_set(missing[0], context)
-        return pb.WaitResponse()
-
-    async def _add(self, request: pb.AddRequest, context: Any) -> pb.AddResponse:
-        current = self._data.get(request.key, b"0")
-        try:
-            value = int(current.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"key {request.key!r} holds {current[:32]!r}, not an integer counter",
-            )
-        value += request.amount
-        if value not in _INT64:
-            await _abort(
-                context,
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"counter {request.key!r} would overflow int64 ({value})",
-            )
-        self._store(request.key, str(value).encode("ascii"))
-        return pb.AddResponse(value=value)
-
-    async def _compare_set(
-        self, request: pb.CompareSetRequest, context: Any
-    ) -> pb.CompareSetResponse:
-        current = self._data.get(request.key, b"")
-        if current == request.expected:
-            self._store(request.key, request.desired)
-            current = request.desired
-        return pb.CompareSetResponse(value=current)
-
-    async def _delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
-        deleted = self._data.pop(request.key, None) is not None
-        self._changed.set()
-        return pb.DeleteResponse(deleted=deleted)
 
 
 def _check_key(key: object) -> str:

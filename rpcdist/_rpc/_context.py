@@ -7,8 +7,8 @@ import contextvars
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NotInitializedError, RpcTimeoutError
-from ._worker import WorkerInfo
+from .._errors import NotInitializedError, RpcTimeoutError
+from .._worker import WorkerInfo
 
 if TYPE_CHECKING:
     from ._agent import Agent

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._deadline import Unset
+from .._deadline import Unset
 
 if TYPE_CHECKING:
     from ._rref import RRef

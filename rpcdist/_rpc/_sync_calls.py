@@ -29,9 +29,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import _dispatch
-from ._context import WireContext
-from ._errors import (
+from .._errors import (
     ClosedError,
     ConnectError,
     ProtocolError,
@@ -39,11 +37,13 @@ from ._errors import (
     RpcTimeoutError,
     WorkerLostError,
 )
-from ._serialization import decode, exception_from_wire
-from ._transport._conn import BaseConnection
-from ._transport._frames import CALL, ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
-from ._transport._tcp import TcpConnection
-from ._worker import WorkerInfo
+from .._serialization import decode, exception_from_wire
+from .._transport._conn import BaseConnection
+from .._transport._frames import CALL, ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
+from .._transport._tcp import TcpConnection
+from .._worker import WorkerInfo
+from . import _dispatch
+from ._context import WireContext
 
 if TYPE_CHECKING:
     from ._agent import Agent

@@ -15,18 +15,18 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from ._agent import internal_handler
-from ._context import WireContext, current_agent
-from ._deadline import current_deadline, remaining
-from ._dispatch import _await_result, _call, _resolve, is_async_execution
-from ._errors import RpcdistError, RpcTimeoutError
-from ._rref_context import RRefContext, context_of
-from ._rref_protocol import Record
-from ._serialization import encode
-from ._worker import WorkerInfo
+from .._deadline import current_deadline, remaining
+from .._errors import RpcdistError, RpcTimeoutError
+from .._rpc._agent import internal_handler
+from .._rpc._context import WireContext, current_agent
+from .._rpc._dispatch import _await_result, _call, _resolve, is_async_execution
+from .._serialization import encode
+from .._worker import WorkerInfo
+from ._context import RRefContext, context_of
+from ._protocol import Record
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from .._rpc._agent import Agent
 
 __all__ = [
     "CALL_METHOD",
@@ -49,9 +49,9 @@ INVOKE: Final = "rref.invoke"
 HAS_ATTR: Final = "rref.has_attr"
 #: A plain method of an owned value, called like a plain function (the
 #: dispatcher's pool fast path); proxies use it once they know the method is plain.
-CALL_METHOD: Final = "rpcdist._rref_owner:call_method"
+CALL_METHOD: Final = "rpcdist._rref._owner:call_method"
 #: ``remote()`` of a plain function, likewise.
-CREATE: Final = "rpcdist._rref_owner:create_value"
+CREATE: Final = "rpcdist._rref._owner:create_value"
 #: The largest value sent back with its remote()'s reply, for a to_here
 #: already waiting (saves that to_here a round trip).
 EARLY_BYTES: Final = 16 << 10

@@ -24,9 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ._agent import SHUTDOWN_CHECKS, SHUTDOWN_HOOKS, internal_handler
-from ._deadline import current_deadline
-from ._errors import (
+from .._deadline import current_deadline
+from .._errors import (
     ClosedError,
     ConnectError,
     OwnerLostError,
@@ -35,12 +34,13 @@ from ._errors import (
     RRefError,
     WorkerLostError,
 )
-from ._futures import Future
-from ._rref_protocol import Ids, OwnerTable, UserTable
-from ._worker import WorkerInfo
+from .._futures import Future
+from .._rpc._agent import SHUTDOWN_CHECKS, SHUTDOWN_HOOKS, internal_handler
+from .._worker import WorkerInfo
+from ._protocol import Ids, OwnerTable, UserTable
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from .._rpc._agent import Agent
 
 __all__ = [
     "CHILD_ACCEPT",

@@ -11,17 +11,20 @@ from __future__ import annotations
 import functools
 from typing import Any, Generic, TypeVar
 
-from ._context import WireContext, current_agent
-from ._deadline import UNSET, Unset, deadline_for
-from ._errors import (
+from .._deadline import UNSET, Unset, deadline_for
+from .._errors import (
     ClosedError,
     RpcTimeoutError,
     RRefError,
     WrongThreadError,
 )
-from ._futures import Future
-from ._rref_calls import call_owner, create, to_here_after_creation
-from ._rref_context import (
+from .._futures import Future
+from .._rpc._context import WireContext, current_agent
+from .._serialization import register_extension
+from .._transport._frames import CALL
+from .._worker import WorkerInfo
+from ._calls import call_owner, create, to_here_after_creation
+from ._context import (
     CHILD_ACCEPT,
     CONFIRMED,
     FAILED_ABANDON,
@@ -34,12 +37,9 @@ from ._rref_context import (
     context_of,
     gate,
 )
-from ._rref_owner import CALL_METHOD, FETCH, HAS_ATTR, INVOKE, has_attr, is_plain
-from ._rref_protocol import Record
-from ._rref_proxy import RRefProxy
-from ._serialization import register_extension
-from ._transport._frames import CALL
-from ._worker import WorkerInfo
+from ._owner import CALL_METHOD, FETCH, HAS_ATTR, INVOKE, has_attr, is_plain
+from ._protocol import Record
+from ._proxy import RRefProxy
 
 __all__ = ["RRef", "remote"]
 

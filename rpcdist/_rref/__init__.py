@@ -1,0 +1,1 @@
+"""Remote references: the RRef class, its ownership protocol and its messages."""

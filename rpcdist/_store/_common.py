@@ -1,0 +1,32 @@
+"""What the store's server and client share: the service name, the token
+metadata key, gRPC message limits and address formatting."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BARRIER_PREFIX",
+    "INT64",
+    "MESSAGE_OPTIONS",
+    "SERVICE",
+    "TOKEN_METADATA_KEY",
+    "format_address",
+]
+
+#: gRPC metadata key that carries the job token on every store call.
+TOKEN_METADATA_KEY = "rpcdist-token"
+
+SERVICE = "rpcdist.v1.Store"
+BARRIER_PREFIX = "rpcdist/barrier/"
+INT64 = range(-(2**63), 2**63)
+
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal host in brackets (``[::1]:29500``)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
