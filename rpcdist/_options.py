@@ -12,16 +12,18 @@ from typing import TYPE_CHECKING
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._transport._faults import FaultInjector
+    from ._transport._faulty import FaultInjector
 
 __all__ = ["RpcOptions"]
 
 _MiB = 1 << 20
 
 
-@dataclass
+@dataclass(frozen=True)
 class RpcOptions:
     """Options for one agent, passed as ``init_rpc(..., options=RpcOptions(...))``.
+
+    Frozen: derive a changed copy with ``dataclasses.replace(options, ...)``.
 
     Attributes:
         token: Shared job token checked on every stream and store call. Defaults
@@ -64,6 +66,11 @@ class RpcOptions:
             threads instead of four (docs/design.md, "Blocking calls"). Also
             the most such connections a worker serves per peer. ``0`` turns
             this off. Defaults to ``RPCDIST_SYNC_CHANNELS`` or 4.
+        transport: How frames move: ``"tcp"`` (plain sockets, the default
+            path), ``"grpc"`` (gRPC streams; TLS), ``"inproc"`` (agents of one
+            process linked in memory, for tests) or ``"auto"`` (the default:
+            ``"grpc"`` when TLS is configured, else ``"tcp"``). Defaults to
+            ``RPCDIST_TRANSPORT``.
         ignore_rref_leaks: Let a graceful shutdown succeed even when RRef values
             owned here are still referenced by forks that were never deleted
             (by default it raises ``RRefError`` naming them).
@@ -132,9 +139,10 @@ class RpcOptions:
                 ) from None
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
-        if self.transport not in ("auto", "tcp", "grpc"):
+        if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
-                f"RpcOptions.transport must be 'auto', 'tcp' or 'grpc', got {self.transport!r}"
+                "RpcOptions.transport must be 'auto', 'tcp', 'grpc' or 'inproc', "
+                f"got {self.transport!r}"
             )
         if self.transport == "tcp" and self.tls:
             raise ConfigError(
@@ -148,7 +156,7 @@ class RpcOptions:
 
     @property
     def data_transport(self) -> str:
-        """The transport ``transport`` resolves to: ``"tcp"`` or ``"grpc"``."""
+        """The transport ``transport`` resolves to: ``"tcp"``, ``"grpc"`` or ``"inproc"``."""
         if self.transport == "auto":
             return "grpc" if self.tls else "tcp"
         return self.transport

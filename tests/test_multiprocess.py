@@ -134,22 +134,22 @@ def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
     sync = transport == "tcp-sync"
     with local_agents(2, options=opts) as (a, b):
         assert a.rpc_async(1, rf.no_args).wait(10) == "ok"  # the right token works
-        unix = a._server.unix_name if transport == "unix" else None
+        unix = a.links.transport.unix_name if transport == "unix" else None
         assert (unix is not None) == (transport == "unix")
         before = rf.records()
         for token in (None, "wrong"):
             if transport == "grpc":
-                code, _ = _raw_stream(a.addresses[0], token, [_record_call("intruder")])
+                code, _ = _raw_stream(a.links.address(0), token, [_record_call("intruder")])
                 assert code == grpc.StatusCode.UNAUTHENTICATED
             else:
                 outcome, why = _raw_tcp(
-                    a.addresses[0], token, [_record_call("intruder")], unix=unix, sync=sync
+                    a.links.address(0), token, [_record_call("intruder")], unix=unix, sync=sync
                 )
                 assert outcome == "refused" and "token" in why
         assert rf.records() == before
         if transport != "grpc":  # the same hand-made call with the token does run
             outcome, env = _raw_tcp(
-                a.addresses[0], "s3cret", [_record_call("friend")], True, unix=unix, sync=sync
+                a.links.address(0), "s3cret", [_record_call("friend")], True, unix=unix, sync=sync
             )
             frames = parse_envelope(memoryview(env)).frames
             assert outcome == "ok" and [(f.kind, f.id) for f in frames] == [(REPLY, 1)]
@@ -162,11 +162,11 @@ def test_fuzzed_frames_are_rejected_and_the_worker_keeps_serving(transport):
     with local_agents(2, options=opts) as (a, b):
         for junk in (b"", b"\x00", b"\xff" * 40, _record_call("x")[:-3], os.urandom(64)):
             if transport == "grpc":
-                code, _ = _raw_stream(a.addresses[0], None, [junk])
+                code, _ = _raw_stream(a.links.address(0), None, [junk])
                 assert code in (grpc.StatusCode.INVALID_ARGUMENT, "ok")
             else:
                 outcome, reply = _raw_tcp(
-                    a.addresses[0], None, [junk], sync=transport == "tcp-sync"
+                    a.links.address(0), None, [junk], sync=transport == "tcp-sync"
                 )
                 assert outcome == "ok" and reply == b""  # closed, nothing ran
         assert b.rpc_async(0, rf.add, args=(2, 2)).wait(10) == 4

@@ -165,11 +165,8 @@ def test_unsendable_function_and_arguments_fail_at_the_call_site(agents2):
 
 def test_function_missing_on_callee_is_clear(agents2, monkeypatch):
     a, _ = agents2
-    msg = rpcdist._transport._frames.OutMessage(
-        rpcdist._transport._frames.CALL, "rpc_funcs:nope", *a.encode_call((), None, a.workers[1])
-    )
     with pytest.raises(SerializationError, match="nope"):
-        a.submit_call(1, msg, "rpc_funcs:nope").wait(10)
+        a.call(1, "rpc_funcs:nope", ((), {}), deadline=None).wait(10)
 
 
 def test_unknown_workers_and_bad_ranks(agents2):

@@ -36,9 +36,14 @@ def test_large_arrays_use_shared_memory_and_leave_nothing_behind(opts):
         got["x"][0] = -1.0  # writable, and private to us
         assert x[0] != -1.0
         # one file for the call, one for the reply
-        assert a.segments.segments_written == 1 and b.segments.segments_written == 1
+        assert (
+            a.links.transport.segments.segments_written == 1
+            and b.links.transport.segments.segments_written == 1
+        )
         small = a.rpc_async(1, rf.echo, args=(np.arange(10),)).wait(30)
-        assert a.segments.segments_written == 1 and np.array_equal(small, np.arange(10))
+        assert a.links.transport.segments.segments_written == 1 and np.array_equal(
+            small, np.arange(10)
+        )
         assert _ours() == []
 
 
@@ -53,7 +58,7 @@ def test_large_arrays_use_shared_memory_and_leave_nothing_behind(opts):
 def test_shared_memory_can_be_turned_off(opts):
     x = np.ones(500_000)
     with local_agents(2, options=opts) as (a, _):
-        assert a.segments is None
+        assert a.links.transport.segments is None
         assert np.array_equal(a.rpc_async(1, rf.echo, args=(x,)).wait(30), x)
         assert _ours() == []
 

@@ -129,7 +129,7 @@ def test_a_dead_idle_connection_is_replaced(agents2):
         assert len(served) == 1
         served[0].interrupt()  # as if the callee had closed it
         (idle,) = a.sync._free[1]
-        _wait_until(lambda: not idle.idle_ok())  # the EOF has reached it
+        _wait_until(lambda: not idle.link.idle_ok())  # the EOF has reached it
         assert rpcdist.rpc_sync("worker1", rf.add, args=(4, 5)) == 9
     assert a.sync.connections(1) == 1
 
@@ -164,7 +164,7 @@ def test_graceful_shutdown_waits_for_a_blocking_call_in_flight():
         _wait_until(lambda: b.statistics()["inflight_handlers"] == 1)
 
         def release_once_shutting_down() -> None:
-            _wait_until(lambda: a._quiescing)
+            _wait_until(lambda: a.activity.quiescing)
             rf.release.set()
 
         releaser = threading.Thread(target=release_once_shutting_down)

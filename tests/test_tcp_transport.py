@@ -11,8 +11,9 @@ import pytest
 import rpc_funcs as rf
 
 from rpcdist import ProtocolError, RpcOptions, WorkerLostError
+from rpcdist._transport import Hooks
 from rpcdist._transport._frames import CALL, P2P, REPLY, OutMessage
-from rpcdist._transport._tcp import TcpConnection
+from rpcdist._transport._tcp import TcpLink
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -31,11 +32,15 @@ class _Pair:
         self.arrived = asyncio.Event()
         s1, s2 = _tcp_pair()
         self.raw = s1
-        self.a = TcpConnection(
-            loop, peer_rank=1, label="b", on_message=self._sink("a"), options=options
+        self.a = TcpLink(
+            loop, peer_rank=1, label="b", hooks=Hooks(on_message=self._sink("a")), options=options
         )
-        self.b = TcpConnection(
-            loop, peer_rank=0, label="a", on_message=self._sink("b"), options=options, alloc=alloc
+        self.b = TcpLink(
+            loop,
+            peer_rank=0,
+            label="a",
+            hooks=Hooks(on_message=self._sink("b"), alloc=alloc),
+            options=options,
         )
         self.a.attach(s1)
         self.b.attach(s2)
@@ -164,11 +169,11 @@ def test_bad_bytes_end_the_connection_with_a_typed_error(junk, error):
         loop = asyncio.get_running_loop()
         s1, s2 = _tcp_pair()
         got = []
-        conn = TcpConnection(
+        conn = TcpLink(
             loop,
             peer_rank=0,
             label="peer",
-            on_message=lambda c, m: got.append(m),
+            hooks=Hooks(on_message=lambda c, m: got.append(m)),
             options=RpcOptions(token=None),
         )
         conn.attach(s2)
@@ -183,7 +188,7 @@ def test_bad_bytes_end_the_connection_with_a_typed_error(junk, error):
 
 
 def _family(agent, dst: int) -> int:
-    return agent._out[dst]._sock.family
+    return agent.links.get(dst)._sock.family
 
 
 def test_same_host_workers_talk_over_a_unix_socket_unless_turned_off():
@@ -194,7 +199,7 @@ def test_same_host_workers_talk_over_a_unix_socket_unless_turned_off():
         assert b.rpc_async(0, rf.add, args=(3, 4)).wait(10) == 7
         assert _family(a, 1) == _family(b, 0) == socket.AF_UNIX
     with local_agents(2, options=RpcOptions(token=None, local_sockets=False)) as (a, b):
-        assert a._server.unix_name is None
+        assert a.links.transport.unix_name is None
         assert a.rpc_async(1, rf.add, args=(1, 2)).wait(10) == 3
         assert _family(a, 1) == socket.AF_INET
 
@@ -205,7 +210,7 @@ def test_a_unix_socket_that_cannot_be_reached_falls_back_to_tcp():
     from rpcdist.testing import local_agents
 
     with local_agents(2, options=RpcOptions(token=None, local_sockets=True)) as (a, b):
-        a._unix_names[1] = "rpcdist-nobody-listens-here"
+        a.links.peer(1).info["unix"] = "rpcdist-nobody-listens-here"
         big = np.arange(300_000, dtype=np.float64)
         assert np.array_equal(a.rpc_async(1, rf.echo, args=(big,)).wait(10), big)
         assert _family(a, 1) == socket.AF_INET

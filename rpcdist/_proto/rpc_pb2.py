@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rpcdist/v1/rpc.proto\x12\nrpcdist.v1\"\xbe\x01\n\x05\x46rame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.rpcdist.v1.Kind\x12\r\n\x05\x66irst\x18\x03 \x01(\x08\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x0e\n\x06header\x18\x06 \x01(\x0c\x12\x14\n\x0c\x62uffer_sizes\x18\x07 \x03(\x04\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\x12\x10\n\x08\x64\x61ta_len\x18\t \x01(\x04\x12\x10\n\x08shm_path\x18\n \x01(\t\"*\n\x05\x42\x61tch\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.rpcdist.v1.Frame*Y\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04\x43\x41LL\x10\x01\x12\x0c\n\x08INTERNAL\x10\x02\x12\t\n\x05REPLY\x10\x03\x12\x0f\n\x0b\x45RROR_REPLY\x10\x04\x12\x07\n\x03P2P\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rpcdist/v1/rpc.proto\x12\nrpcdist.v1\"\xcc\x01\n\x05\x46rame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.rpcdist.v1.Kind\x12\r\n\x05\x66irst\x18\x03 \x01(\x08\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x0e\n\x06header\x18\x06 \x01(\x0c\x12\x14\n\x0c\x62uffer_sizes\x18\x07 \x03(\x04\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\x12\x10\n\x08\x64\x61ta_len\x18\t \x01(\x04\x12\x10\n\x08shm_path\x18\n \x01(\t\x12\x0c\n\x04meta\x18\x0b \x01(\x0c\"*\n\x05\x42\x61tch\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.rpcdist.v1.Frame*Y\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04\x43\x41LL\x10\x01\x12\x0c\n\x08INTERNAL\x10\x02\x12\t\n\x05REPLY\x10\x03\x12\x0f\n\x0b\x45RROR_REPLY\x10\x04\x12\x07\n\x03P2P\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rpcdist.v1.rpc_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=273
-  _globals['_KIND']._serialized_end=362
+  _globals['_KIND']._serialized_start=287
+  _globals['_KIND']._serialized_end=376
   _globals['_FRAME']._serialized_start=37
-  _globals['_FRAME']._serialized_end=227
-  _globals['_BATCH']._serialized_start=229
-  _globals['_BATCH']._serialized_end=271
+  _globals['_FRAME']._serialized_end=241
+  _globals['_BATCH']._serialized_start=243
+  _globals['_BATCH']._serialized_end=285
 # @@protoc_insertion_point(module_scope)

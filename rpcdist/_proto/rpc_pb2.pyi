@@ -23,7 +23,7 @@ ERROR_REPLY: Kind
 P2P: Kind
 
 class Frame(_message.Message):
-    __slots__ = ("id", "kind", "first", "last", "method", "header", "buffer_sizes", "timeout_us", "data_len", "shm_path")
+    __slots__ = ("id", "kind", "first", "last", "method", "header", "buffer_sizes", "timeout_us", "data_len", "shm_path", "meta")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Frame(_message.Message):
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     DATA_LEN_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: Kind
     first: bool
@@ -44,7 +45,8 @@ class Frame(_message.Message):
     timeout_us: int
     data_len: int
     shm_path: str
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., method: _Optional[str] = ..., header: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., data_len: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    meta: bytes
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., first: _Optional[bool] = ..., last: _Optional[bool] = ..., method: _Optional[str] = ..., header: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., data_len: _Optional[int] = ..., shm_path: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("frames",)

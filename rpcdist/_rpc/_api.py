@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -114,8 +115,7 @@ def start_agent_for(
     with _init_lock:
         agent = default_agent()
         if agent is None or agent.closed:
-            opts = options or RpcOptions()
-            opts.init_timeout = timeout
+            opts = dataclasses.replace(options or RpcOptions(), init_timeout=timeout)
             spec_rank = rank if rank is not None else None
             agent = Agent(
                 f"rank{spec_rank}" if spec_rank is not None else "rank",

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._errors import NotInitializedError, RpcTimeoutError
+from .._transport._frames import Meta
 from .._worker import WorkerInfo
 
 if TYPE_CHECKING:
@@ -60,17 +61,22 @@ class WireContext:
     Attributes:
         agent: The local agent.
         peer: The worker the message goes to or came from.
+        meta: The message's named extension fields (``None``: none), e.g. the
+            autograd context a call or reply travels in.
         gates: What must complete before a received call runs (for example,
             confirmations of the user RRefs among its arguments): loop
             awaitables, or ``rpcdist.Future`` objects when ``off_loop``.
         extra: Free-form state for extensions.
     """
 
-    __slots__ = ("agent", "extra", "gates", "off_loop", "peer")
+    __slots__ = ("agent", "extra", "gates", "meta", "off_loop", "peer")
 
-    def __init__(self, agent: Agent, peer: WorkerInfo, *, off_loop: bool = False) -> None:
+    def __init__(
+        self, agent: Agent, peer: WorkerInfo, *, off_loop: bool = False, meta: Meta | None = None
+    ) -> None:
         self.agent = agent
         self.peer = peer
+        self.meta = meta
         #: Decoding on a thread other than the agent loop's: ``gates`` then
         #: holds ``rpcdist.Future`` objects to wait on, not loop awaitables.
         self.off_loop = off_loop
@@ -83,6 +89,7 @@ class WireContext:
         Runs the callables extensions put in ``extra["undo"]`` (for example,
         forgetting RRef forks made for it); encodes with this context from now
         on are dry runs (``extra["aborted"]``), for locating an encoding error.
+        Idempotent: an ``OutMessage`` whose ``undo`` this is may call it again.
         """
         self.extra["aborted"] = True
         for undo in self.extra.pop("undo", ()):

@@ -1,14 +1,26 @@
-"""Running incoming calls: function lookup, argument gating, execution, reply.
+"""Running incoming calls: the one handler path.
 
-``async def`` functions run on the agent loop; functions marked
-``@async_execution`` run in the thread pool and their returned Future is
-awaited without holding a thread; other functions run in the thread pool,
-which bounds how many run at once (``num_worker_threads``).
+Every incoming CALL or INTERNAL message, whichever thread reads it, is run
+here: :func:`run_handler` on a pool or serving thread for a plain function
+whose arguments need no waiting, :func:`serve` as a loop task for the rest
+(``async def`` functions, ``@async_execution`` functions, internal methods,
+arguments gated on RRef confirmations). Both bind the current agent and the
+call's deadline, enter the registry's *handler scopes* around the user
+function and the encoding of its reply (that is where an extension such as
+distributed autograd binds its per-call state), and attach the registry's
+metadata to the reply. :func:`call_user` runs a user function by its kind
+for the RRef owner's handlers, which themselves run under :func:`serve`.
+
+``async def`` functions run on the agent loop; ``@async_execution`` ones in
+the pool, their returned Future then awaited without holding a thread;
+plain ones in the pool, which bounds how many run at once
+(``num_worker_threads``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -18,24 +30,35 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._deadline import current_deadline
-from .._errors import (
-    ProtocolError,
-    RpcTimeoutError,
-    SerializationError,
-)
+from .._errors import ProtocolError, RpcdistError, RpcTimeoutError, SerializationError
 from .._futures import Future
 from .._serialization import decode, encode, exception_to_wire, resolve_function
+from .._transport import Link
 from .._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
 from ..functions import ASYNC_EXECUTION_ATTR
 from ._context import WireContext, bind_agent, reset_agent
+from ._registry import CallInfo
 
 if TYPE_CHECKING:
-    from .._transport._conn import BaseConnection as Connection
     from ._agent import Agent
 
-__all__ = ["dispatch", "is_async_execution", "serve"]
+__all__ = [
+    "call_user",
+    "decode_call",
+    "dispatch",
+    "is_async_execution",
+    "plain_function",
+    "post_handler",
+    "reply_error_threadsafe",
+    "run_handler",
+    "serve",
+]
 
 _log = logging.getLogger(__name__)
+
+#: Replies up to this size may go out from the thread that made them.
+_DIRECT_REPLY_BYTES = 64 << 10
+_PLAIN, _ASYNC, _ASYNC_EXECUTION = 0, 1, 2
 
 
 def is_async_execution(fn: Any) -> bool:
@@ -43,20 +66,39 @@ def is_async_execution(fn: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _resolve(name: str) -> Callable[..., Any]:
+def resolve(name: str) -> Callable[..., Any]:
+    """The function a call names (cached).
+
+    Raises:
+        SerializationError: it cannot be imported or is not a function.
+    """
     return resolve_function(name)
 
 
-@functools.lru_cache(maxsize=4096)
-def _kind(fn: Callable[..., Any]) -> int:
+def _kind_of(fn: Callable[..., Any]) -> int:
     if is_async_execution(fn):
-        return 2
+        return _ASYNC_EXECUTION
     if inspect.iscoroutinefunction(fn):
-        return 1
-    return 0
+        return _ASYNC
+    return _PLAIN
 
 
-def _call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
+#: For functions resolved by name (module-level, long-lived). Never for bound
+#: methods of owned values: the cache would keep the values alive.
+_kind = functools.lru_cache(maxsize=4096)(_kind_of)
+
+
+def plain_function(m: InMessage) -> Callable[..., Any] | None:
+    """The plain (not ``async``) function a CALL names, else None."""
+    try:
+        fn = resolve(m.method)
+    except Exception:
+        return None  # serve() reports it
+    return fn if _kind(fn) == _PLAIN else None
+
+
+def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with a clear message when the arguments do not fit."""
     try:
         return fn(*args, **kwargs)
     except TypeError as e:
@@ -69,7 +111,17 @@ def _call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         raise e
 
 
-async def _await_result(ret: Any) -> Any:
+async def call_user(
+    agent: Agent, fn: Callable[..., Any], label: str, args: Any, kwargs: Any
+) -> Any:
+    """Run a user function by its kind (on the loop, in a handler's context)."""
+    how = _kind_of(fn)
+    if how == _ASYNC:
+        return await call(fn, label, args, kwargs)
+    cv = contextvars.copy_context()  # the handler scopes' state follows into the pool
+    ret = await agent.loop.run_in_executor(agent.executor, cv.run, call, fn, label, args, kwargs)
+    if how == _PLAIN:
+        return ret
     if isinstance(ret, Future) or inspect.isawaitable(ret):
         return await ret
     raise TypeError(
@@ -85,245 +137,232 @@ def _check_deadline(deadline: float | None, method: str, peer: str) -> None:
         raise RpcTimeoutError(f"call {method!r} from {peer!r} arrived after its deadline")
 
 
-def dispatch(agent: Agent, conn: Connection, m: InMessage) -> None:
-    """Start handling one CALL or INTERNAL message (on the loop).
-
-    A plain function whose arguments need no gating goes straight to the
-    thread pool, which encodes the reply and hands it back to the loop: no
-    task, one hop each way. Everything else runs as a :func:`serve` task.
-    """
-    if m.kind != INTERNAL:
-        try:
-            fn = _resolve(m.method)
-        except Exception:
-            fn = None  # serve() reports it
-        if fn is not None and _kind(fn) == 0:
-            ctx = WireContext(agent, agent.workers[conn.peer_rank])
-            try:
-                args, kwargs = decode_call(agent, m, ctx)
-            except BaseException as e:
-                ctx.abort()
-                _send_reply(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
-                return
-            if not ctx.gates:
-                agent.wake_after_read(conn, _post_plain, agent, conn, m, fn, args, kwargs, ctx)
-                return
-            # Never decode twice: decoding has side effects (RRef forks).
-            agent.spawn(serve(agent, conn, m, (ctx, args, kwargs)))
-            return
-    agent.spawn(serve(agent, conn, m))
-
-
-def _post_plain(agent: Agent, *job: Any) -> None:
-    """Hand ``run_plain(agent, *job)`` to the pool (on the loop, after the read callback)."""
-    post_plain(agent, *job, on_loop=True)
-
-
-def post_plain(agent: Agent, *job: Any, on_loop: bool = False) -> None:
-    """Hand ``run_plain(agent, *job)`` to the pool from any thread; ``job`` is
-    ``(conn, m, fn, args, kwargs, ctx)``."""
-    try:
-        agent.executor.post(run_plain, agent, *job)
-    except RuntimeError:  # the pool was shut down: the agent is closing
-        agent.handler_done() if on_loop else agent.handler_done_threadsafe()
-
-
-def plain_function(m: InMessage) -> Callable[..., Any] | None:
-    """The plain (not ``async``) function a CALL names, else None."""
-    try:
-        fn = _resolve(m.method)
-    except Exception:
-        return None  # serve() reports it
-    return fn if _kind(fn) == 0 else None
-
-
-def reply_error_threadsafe(
-    agent: Agent, conn: Connection, m: InMessage, ctx: WireContext, e: BaseException
-) -> None:
-    """From a thread other than the loop's: answer ``m`` with error ``e``."""
-    _reply_from_thread(agent, conn, m, ctx, ERROR_REPLY, *_encode_error(e))
-
-
-def decode_call(agent: Agent, m: InMessage, ctx: WireContext) -> tuple[Any, Any]:
+def decode_call(agent: Agent, m: InMessage, wire: WireContext) -> tuple[Any, Any]:
     """A CALL's ``(args, kwargs)``.
 
     Raises:
         SerializationError: the payload is malformed.
     """
-    decoded = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx)
+    decoded = decode(m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=wire)
     if not (isinstance(decoded, tuple) and len(decoded) == 2):
         raise SerializationError(f"malformed call payload for {m.method!r}")
     return decoded[0], decoded[1]
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
+    """Start handling one CALL or INTERNAL message (on the loop).
+
+    A plain function whose arguments need no gating goes straight to the
+    thread pool, which encodes the reply and sends it (or hands it back to
+    the loop): no task, one hop each way. Everything else runs as a
+    :func:`serve` task.
+    """
+    if m.kind != INTERNAL and (fn := plain_function(m)) is not None:
+        wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta)
+        try:
+            args, kwargs = decode_call(agent, m, wire)
+        except BaseException as e:
+            wire.abort()
+            _send_reply(agent, link, m, wire, ERROR_REPLY, *_encode_error(e))
+            return
+        if not wire.gates:
+            agent.wake_after_read(link, _post_from_loop, agent, link, m, fn, args, kwargs, wire)
+            return
+        # Never decode twice: decoding has side effects (RRef forks).
+        agent.spawn(serve(agent, link, m, (wire, args, kwargs)))
+        return
+    agent.spawn(serve(agent, link, m))
+
+
+def _post_from_loop(agent: Agent, *job: Any) -> None:
+    post_handler(agent, *job, on_loop=True)
+
+
+def post_handler(agent: Agent, *job: Any, on_loop: bool = False) -> None:
+    """Hand ``run_handler(agent, *job)`` to the pool from any thread; ``job``
+    is ``(link, m, fn, args, kwargs, wire)``."""
+    try:
+        agent.executor.post(run_handler, agent, *job)
+    except RuntimeError:  # the pool was shut down: the agent is closing
+        if on_loop:
+            agent.activity.handler_done()
+        else:
+            agent.activity.handler_done_threadsafe()
+
+
+async def serve(
+    agent: Agent,
+    link: Link,
+    m: InMessage,
+    decoded: tuple[WireContext, Any, Any] | None = None,
+) -> None:
+    """Handle one CALL or INTERNAL message as a loop task and reply on ``link``.
+
+    ``decoded`` is ``(wire context, args, kwargs)`` of a call
+    :func:`dispatch` decoded already.
+    """
+    peer = agent.workers[link.peer_rank]
+    deadline = m.deadline
+    bind_agent(agent)  # this task runs in its own copy of the context
+    current_deadline.set(deadline)
+    wire = WireContext(agent, peer, meta=m.meta) if decoded is None else decoded[0]
+    scopes: contextlib.ExitStack | None = None
+    kind = REPLY
+    try:
+        if m.kind == INTERNAL:
+            handler = agent.registry.handlers.get(m.method)
+            if handler is None:
+                raise ProtocolError(f"unknown internal method {m.method!r}")
+            payload = decode(
+                m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=wire
+            )
+            _check_deadline(deadline, m.method, peer.name)
+            await wire.wait_gates(deadline)
+            scopes = agent.registry.enter_scopes(CallInfo(agent, peer, m.method, m.meta, deadline))
+            result = await handler(agent, peer, payload)
+        else:
+            fn = resolve(m.method)
+            if decoded is None:
+                args, kwargs = decode_call(agent, m, wire)
+            else:
+                args, kwargs = decoded[1], decoded[2]
+            _check_deadline(deadline, m.method, peer.name)
+            await wire.wait_gates(deadline)
+            scopes = agent.registry.enter_scopes(CallInfo(agent, peer, m.method, m.meta, deadline))
+            result = await call_user(agent, fn, m.method, args, kwargs)
+        wire.meta = agent.registry.meta()
+        header, buffers = encode(
+            result, allow_pickle=agent.options.allow_pickle, context=wire, where="result"
+        )
+    except asyncio.CancelledError:
+        _exit(scopes, None)
+        agent.activity.handler_done()
+        raise
+    except BaseException as e:  # the caller gets every error, typed
+        _exit(scopes, e)
+        scopes = None
+        wire.abort()  # a result that failed to encode: undo its RRef forks
+        kind = ERROR_REPLY
+        header, buffers = _encode_error(e)
+    _exit(scopes, None)
+    _send_reply(agent, link, m, wire, kind, header, buffers)
+
+
+# --------------------------------------------------------------- threads
+
+
+def run_handler(
+    agent: Agent,
+    link: Link,
+    m: InMessage,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    wire: WireContext,
+) -> None:
+    """On a pool or serving thread: run plain function ``fn`` under the
+    handler scopes, encode its reply and send it (or hand it to the loop)."""
+    t_agent = bind_agent(agent)
+    t_deadline = current_deadline.set(m.deadline)
+    scopes: contextlib.ExitStack | None = None
+    try:
+        _check_deadline(m.deadline, m.method, wire.peer.name)
+        if agent.registry.scopes:
+            info = CallInfo(agent, wire.peer, m.method, m.meta, m.deadline)
+            scopes = agent.registry.enter_scopes(info)
+        result = call(fn, m.method, args, kwargs)
+        kind = REPLY
+        wire.meta = agent.registry.meta()
+        header, buffers = encode(
+            result, allow_pickle=agent.options.allow_pickle, context=wire, where="result"
+        )
+        _exit(scopes, None)
+    except BaseException as e:  # the caller gets every error, typed
+        _exit(scopes, e)
+        wire.abort()
+        kind = ERROR_REPLY
+        header, buffers = _encode_error(e)
+    finally:
+        current_deadline.reset(t_deadline)
+        reset_agent(t_agent)
+    _reply_from_thread(agent, link, m, wire, kind, header, buffers)
+
+
+def reply_error_threadsafe(
+    agent: Agent, link: Link, m: InMessage, wire: WireContext, e: BaseException
+) -> None:
+    """From a thread other than the loop's: answer ``m`` with error ``e``."""
+    _reply_from_thread(agent, link, m, wire, ERROR_REPLY, *_encode_error(e))
+
+
+# --------------------------------------------------------------- replies
+
+
+def _exit(scopes: contextlib.ExitStack | None, exc: BaseException | None) -> None:
+    if scopes is not None:
+        scopes.__exit__(None if exc is None else type(exc), exc, None)
 
 
 def _encode_error(e: BaseException) -> tuple[bytes, list[memoryview]]:
     return encode(exception_to_wire(e), allow_pickle=False, context=None, where="error")
 
 
-def run_plain(
-    agent: Agent,
-    conn: Connection,
-    m: InMessage,
-    fn: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
-    ctx: WireContext,
-) -> None:
-    """In a pool thread (or on a borrowed slot): run ``fn``, encode its reply,
-    send it (or hand it to the loop)."""
-    t_agent = bind_agent(agent)
-    t_deadline = current_deadline.set(m.deadline)
-    try:
-        _check_deadline(m.deadline, m.method, ctx.peer.name)
-        result = _call(fn, m.method, args, kwargs)
-        kind = REPLY
-        header, buffers = encode(
-            result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
-        )
-    except BaseException as e:  # the caller gets every error, typed
-        ctx.abort()
-        kind = ERROR_REPLY
-        header, buffers = _encode_error(e)
-    finally:
-        current_deadline.reset(t_deadline)
-        reset_agent(t_agent)
-    _reply_from_thread(agent, conn, m, ctx, kind, header, buffers)
+def _reply(m: InMessage, wire: WireContext, kind: int, header: bytes,
+           buffers: list[memoryview]) -> OutMessage:  # fmt: skip
+    return OutMessage(
+        kind, m.method, header, buffers, id=m.id, meta=wire.meta if kind == REPLY else None,
+        undo=wire.abort,
+    )  # fmt: skip
 
 
-def _reply_from_thread(
-    agent: Agent,
-    conn: Connection,
-    m: InMessage,
-    ctx: WireContext,
-    kind: int,
-    header: bytes,
-    buffers: list[memoryview],
-) -> None:
-    """Account for the finished handler and send its reply, from a pool thread."""
+def _reply_from_thread(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind: int,
+                       header: bytes, buffers: list[memoryview]) -> None:  # fmt: skip
+    """Account for the finished handler and send its reply, from a thread."""
+    reply = _reply(m, wire, kind, header, buffers)
     try:
-        if not _reply_now(agent, conn, m, kind, header, buffers):
-            agent.loop.call_soon_threadsafe(_send_reply, agent, conn, m, ctx, kind, header, buffers)
+        if not _reply_now(agent, link, reply):
+            agent.loop.call_soon_threadsafe(_send, agent, link, reply)
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
 
 
-#: Replies up to this size may go out from the pool thread that made them.
-_DIRECT_REPLY_BYTES = 64 << 10
-
-
-def _reply_now(
-    agent: Agent,
-    conn: Connection,
-    m: InMessage,
-    kind: int,
-    header: bytes,
-    buffers: list[memoryview],
-) -> bool:
-    """From a pool thread: send a small reply straight away if the link allows.
+def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
+    """From a thread: send a small reply straight away if the link allows.
 
     Saves one thread hop per call (the reply no longer waits for the loop)
     when this is the only handler running; under load, replies queued on the
-    loop leave several per write, which measured faster. Not done under
-    fault injection, which decides on the loop.
+    loop leave several per write, which measured faster.
     """
-    if agent.options.faults is not None:
+    if agent.activity.inflight > 1:  # busy: replies coalesce better on the loop
         return False
-    if agent.inflight_handlers > 1:  # busy: replies coalesce better on the loop
-        return False
-    if len(header) + sum(b.nbytes for b in buffers) > _DIRECT_REPLY_BYTES:
+    if len(reply.header) + reply.payload_bytes > _DIRECT_REPLY_BYTES:
         return False
     # Counted just before the reply leaves, so the caller never sees its
     # reply before this worker's statistics include the call.
-    reply = OutMessage(kind, m.method, header, buffers, id=m.id)
-    return conn.try_send_now(reply, before=agent.handler_done_threadsafe)
-
-
-def _send_reply(
-    agent: Agent,
-    conn: Connection,
-    m: InMessage,
-    ctx: WireContext,
-    kind: int,
-    header: bytes,
-    buffers: list[memoryview],
-) -> None:
-    """On the loop: account for the finished handler and send its reply."""
-    agent.handler_done()
-    reply = OutMessage(kind, m.method, header, buffers, id=m.id)
-    faults = agent.options.faults
-    if faults is not None:
-        d = faults.decide(("reply:" if kind == REPLY else "error:") + m.method)
-        if d is not None:
-            action, delay = d
-            if action in ("drop", "fail"):
-                ctx.abort()  # never sent: undo the RRef forks in it
-                return
-            agent.loop.call_later(delay, _deliver, conn, reply, ctx)
-            return
-    _deliver(conn, reply, ctx)
-
-
-def _deliver(conn: Connection, reply: OutMessage, ctx: WireContext) -> None:
-    if conn.closed is None:
-        conn.send(reply)
-    else:
-        ctx.abort()
-
-
-async def serve(
-    agent: Agent,
-    conn: Connection,
-    m: InMessage,
-    decoded: tuple[WireContext, Any, Any] | None = None,
-) -> None:
-    """Handle one CALL or INTERNAL message and send its reply on ``conn``.
-
-    ``decoded`` is ``(context, args, kwargs)`` of a call :func:`dispatch` decoded.
-    """
-    peer = agent.workers[conn.peer_rank]
-    deadline = m.deadline
-    bind_agent(agent)  # this task runs in its own copy of the context
-    current_deadline.set(deadline)
-    ctx = WireContext(agent, peer) if decoded is None else decoded[0]
-    kind = REPLY
     try:
-        if m.kind == INTERNAL:
-            from ._agent import INTERNAL_HANDLERS
+        return link.try_send_now(reply, before=agent.activity.handler_done_threadsafe)
+    except RpcdistError:  # a fault rule failed it: as good as dropped
+        agent.activity.handler_done_threadsafe()
+        reply.dropped()
+        return True
 
-            handler = INTERNAL_HANDLERS.get(m.method)
-            if handler is None:
-                raise ProtocolError(f"unknown internal method {m.method!r}")
-            payload = decode(
-                m.header, m.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
-            )
-            _check_deadline(deadline, m.method, peer.name)
-            await ctx.wait_gates(deadline)
-            result = await handler(agent, peer, payload)
-        else:
-            fn = _resolve(m.method)
-            if decoded is None:
-                args, kwargs = decode_call(agent, m, ctx)
-            else:
-                args, kwargs = decoded[1], decoded[2]
-            _check_deadline(deadline, m.method, peer.name)
-            await ctx.wait_gates(deadline)
-            how = _kind(fn)
-            if how == 1:
-                result = await _call(fn, m.method, args, kwargs)
-            else:
-                cv = contextvars.copy_context()
-                ret = await agent.loop.run_in_executor(
-                    agent.executor, cv.run, _call, fn, m.method, args, kwargs
-                )
-                result = await _await_result(ret) if how == 2 else ret
-        header, buffers = encode(
-            result, allow_pickle=agent.options.allow_pickle, context=ctx, where="result"
-        )
-    except asyncio.CancelledError:
-        agent.handler_done()
-        raise
-    except BaseException as e:  # the caller gets every error, typed
-        ctx.abort()  # a result that failed to encode: undo its RRef forks
-        kind = ERROR_REPLY
-        header, buffers = _encode_error(e)
-    _send_reply(agent, conn, m, ctx, kind, header, buffers)
+
+def _send_reply(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind: int,
+                header: bytes, buffers: list[memoryview]) -> None:  # fmt: skip
+    """On the loop: account for the finished handler and send its reply."""
+    _send(agent, link, _reply(m, wire, kind, header, buffers))
+
+
+def _send(agent: Agent, link: Link, reply: OutMessage) -> None:
+    agent.activity.handler_done()
+    if link.closed is not None:
+        reply.dropped()
+        return
+    try:
+        link.send(reply)
+    except RpcdistError as e:  # closed meanwhile, or a fault rule failed it
+        _log.debug("reply %d to %s not sent: %s", reply.id, link.label, e)
+        reply.dropped()

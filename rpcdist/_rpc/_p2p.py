@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from .._errors import CollectiveError, ProtocolError
 from .._transport._frames import InMessage
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "Message"]
+
+#: A received point-to-point message (``.method`` is its key, ``.header`` and
+#: ``.buffers`` what was sent).
+Message = InMessage
 
 
 @dataclass(eq=False)

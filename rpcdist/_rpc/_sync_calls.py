@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -38,9 +37,8 @@ from .._errors import (
     WorkerLostError,
 )
 from .._serialization import decode, exception_from_wire
-from .._transport._conn import BaseConnection
+from .._transport import Hooks, Link, LinkFactory
 from .._transport._frames import CALL, ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
-from .._transport._tcp import TcpConnection
 from .._worker import WorkerInfo
 from . import _dispatch
 from ._context import WireContext
@@ -61,46 +59,33 @@ NOT_TAKEN: Any = object()
 _MAX_SERVED = 64
 
 
-class _Channel(TcpConnection):
-    """A thread-driven connection: replies land in ``replies``."""
+class _Channel:
+    """The caller's end of a thread-driven link: replies land in ``replies``."""
 
-    def __init__(self, agent: Agent, dst: int) -> None:
-        super().__init__(
-            agent.loop,
-            peer_rank=dst,
-            label=agent.peer_label(dst),
-            on_message=_keep,
-            options=agent.options,
-            segments=agent.segments_for(dst),
-        )
-        self.replies: list[InMessage] = []
+    __slots__ = ("link", "replies")
+
+    def __init__(self, link: Any, replies: list[InMessage]) -> None:
+        #: A ``TcpLink`` in threaded mode (possibly wrapped for fault injection).
+        self.link = link
+        self.replies = replies
 
 
-def _keep(conn: BaseConnection, m: InMessage) -> None:
-    if m.kind not in (REPLY, ERROR_REPLY):
-        raise ProtocolError(f"unexpected frame kind {m.kind} from {conn.label}")
-    conn.replies.append(m)  # type: ignore[attr-defined]
+def _keeper(replies: list[InMessage]) -> Hooks:
+    def keep(link: Link, m: InMessage) -> None:
+        if m.kind not in (REPLY, ERROR_REPLY):
+            raise ProtocolError(f"unexpected frame kind {m.kind} from {link.label}")
+        replies.append(m)
+
+    return Hooks(on_message=keep)
 
 
-class _Served(TcpConnection):
-    """The callee's end of a caller-driven connection: calls land in ``inbox``."""
+def _queuer(inbox: list[InMessage]) -> Hooks:
+    def queue(link: Link, m: InMessage) -> None:
+        if m.kind not in (CALL, INTERNAL):
+            raise ProtocolError(f"unexpected frame kind {m.kind} from {link.label}")
+        inbox.append(m)
 
-    def __init__(self, agent: Agent, rank: int, name: str) -> None:
-        super().__init__(
-            agent.loop,
-            peer_rank=rank,
-            label=f"worker {name!r}",
-            on_message=_queue_call,
-            options=agent.options,
-            segments=agent.segments_for(rank),
-        )
-        self.inbox: list[InMessage] = []
-
-
-def _queue_call(conn: BaseConnection, m: InMessage) -> None:
-    if m.kind not in (CALL, INTERNAL):
-        raise ProtocolError(f"unexpected frame kind {m.kind} from {conn.label}")
-    conn.inbox.append(m)  # type: ignore[attr-defined]
+    return Hooks(on_message=queue)
 
 
 class SyncCalls:
@@ -108,17 +93,19 @@ class SyncCalls:
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
-        self._limit = int(agent.options.sync_channels)
+        # Only plain sockets can be driven by a thread (see ``TcpLink``).
+        threaded = agent.links.transport.name == "tcp"
+        self._limit = int(agent.options.sync_channels) if threaded else 0
         self._lock = threading.Lock()
         self._free: dict[int, list[_Channel]] = {}
         self._busy: set[_Channel] = set()
         self._count: dict[int, int] = {}
         self._closed = False
-        #: Callee side: connections served by threads of their own.
-        self._served: dict[_Served, threading.Thread] = {}
+        #: Callee side: links served by threads of their own, with their inboxes.
+        self._served: dict[Any, threading.Thread] = {}
         self._served_per_peer: dict[int, int] = {}
         #: Calls in flight on these connections, and calls made on them
-        #: (both under ``agent.count_lock``).
+        #: (both under ``agent.activity.lock``).
         self.inflight = 0
         self.calls = 0
 
@@ -131,13 +118,11 @@ class SyncCalls:
         agent = self._agent
         return (
             self._limit > 0
-            and agent.options.faults is None
-            and agent.options.data_transport == "tcp"
-            and not agent.has_queued_calls()
+            and not agent.calls.busy()
             and len(msg.header) + msg.payload_bytes <= MAX_REQUEST_BYTES
         )
 
-    def call(self, peer: WorkerInfo, msg: OutMessage, label: str) -> Any:
+    def call(self, peer: WorkerInfo, msg: OutMessage) -> Any:
         """Make the call and return its result (or raise its error), or
         return :data:`NOT_TAKEN` having sent nothing.
 
@@ -151,20 +136,22 @@ class SyncCalls:
         chan = self._take(peer.id, msg.deadline)
         if chan is None:
             return NOT_TAKEN
-        msg.id = next(agent.call_ids)
-        with agent.count_lock:
-            agent.calls_sent += 1
+        msg.id = next(agent.calls.ids)
+        label = msg.label or msg.method
+        activity = agent.activity
+        with activity.lock:
+            activity.sent += 1
             self.calls += 1
             self.inflight += 1
         try:
             reply = self._round_trip(chan, msg, label)
         finally:
-            with agent.count_lock:
+            with activity.lock:
                 self.inflight -= 1
-            agent.woke_idle_threadsafe()
-        ctx = WireContext(agent, peer, off_loop=True)
+            activity.woke_threadsafe()
+        wire = WireContext(agent, peer, off_loop=True, meta=reply.meta)
         value = decode(
-            reply.header, reply.buffers, allow_pickle=agent.options.allow_pickle, context=ctx
+            reply.header, reply.buffers, allow_pickle=agent.options.allow_pickle, context=wire
         )
         if reply.kind == ERROR_REPLY:
             raise exception_from_wire(value)
@@ -172,29 +159,34 @@ class SyncCalls:
 
     def _round_trip(self, chan: _Channel, msg: OutMessage, label: str) -> InMessage:
         started = time.monotonic()
+        link = chan.link
         try:
-            sent = chan.send_blocking(msg, msg.deadline)
-            while sent and not chan.replies and chan.closed is None:
-                if not chan.read_blocking(msg.deadline):
+            sent = link.send_blocking(msg, msg.deadline)
+            while sent and not chan.replies and link.closed is None:
+                if not link.read_blocking(msg.deadline):
                     break
         except OSError as e:  # (no RpcTimeoutError, also an OSError, is raised in here)
             self._drop(chan)
-            why = WorkerLostError(f"lost the connection to {chan.label}: {e}")
+            why = WorkerLostError(f"lost the connection to {link.label}: {e}")
             raise self._lost(label, why) from e
+        except RpcdistError:  # a fault rule failed the call: nothing was sent
+            self._give_back(chan)
+            msg.dropped()
+            raise
         if not sent:
             self._drop(chan)  # cut mid-message: nothing will answer it
             raise self._timeout(chan, label, started)
-        if chan.closed is not None and not chan.replies:
+        if link.closed is not None and not chan.replies:
             self._drop(chan)
-            raise self._lost(label, chan.closed)
+            raise self._lost(label, link.closed)
         if not chan.replies:
             self._retire(chan)  # the deadline passed
             raise self._timeout(chan, label, started)
         reply = chan.replies.pop()
         if reply.id != msg.id or chan.replies:
             self._drop(chan)
-            raise ProtocolError(f"{chan.label} answered call {msg.id} with message {reply.id}")
-        if chan.closed is not None or self._agent.closed:
+            raise ProtocolError(f"{link.label} answered call {msg.id} with message {reply.id}")
+        if link.closed is not None or self._agent.closed:
             self._drop(chan)
         else:
             self._give_back(chan)
@@ -207,7 +199,7 @@ class SyncCalls:
         return type(why)(f"call {label!r} failed: {why}")
 
     def _timeout(self, chan: _Channel, label: str, started: float) -> RpcTimeoutError:
-        name = self._agent.workers[chan.peer_rank].name
+        name = self._agent.workers[chan.link.peer_rank].name
         return RpcTimeoutError(
             f"call {label!r} to worker {name!r} timed out after {time.monotonic() - started:.3g} s"
         )
@@ -221,11 +213,11 @@ class SyncCalls:
             free = self._free.get(dst)
             while free:
                 idle = free.pop()
-                if idle.idle_ok():
+                if idle.link.idle_ok():
                     self._busy.add(idle)
                     return idle
                 self._count[dst] -= 1  # the peer closed it while it was idle
-                idle.close_threaded()
+                idle.link.close_threaded()
             if self._count.get(dst, 0) >= self._limit:
                 return None
             self._count[dst] = self._count.get(dst, 0) + 1
@@ -236,52 +228,55 @@ class SyncCalls:
                 return chan
             self._count[dst] -= 1
         if chan is not None:
-            chan.close_threaded()
+            chan.link.close_threaded()
         return None
 
     def _open(self, dst: int, deadline: float | None) -> _Channel | None:
         """A new thread-driven connection to ``dst``, or None (the usual path
         then reports whatever is wrong)."""
         agent = self._agent
-        chan = _Channel(agent, dst)
+        transport: Any = agent.links.transport
+        peer = agent.links.peer(dst)
+        replies: list[InMessage] = []
+        link = transport.threaded_link(peer, _keeper(replies))
         limit = 30.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             fut = asyncio.run_coroutine_threadsafe(
-                asyncio.wait_for(agent.dial(dst, chan.label, sync=True), limit), agent.loop
+                asyncio.wait_for(transport.dial(peer, sync=True), limit), agent.loop
             )
             sock = fut.result()
         except (RuntimeError, ConnectError, TimeoutError, OSError):
             return None
-        chan.attach(sock, threaded=True)
-        return chan
+        link.attach(sock, threaded=True)
+        return _Channel(link, replies)
 
     def _give_back(self, chan: _Channel) -> None:
         with self._lock:
             self._busy.discard(chan)
             if not self._closed:
-                self._free.setdefault(chan.peer_rank, []).append(chan)
+                self._free.setdefault(chan.link.peer_rank, []).append(chan)
                 return
-        chan.close_threaded()
+        chan.link.close_threaded()
 
     def _drop(self, chan: _Channel) -> None:
         with self._lock:
             self._busy.discard(chan)
-            self._count[chan.peer_rank] -= 1
-        chan.close_threaded()
+            self._count[chan.link.peer_rank] -= 1
+        chan.link.close_threaded()
 
     def _retire(self, chan: _Channel) -> None:
         """After a timeout: the loop reads whatever late reply still comes."""
         with self._lock:
             self._busy.discard(chan)
-            self._count[chan.peer_rank] -= 1
+            self._count[chan.link.peer_rank] -= 1
             closed = self._closed
         if not closed:
             try:
-                self._agent.loop.call_soon_threadsafe(self._agent.adopt_late, chan)
+                self._agent.loop.call_soon_threadsafe(self._agent.links.adopt_late, chan.link)
                 return
             except RuntimeError:  # the loop is gone
                 pass
-        chan.close_threaded()
+        chan.link.close_threaded()
 
     def close(self) -> None:
         """Close idle connections and wake threads waiting on busy or served
@@ -291,11 +286,11 @@ class SyncCalls:
             idle = [c for chans in self._free.values() for c in chans]
             self._free.clear()
             for chan in self._busy:
-                chan.interrupt()
+                chan.link.interrupt()
             for served in self._served:
                 served.interrupt()
         for chan in idle:
-            chan.close_threaded()
+            chan.link.close_threaded()
 
     def join(self, timeout: float | None) -> None:
         """Wait for the serving threads to end (after :meth:`close`)."""
@@ -307,44 +302,46 @@ class SyncCalls:
 
     # ------------------------------------------------------------ callee side
 
-    def serve(self, rank: int, name: str, sock: socket.socket) -> bool:
+    def serve(self, rank: int, name: str, make: LinkFactory, same_host: bool) -> bool:
         """On the loop: serve a caller-driven connection from ``rank`` with a
         thread of its own; False (nothing done) if it should be served by
-        the loop like any other (limits reached, fault injection)."""
+        the loop like any other (limits reached)."""
         agent = self._agent
         with self._lock:
             if (
                 self._closed
-                or agent.options.faults is not None
                 or self._served_per_peer.get(rank, 0) >= self._limit
                 or len(self._served) >= _MAX_SERVED
             ):
                 return False
-            conn = _Served(agent, rank, name)
-            conn.attach(sock, threaded=True)
+            inbox: list[InMessage] = []
+            link: Any = make(_queuer(inbox), threaded=True, same_host=same_host)
             t = threading.Thread(
-                target=self._serve, args=(conn,), name=f"rpcdist-sync-{agent.name}", daemon=True
+                target=self._serve,
+                args=(link, inbox),
+                name=f"rpcdist-sync-{agent.name}",
+                daemon=True,
             )
-            self._served[conn] = t
+            self._served[link] = t
             self._served_per_peer[rank] = self._served_per_peer.get(rank, 0) + 1
         t.start()
         return True
 
-    def _serve(self, conn: _Served) -> None:
+    def _serve(self, link: Any, inbox: list[InMessage]) -> None:
         try:
-            while conn.closed is None:
-                conn.read_blocking(None)
-                while conn.inbox:
-                    self._run(conn, conn.inbox.pop(0))
+            while link.closed is None:
+                link.read_blocking(None)
+                while inbox:
+                    self._run(link, inbox.pop(0))
         except Exception:  # a bug here: drop the link, loudly (the caller sees it lost)
-            _log.exception("error serving blocking calls from %s", conn.label)
+            _log.exception("error serving blocking calls from %s", link.label)
         finally:
             with self._lock:
-                del self._served[conn]
-                self._served_per_peer[conn.peer_rank] -= 1
-            conn.close_threaded()
+                del self._served[link]
+                self._served_per_peer[link.peer_rank] -= 1
+            link.close_threaded()
 
-    def _run(self, conn: _Served, m: InMessage) -> None:
+    def _run(self, link: Any, m: InMessage) -> None:
         """Handle one call on the serving thread: a plain function runs right
         here, in a slot borrowed from the pool (so ``num_worker_threads``
         still bounds running handlers); anything else goes where it would
@@ -353,23 +350,23 @@ class SyncCalls:
         fn = _dispatch.plain_function(m) if m.kind == CALL else None
         if fn is None:  # internal, async def, @async_execution, unknown
             try:
-                agent.loop.call_soon_threadsafe(agent.on_message, conn, m)
+                agent.loop.call_soon_threadsafe(agent.on_message, link, m)
             except RuntimeError:  # the loop is gone: shutting down
                 pass
             return
-        agent.handler_started_threadsafe()
-        ctx = WireContext(agent, agent.workers[conn.peer_rank], off_loop=True)
+        agent.activity.handler_started_threadsafe()
+        wire = WireContext(agent, agent.workers[link.peer_rank], off_loop=True, meta=m.meta)
         try:
-            args, kwargs = _dispatch.decode_call(agent, m, ctx)
-            ctx.wait_gates_blocking(m.deadline)
+            args, kwargs = _dispatch.decode_call(agent, m, wire)
+            wire.wait_gates_blocking(m.deadline)
         except BaseException as e:
-            ctx.abort()
-            _dispatch.reply_error_threadsafe(agent, conn, m, ctx, e)
+            wire.abort()
+            _dispatch.reply_error_threadsafe(agent, link, m, wire, e)
             return
         if agent.executor.try_borrow():
             try:
-                _dispatch.run_plain(agent, conn, m, fn, args, kwargs, ctx)
+                _dispatch.run_handler(agent, link, m, fn, args, kwargs, wire)
             finally:
                 agent.executor.give_back()
         else:  # the pool is busy: queue behind its work
-            _dispatch.post_plain(agent, conn, m, fn, args, kwargs, ctx)
+            _dispatch.post_handler(agent, link, m, fn, args, kwargs, wire)

@@ -22,13 +22,11 @@ from .._errors import (
     OwnerLostError,
     RpcTimeoutError,
     RRefCreationError,
-    SerializationError,
     WorkerLostError,
 )
 from .._futures import Future
 from .._rpc._context import WireContext
-from .._serialization import decode, encode
-from .._transport._frames import CALL, INTERNAL, OutMessage
+from .._serialization import decode
 from .._worker import WorkerInfo
 from ._context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext
 from ._owner import CREATE, FETCH, REMOTE
@@ -37,36 +35,16 @@ from ._protocol import Record
 if TYPE_CHECKING:
     from ._rref import RRef
 
-__all__ = ["call_owner", "check_args", "create", "encode_call", "lost", "to_here_after_creation"]
+__all__ = ["call_owner", "check_args", "create", "lost", "to_here_after_creation"]
 
 Make = Callable[..., "RRef[Any]"]
 """``make(ctx, rid, fork, owner, record, state)``: the RRef factory."""
 
 
-def encode_call(
-    agent: Any, peer: WorkerInfo, payload: Any, args: Any, kwargs: Any
-) -> tuple[bytes, list[memoryview]]:
-    """Encode ``payload`` (holding ``args``/``kwargs``) for ``peer``; undo its forks on failure.
-
-    Raises:
-        SerializationError: naming where in ``args``/``kwargs`` it failed.
-    """
-    ctx = WireContext(agent, peer)
-    pickle = agent.options.allow_pickle
-    try:
-        return encode(payload, allow_pickle=pickle, context=ctx)
-    except BaseException as exc:
-        ctx.abort()
-        if isinstance(exc, SerializationError):  # dry runs, to say where it failed
-            encode(tuple(args), allow_pickle=pickle, context=ctx, where="args")
-            encode(kwargs or {}, allow_pickle=pickle, context=ctx, where="kwargs")
-        raise
-
-
 def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | None, what: str,
-               args: Any = (), kwargs: Any = None, kind: int = INTERNAL) -> Future[Any]:  # fmt: skip
-    """Send ``method`` (an internal method, or a function for ``kind=CALL``) to
-    the owner of ``rref``, with ``deadline``; a Future of the reply.
+               args: Any = (), kwargs: Any = None, internal: bool = True) -> Future[Any]:  # fmt: skip
+    """Send ``method`` (an internal method, or a function for ``internal=False``)
+    to the owner of ``rref``, with ``deadline``; a Future of the reply.
 
     The reply's transport failures become OwnerLostError; a pending ``rref``
     that fails meanwhile (remote() timed out, owner lost) fails it at once.
@@ -75,11 +53,11 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     agent = ctx.agent
     if rref._owner in ctx.lost:
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
-    header, buffers = encode_call(agent, rref.owner(), payload, args, kwargs)
-    msg = OutMessage(kind, method, header, buffers, deadline=deadline)
+    reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
+                       where=(args, kwargs))  # fmt: skip
     # The reply's callback holds ``rref`` (so its fork) alive until the reply.
     hold = [rref]
-    out = agent.submit_call(rref._owner, msg, method).then(
+    out = reply.then(
         functools.partial(_from_owner, ctx, rref._owner, f"{what} on RRef {rref._rid}", hold)
     )
     confirmed = rref._confirmed
@@ -201,19 +179,18 @@ def create(make: Make, ctx: RRefContext, owner: WorkerInfo, target: Any, args: A
     f = None if fork is None else fork[1]
     payload: Any
     if plain:  # a plain call (the pool fast path), still labelled rref.remote
-        kind, method = CALL, CREATE
+        method = CREATE
         payload = ((agent.rank, rid[1], f, target, list(args), kwargs or {}), {})
     else:
-        kind, method = INTERNAL, REMOTE
+        method = REMOTE
         payload = [rid[1], f, target, list(args), kwargs or {}]
     try:
-        header, buffers = encode_call(agent, owner, payload, args, kwargs)
+        fut = agent.call(owner.id, method, payload, deadline=deadline, internal=not plain,
+                         label=REMOTE, where=(args, kwargs))  # fmt: skip
     except BaseException:
         if fork is not None:
             ctx.users.settle(fork, RELEASED)
         raise
-    msg = OutMessage(kind, method, header, buffers, deadline=deadline)
-    fut = agent.submit_call(owner.id, msg, REMOTE)
     user = None if fork is None else rref
     fut.add_done_callback(functools.partial(_created, ctx, owner, fork, rec, user, what, keep))
     return rref

@@ -1,6 +1,6 @@
 """Per-agent RRef state and the control messages of the ownership protocol.
 
-Each agent gets one :class:`RRefContext` (``agent.extensions["rref"]``) with
+Each agent gets one :class:`RRefContext`, its ``"rref"`` extension, with
 its owner and user tables (:mod:`._rref_protocol`) and an *outbox* for control
 messages. Control items (fork requests, child accepts, user deletes) are
 queued from any thread without locks (so finalisers may queue deletes) and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -35,7 +34,7 @@ from .._errors import (
     WorkerLostError,
 )
 from .._futures import Future
-from .._rpc._agent import SHUTDOWN_CHECKS, SHUTDOWN_HOOKS, internal_handler
+from .._rpc._registry import BaseExtension
 from .._worker import WorkerInfo
 from ._protocol import Ids, OwnerTable, UserTable
 
@@ -54,6 +53,7 @@ __all__ = [
     "USER_DELETE",
     "RRefContext",
     "context_of",
+    "control_handlers",
     "gate",
 ]
 
@@ -77,22 +77,26 @@ FAILED_DELETE: Final = 3  # a delete (the owner may have registered it)
 FAILED_ABANDON: Final = 4  # an abandon-delete (its remote() timed out)
 RELEASED: Final = 5  # nothing (deleted by shutdown)
 
-_ctx_lock = threading.Lock()
+#: A shutdown waiting for the outbox looks again this often even unpoked.
+_RECHECK: Final = 0.05
 
 
 def context_of(agent: Agent) -> RRefContext:
-    """The RRef state of ``agent``, made on first use."""
-    ctx = agent.extensions.get("rref")
-    if ctx is None:
-        with _ctx_lock:
-            ctx = agent.extensions.get("rref")
-            if ctx is None:
-                ctx = agent.extensions["rref"] = RRefContext(agent)
-    return ctx  # type: ignore[no-any-return]
+    """The RRef state of ``agent`` (installed when the agent was made).
+
+    Raises:
+        RRefError: it was not (an agent made without its built-in extensions).
+    """
+    ctx = agent.registry.extensions.get("rref")
+    if not isinstance(ctx, RRefContext):
+        raise RRefError(f"the rpcdist agent {agent.name!r} has no RRef support installed")
+    return ctx
 
 
-class RRefContext:
-    """One agent's RRef tables, control outbox and lifecycle."""
+class RRefContext(BaseExtension):
+    """One agent's RRef tables, control outbox and lifecycle (its ``"rref"`` extension)."""
+
+    name = "rref"
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -109,6 +113,9 @@ class RRefContext:
         self.control_messages = 0
         self.control_items = 0
         self.control_failures = 0
+        #: Set (on the loop) whenever the outbox or the user table may have
+        #: become idle; :meth:`wait_until` waits on it.
+        self._changed: asyncio.Event | None = None
 
     # ------------------------------------------------------------ any thread
 
@@ -157,6 +164,7 @@ class RRefContext:
             self.users.accept_child(fid)
         dropped = self.owners.forget_holder(rank)
         del dropped
+        self.poke()
 
     def bounded(self, fut: Future[T], deadline: float | None, what: str) -> Future[T]:
         """A Future with ``fut``'s outcome, or failing with RpcTimeoutError at ``deadline``."""
@@ -233,9 +241,46 @@ class RRefContext:
                 self._forks_confirmed(items)
         finally:
             self._unacked -= len(items)
+            self.poke()
+
+    def poke(self) -> None:
+        """Something a shutdown may wait for changed (any thread)."""
+        changed = self._changed
+        if changed is None:
+            return
+        loop = self.agent.loop
+        try:
+            if self.agent.in_loop_thread():
+                changed.set()
+            else:
+                loop.call_soon_threadsafe(changed.set)
+        except RuntimeError:  # the loop has stopped
+            pass
+
+    async def wait_until(self, cond: Callable[[], bool], limit: float) -> None:
+        """Wait (on the loop) until ``cond()`` holds, at most ``limit`` seconds.
+
+        Woken by :meth:`poke`; it also looks again every ``_RECHECK`` seconds,
+        for changes made where nothing pokes (an RRef's finaliser).
+        """
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit
+        while not cond():
+            left = end - loop.time()
+            if left <= 0:
+                return
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(min(left, _RECHECK)):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
 
     def settle(self, fid: tuple[int, int], state: int, error: BaseException | None = None) -> None:
         entry = self.users.settle(fid, state, error)
+        self.poke()
         if entry is None:
             return
         rref, parent = entry
@@ -271,6 +316,15 @@ class RRefContext:
                 abandon = int(rref._state == FAILED_ABANDON)
                 self.post(rref._owner, USER_DELETE, [*rref._rid, *rref._fork, abandon])
             rref._state = RELEASED
+
+    async def drain(self) -> None:
+        """Graceful shutdown, RRef part (RREF_PROTOCOL.md, flow 6)."""
+        await _drain(self)
+
+    def check(self) -> None:
+        """Raises: RRefError: the drain found leaked RRefs."""
+        if self.leak_error is not None:
+            raise self.leak_error
 
     def statistics(self) -> dict[str, int]:
         stats = self.owners.statistics()
@@ -309,21 +363,19 @@ def gate(agent: Agent, fut: Future[Any]) -> asyncio.Future[None]:
 # ------------------------------------------------------------- control handlers
 
 
-@internal_handler(FORK_REQUEST)
 async def _on_fork_request(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:
     owners = context_of(agent).owners
     for r0, r1, f0, f1 in items:
         owners.add_fork(owners.record((r0, r1)), (f0, f1), src.id)
 
 
-@internal_handler(CHILD_ACCEPT)
 async def _on_child_accept(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:
     ctx = context_of(agent)
     parents = [ctx.users.accept_child((agent.rank, it[0])) for it in items]
     del parents  # now collectable: their finalisers send deletes
+    ctx.poke()
 
 
-@internal_handler(USER_DELETE)
 async def _on_user_delete(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:
     owners = context_of(agent).owners
     dropped = [
@@ -335,25 +387,24 @@ async def _on_user_delete(agent: Agent, src: WorkerInfo, items: list[list[int]])
 # ---------------------------------------------------------------------- shutdown
 
 
-async def _wait_until(cond: Callable[[], bool], limit: float) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    pause = 0.001
-    while not cond() and loop.time() < end:
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 0.05)
+def control_handlers() -> dict[str, Any]:
+    """The control methods of the ownership protocol, by name."""
+    return {
+        FORK_REQUEST: _on_fork_request,
+        CHILD_ACCEPT: _on_child_accept,
+        USER_DELETE: _on_user_delete,
+    }
 
 
-async def _drain_on_shutdown(agent: Agent) -> None:
-    """Graceful shutdown, RRef part (RREF_PROTOCOL.md, flow 6)."""
-    ctx = context_of(agent)
+async def _drain(ctx: RRefContext) -> None:
+    agent = ctx.agent
     limit = agent.options.shutdown_timeout
     many = agent.world_size > 1 and agent.store is not None
     if many:  # every worker has stopped making new RRefs
         await agent.store.barrier("rpcdist/rref/shutdown", agent.world_size, limit)
-    await _wait_until(lambda: not ctx.users.busy() and ctx.idle(), limit / 4)
+    await ctx.wait_until(lambda: not ctx.users.busy() and ctx.idle(), limit / 4)
     ctx.release_users()
-    await _wait_until(ctx.idle, limit / 4)
+    await ctx.wait_until(ctx.idle, limit / 4)
     if many:  # every worker's deletes are acknowledged: owners have drained
         await agent.store.barrier("rpcdist/rref/released", agent.world_size, limit)
     ctx.closed = True
@@ -373,13 +424,3 @@ async def _drain_on_shutdown(agent: Agent) -> None:
             f"{stuck} user RRefs were never confirmed. (RpcOptions(ignore_rref_leaks=True) "
             "skips this check.)"
         )
-
-
-def _report_leaks(agent: Agent) -> None:
-    ctx = agent.extensions.get("rref")
-    if ctx is not None and ctx.leak_error is not None:
-        raise ctx.leak_error
-
-
-SHUTDOWN_HOOKS.append(_drain_on_shutdown)
-SHUTDOWN_CHECKS.append(_report_leaks)

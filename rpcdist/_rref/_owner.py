@@ -10,16 +10,16 @@ User functions run as the dispatcher runs them: ``async def`` on the loop,
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from .._deadline import current_deadline, remaining
 from .._errors import RpcdistError, RpcTimeoutError
-from .._rpc._agent import internal_handler
 from .._rpc._context import WireContext, current_agent
-from .._rpc._dispatch import _await_result, _call, _resolve, is_async_execution
+from .._rpc._dispatch import call as _call
+from .._rpc._dispatch import call_user, is_async_execution
+from .._rpc._dispatch import resolve as _resolve
 from .._serialization import encode
 from .._worker import WorkerInfo
 from ._context import RRefContext, context_of
@@ -39,7 +39,7 @@ __all__ = [
     "create_value",
     "has_attr",
     "is_plain",
-    "run_user",
+    "owner_handlers",
     "value_of",
 ]
 
@@ -55,20 +55,6 @@ CREATE: Final = "rpcdist._rref._owner:create_value"
 #: The largest value sent back with its remote()'s reply, for a to_here
 #: already waiting (saves that to_here a round trip).
 EARLY_BYTES: Final = 16 << 10
-
-
-async def run_user(agent: Agent, fn: Callable[..., Any], label: str, args: Any, kwargs: Any) -> Any:
-    """Run a user function or method the way the dispatcher would."""
-    if is_async_execution(fn):
-        cv = contextvars.copy_context()
-        ret = await agent.loop.run_in_executor(
-            agent.executor, cv.run, _call, fn, label, args, kwargs
-        )
-        return await _await_result(ret)
-    if inspect.iscoroutinefunction(fn):
-        return await _call(fn, label, args, kwargs)
-    cv = contextvars.copy_context()
-    return await agent.loop.run_in_executor(agent.executor, cv.run, _call, fn, label, args, kwargs)
 
 
 async def value_of(ctx: RRefContext, rec: Record) -> Any:
@@ -113,7 +99,6 @@ def _early_copy(agent: Agent, peer: WorkerInfo, value: Any) -> list[Any] | None:
     return [header, *(bytes(b) for b in buffers)]
 
 
-@internal_handler(REMOTE)
 async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[Any]:
     """``[rid counter, fork counter | None, target, args, kwargs]`` from the creator.
 
@@ -132,7 +117,7 @@ async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
             owned = await value_of(ctx, ctx.owners.record(_rid(target[0], target[1])))
             fn = getattr(owned, target[2])
             label = f"{type(owned).__qualname__}.{target[2]}"
-        value = await run_user(agent, fn, label, args, kwargs)
+        value = await call_user(agent, fn, label, args, kwargs)
     except asyncio.CancelledError:
         raise
     except BaseException as e:
@@ -167,13 +152,11 @@ def _created(
     return [True] if early is None else [True, *early]
 
 
-@internal_handler(FETCH)
 async def _on_fetch(agent: Agent, src: WorkerInfo, rid: list[int]) -> Any:
     ctx = context_of(agent)
     return await value_of(ctx, ctx.owners.record(_rid(rid[0], rid[1])))
 
 
-@internal_handler(INVOKE)
 async def _on_invoke(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[Any]:
     """``[r0, r1, name, args, kwargs]``: call a method of an owned value.
 
@@ -184,7 +167,7 @@ async def _on_invoke(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
     value = await value_of(ctx, ctx.owners.record(_rid(r0, r1)))
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
-    return [is_plain(fn), await run_user(agent, fn, label, args, kwargs)]
+    return [is_plain(fn), await call_user(agent, fn, label, args, kwargs)]
 
 
 def call_method(r0: int, r1: int, name: str, args: Any, kwargs: Any) -> Any:
@@ -202,12 +185,11 @@ def call_method(r0: int, r1: int, name: str, args: Any, kwargs: Any) -> Any:
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
     if not is_plain(fn):  # the method changed kind: run it on the loop, from here
-        coro = run_user(agent, fn, label, args, kwargs)
+        coro = call_user(agent, fn, label, args, kwargs)
         return asyncio.run_coroutine_threadsafe(coro, agent.loop).result()
     return _call(fn, label, args, kwargs)
 
 
-@internal_handler(HAS_ATTR)
 async def _on_has_attr(agent: Agent, src: WorkerInfo, payload: list[Any]) -> str:
     """``[r0, r1, name]``: ``""`` if the owned value has attribute ``name``, else its type's name."""
     r0, r1, name = payload
@@ -219,3 +201,8 @@ async def _on_has_attr(agent: Agent, src: WorkerInfo, payload: list[Any]) -> str
 def has_attr(value: Any, name: str) -> bool:
     """``name`` is a method or attribute of ``value``'s type or instance (no getters run)."""
     return hasattr(type(value), name) or name in getattr(value, "__dict__", ())
+
+
+def owner_handlers() -> dict[str, Any]:
+    """The owner's internal methods, by name."""
+    return {REMOTE: _on_remote, FETCH: _on_fetch, INVOKE: _on_invoke, HAS_ATTR: _on_has_attr}

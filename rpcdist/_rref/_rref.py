@@ -21,7 +21,6 @@ from .._errors import (
 from .._futures import Future
 from .._rpc._context import WireContext, current_agent
 from .._serialization import register_extension
-from .._transport._frames import CALL
 from .._worker import WorkerInfo
 from ._calls import call_owner, create, to_here_after_creation
 from ._context import (
@@ -263,7 +262,7 @@ class RRef(Generic[T]):
         what = f"{name}()"
         if self._plain is not None and name in self._plain:  # the pool fast path
             call: Any = ((*self._rid, name, list(args), kwargs), {})
-            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, CALL)
+            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, False)
         payload = [*self._rid, name, list(args), kwargs]
         reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs)
         return reply.then(functools.partial(_invoked, self, name))

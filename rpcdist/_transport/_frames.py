@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgpack
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -24,9 +25,16 @@ from .._errors import ProtocolError
 from .._proto import rpc_pb2
 
 __all__ = [
+    "CALL",
+    "ERROR_REPLY",
+    "INTERNAL",
+    "P2P",
+    "REPLY",
     "InMessage",
+    "Meta",
     "OutMessage",
     "Reassembler",
+    "fault_label",
     "pack_batch",
     "pack_batch_parts",
     "parse_envelope",
@@ -45,6 +53,9 @@ CALL, INTERNAL, REPLY, ERROR_REPLY, P2P = (
 )
 KIND_NAMES = {CALL: "call", INTERNAL: "internal", REPLY: "reply", ERROR_REPLY: "error", P2P: "p2p"}
 
+#: Named extension fields of a message (``Frame.meta``): msgpack-able values.
+Meta = dict[str, object]
+
 
 @dataclass(eq=False)
 class OutMessage:
@@ -56,12 +67,19 @@ class OutMessage:
     buffers: list[memoryview]
     id: int = 0
     deadline: float | None = None
-    # Send cursor: index of the current buffer and offset into it.
+    #: Named extension fields (``None``: none).
+    meta: Meta | None = None
+    #: What fault injection matches a call by (default: its method).
+    label: str = ""
     #: Called once the last byte has been copied into a stream message, after
     #: which the caller may reuse its buffers.
     on_packed: Callable[[], None] | None = None
+    #: Called if the message will never be sent (a closed link, an injected
+    #: drop): undoes what encoding it did (for example, RRef forks).
+    undo: Callable[[], None] | None = None
     #: Set when the buffers travel in a /dev/shm file instead of the stream.
     shm_path: str = ""
+    # Send cursor: index of the current buffer and offset into it.
     _buf: int = 0
     _off: int = 0
     _started: bool = False
@@ -72,6 +90,25 @@ class OutMessage:
     @property
     def payload_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
+
+    def dropped(self) -> None:
+        """The message will never be sent: run its ``undo`` (once)."""
+        undo, self.undo = self.undo, None
+        if undo is not None:
+            undo()
+
+
+def fault_label(msg: OutMessage) -> str:
+    """The kind fault injection matches ``msg`` by: its label (or method) for
+    calls, ``"reply:"`` or ``"error:"`` and the request's for replies, ``"p2p"``."""
+    if msg.kind == P2P:
+        return "p2p"
+    label = msg.label or msg.method
+    if msg.kind == REPLY:
+        return "reply:" + label
+    if msg.kind == ERROR_REPLY:
+        return "error:" + label
+    return label
 
 
 def pack_batch_parts(
@@ -108,6 +145,8 @@ def pack_batch_parts(
                 f.buffer_sizes.extend(b.nbytes for b in m.buffers)
             if m.deadline is not None:
                 f.timeout_us = max(1, int((m.deadline - now) * 1e6))
+            if m.meta:
+                f.meta = msgpack.packb(m.meta)
             if m.shm_path:
                 f.shm_path = m.shm_path
                 m._buf = len(m.buffers)  # nothing goes through the stream
@@ -171,10 +210,29 @@ class InMessage:
     #: the receiver maps it); ``sizes`` describe them.
     shm_path: str = ""
     sizes: list[int] = field(default_factory=list)
+    #: Named extension fields (``None``: none).
+    meta: Meta | None = None
 
     @property
     def deadline(self) -> float | None:
         return self.received_at + self.timeout_us / 1e6 if self.timeout_us else None
+
+
+def _meta(f: rpc_pb2.Frame) -> Meta | None:
+    """A first frame's extension fields.
+
+    Raises:
+        ProtocolError: they are not a msgpack map with string keys.
+    """
+    if not f.meta:
+        return None
+    try:
+        meta = msgpack.unpackb(f.meta)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"malformed metadata on message {(f.kind, f.id)}: {e}") from e
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise ProtocolError(f"metadata on message {(f.kind, f.id)} is not a map of names")
+    return meta
 
 
 #: ``alloc(kind, method, total_bytes) -> writable buffer of total_bytes or None``.
@@ -252,7 +310,7 @@ class Reassembler:
             return None
         if self._partial and (f.kind, f.id) in self._partial:
             raise ProtocolError(f"message {(f.kind, f.id)} started twice")
-        return InMessage(f.id, f.kind, f.method, f.header, [], f.timeout_us)
+        return InMessage(f.id, f.kind, f.method, f.header, [], f.timeout_us, meta=_meta(f))
 
     def start_frame(self, f: rpc_pb2.Frame) -> memoryview:
         """Account for frame ``f``; return where its ``data_len`` payload bytes go.
@@ -277,6 +335,7 @@ class Reassembler:
                     f.timeout_us,
                     shm_path=f.shm_path,
                     sizes=sizes,
+                    meta=_meta(f),
                 )
                 self._partial[key] = _Partial(msg, memoryview(b""), 0)
                 return memoryview(b"")
@@ -294,7 +353,7 @@ class Reassembler:
             for s in sizes:
                 bufs.append(dest[off : off + s])
                 off += s
-            msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us)
+            msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us, meta=_meta(f))
             p = _Partial(msg, dest, total)
             self._partial[key] = p
         else:

@@ -27,10 +27,10 @@ from .._errors import (
     WorkerLostError,
 )
 from .._options import RpcOptions
-from ._conn import BaseConnection
+from ._base import Accept, Hooks, Link, Peer, Validate, segment_writer
 from ._frames import pack_batch
 
-__all__ = ["Connection", "Server", "connect", "translate_rpc_error"]
+__all__ = ["GrpcLink", "GrpcTransport", "translate_rpc_error"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def translate_rpc_error(e: BaseException, what: str, *, reached: bool) -> Rpcdis
     return TransportError(f"stream to {what} failed: {type(e).__name__}: {e}")
 
 
-class Connection(BaseConnection):
+class GrpcLink(Link):
     """One end of a peer gRPC stream: a coalescing writer and a reassembling reader."""
 
     def __init__(
@@ -91,15 +91,29 @@ class Connection(BaseConnection):
         *,
         write: Callable[[bytes], Awaitable[None]],
         read: Callable[[], Awaitable[Any]],
+        done_writing: Callable[[], Awaitable[None]] | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
         self._write = write
         self._read = read
+        self._done_writing = done_writing
         self._wake = asyncio.Event()
+        self._closing = False
 
     def _kick(self) -> None:
         self._wake.set()
+
+    def close_write(self) -> None:
+        """Half-close the client side once the queue is out (servers end with the call)."""
+        self._closing = True
+        self._wake.set()
+
+    async def aclose_write(self) -> None:
+        self._closing = True
+        if self._done_writing is not None:
+            with contextlib.suppress(Exception):  # the stream is already gone
+                await self._done_writing()
 
     async def _writer(self) -> None:
         while True:
@@ -109,6 +123,11 @@ class Connection(BaseConnection):
                 data = pack_batch(self._queue, self._batch_bytes, self._chunk_bytes)
                 self.messages_out += 1
                 await self._write(data)
+            if self._closing:
+                if self._done_writing is not None:
+                    with contextlib.suppress(Exception):  # the stream is already gone
+                        await self._done_writing()
+                await asyncio.Event().wait()  # the reader ends the link
 
     async def _reader(self) -> None:
         while True:
@@ -145,59 +164,61 @@ class Connection(BaseConnection):
                 raise exc
 
 
-def _read_file(path: str) -> bytes:
-    return Path(path).read_bytes()
+class GrpcTransport:
+    """gRPC streams: one server per agent, one bidirectional stream per peer;
+    TLS (mutual) when the options name certificates."""
 
+    name = "grpc"
 
-class Server:
-    """The agent's gRPC server: accepts peer streams after checking the token."""
-
-    def __init__(
-        self,
-        options: RpcOptions,
-        on_stream: Callable[[int, str, Any], Awaitable[None]],
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
+                 name: str) -> None:  # fmt: skip
+        self._loop = loop
         self._options = options
-        self._on_stream = on_stream
+        self._rank = rank
+        self._name = name
+        self.segments = segment_writer(options)
         self._server: grpc.aio.Server | None = None
-        self.port = 0
+        self._validate: Validate | None = None
+        self._accept: Accept | None = None
 
-    async def start(self) -> int:
+    def rename(self, name: str) -> None:
+        """This worker's name changed (it is presented on every stream)."""
+        self._name = name
+
+    async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
         """Bind to ``listen_host`` on a port picked by the OS and start serving.
 
         Raises:
             ConnectError: the address cannot be bound.
         """
+        self._validate, self._accept = validate, accept
         handler = grpc.method_handlers_generic_handler(
             "rpcdist.v1.Worker",
             {"Stream": grpc.stream_stream_rpc_method_handler(self._handle)},
         )
         server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((handler,))
-        host = self._options.listen_host
+        opts = self._options
+        host = opts.listen_host
         addr = f"[{host}]:0" if ":" in host and not host.startswith("[") else f"{host}:0"
         try:
-            if self._options.tls:
+            if opts.tls:
                 creds = grpc.ssl_server_credentials(
-                    [
-                        (
-                            _read_file(self._options.tls_key_file or ""),
-                            _read_file(self._options.tls_cert_file or ""),
-                        )
-                    ],
-                    root_certificates=_read_file(self._options.tls_ca_file or ""),
+                    [(_read_file(opts.tls_key_file or ""), _read_file(opts.tls_cert_file or ""))],
+                    root_certificates=_read_file(opts.tls_ca_file or ""),
                     require_client_auth=True,
                 )
-                self.port = server.add_secure_port(addr, creds)
+                port = server.add_secure_port(addr, creds)
             else:
-                self.port = server.add_insecure_port(addr)
+                port = server.add_insecure_port(addr)
         except (RuntimeError, OSError) as e:
             raise ConnectError(f"cannot listen on {addr}: {e}") from e
-        if not self.port:
+        if not port:
             raise ConnectError(f"cannot listen on {addr}")
         await server.start()
         self._server = server
-        return self.port
+        peer_host = opts.peer_host()
+        return {"addr": f"[{peer_host}]:{port}" if ":" in peer_host else f"{peer_host}:{port}"}
 
     async def _handle(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         md = {k: v for k, v in (context.invocation_metadata() or ())}
@@ -212,17 +233,70 @@ class Server:
             rank = int(md.get(MD_RANK, ""))
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing rpcdist-rank metadata")
-        # Accepted: tell the client before it sends anything (see ``handshake``).
+        name = str(md.get(MD_NAME, ""))
+        assert self._validate is not None and self._accept is not None
+        why = self._validate(rank, name)
+        if why is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        # Accepted: tell the client before it sends anything (see ``_run``).
         await context.send_initial_metadata(())
-        await self._on_stream(rank, str(md.get(MD_NAME, "")), context)
 
-    async def stop(self, grace: float | None) -> None:
+        def make(hooks: Hooks, *, threaded: bool = False, same_host: bool = False) -> Link:
+            del threaded  # gRPC streams are always driven by the loop
+            return GrpcLink(write=context.write, read=context.read, peer_rank=rank,
+                            label=f"worker {name!r}", hooks=hooks, options=self._options,
+                            segments=self.segments if same_host else None)  # fmt: skip
+
+        try:
+            await self._accept(rank, name, False, make)
+        except ProtocolError as e:
+            _log.warning("closing stream from worker %r: %s", name, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (grpc.aio.AioRpcError, ConnectionError, RpcdistError):
+            pass
+
+    def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
+        channel = _open_channel(self._options, str(peer.info["addr"]))
+        md: list[tuple[str, str]] = [(MD_RANK, str(self._rank)), (MD_NAME, self._name)]
+        if self._options.token is not None:
+            md.append((MD_TOKEN, self._options.token))
+        call = channel.stream_stream(STREAM_METHOD)(metadata=tuple(md), wait_for_ready=False)
+        link = GrpcLink(write=call.write, read=call.read, done_writing=call.done_writing,
+                        peer_rank=peer.rank, label=peer.label, hooks=hooks,
+                        options=self._options,
+                        segments=self.segments if peer.same_host else None)  # fmt: skip
+        return link, self._run(link, call, channel, peer.label)
+
+    async def _run(self, link: GrpcLink, call: Any, channel: grpc.aio.Channel, label: str) -> None:
+        try:
+            try:
+                # Nothing is written before the server accepted the stream, so a
+                # refusal reaches us as the server's own status.
+                await call.initial_metadata()
+                await link.run()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                raise translate_rpc_error(e, label, reached=link.received_any) from e
+        finally:
+            try:
+                await channel.close()
+            except Exception as e:  # closing a broken channel: nothing left to do
+                _log.debug("closing the channel to %s: %s", label, e)
+
+    async def stop(self, grace: float) -> None:
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace)
+        if self.segments is not None:
+            self.segments.cleanup()
 
 
-def open_channel(options: RpcOptions, address: str) -> grpc.aio.Channel:
+def _read_file(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _open_channel(options: RpcOptions, address: str) -> grpc.aio.Channel:
     """A channel to a peer's server, TLS when configured."""
     if options.tls:
         creds = grpc.ssl_channel_credentials(
@@ -232,29 +306,3 @@ def open_channel(options: RpcOptions, address: str) -> grpc.aio.Channel:
         )
         return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-def connect(
-    channel: grpc.aio.Channel, *, options: RpcOptions, my_rank: int, my_name: str
-) -> grpc.aio.StreamStreamCall:
-    """Open the long-lived stream on ``channel``, presenting our identity and token."""
-    md: list[tuple[str, str]] = [(MD_RANK, str(my_rank)), (MD_NAME, my_name)]
-    if options.token is not None:
-        md.append((MD_TOKEN, options.token))
-    stub = channel.stream_stream(STREAM_METHOD)
-    return stub(metadata=tuple(md), wait_for_ready=False)
-
-
-async def handshake(call: grpc.aio.StreamStreamCall) -> None:
-    """Wait until the server accepted the stream (or ended it, e.g. for a bad token).
-
-    Nothing is written before this, so a refusal reaches the reader as the
-    server's own status instead of a local write failure.
-    """
-    await call.initial_metadata()
-
-
-async def close_call(call: grpc.aio.StreamStreamCall) -> None:
-    """Half-close our side of a client stream, ignoring a stream already gone."""
-    with contextlib.suppress(Exception):
-        await call.done_writing()

@@ -21,29 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
-import os
-import secrets
 import select
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
-from .._errors import ConnectError, ProtocolError, RpcdistError, WorkerLostError
+from .._errors import ProtocolError, RpcdistError, WorkerLostError
 from .._options import RpcOptions
 from .._proto import rpc_pb2
-from ._conn import BaseConnection
+from ._base import Hooks, Link
 from ._frames import OutMessage, pack_batch_parts, parse_envelope
+from ._shm import SegmentWriter
 
-__all__ = ["TcpConnection", "TcpServer", "Unreachable", "tcp_connect"]
+__all__ = ["MAGIC", "TcpLink", "split_address"]
 
 _log = logging.getLogger(__name__)
 
@@ -99,12 +95,25 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class TcpConnection(BaseConnection):
+class TcpLink(Link):
     """One end of a peer socket. Create it before the socket exists (calls
     queue up), then :meth:`attach` the socket and :meth:`run` it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, **kw: Any) -> None:
-        super().__init__(**kw)
+    CALLS_AFTER_READ = True
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        peer_rank: int,
+        label: str,
+        hooks: Hooks,
+        options: RpcOptions,
+        segments: SegmentWriter | None = None,
+    ) -> None:
+        super().__init__(
+            peer_rank=peer_rank, label=label, hooks=hooks, options=options, segments=segments
+        )
         self._loop = loop
         self._sock: socket.socket | None = None
         self._fd = -1
@@ -174,7 +183,7 @@ class TcpConnection(BaseConnection):
         finally:
             self._detach()
 
-    def shutdown_write(self) -> None:
+    def close_write(self) -> None:
         """Half-close our side once everything queued is out (the peer sees EOF)."""
         self._write_shut = True
         if self._sock is not None and not self._queue and not self._unsent:
@@ -243,7 +252,7 @@ class TcpConnection(BaseConnection):
         if error is not None:
             self._end(WorkerLostError(f"lost the connection to {self.label}: {error}"))
         elif self._write_shut:
-            self.shutdown_write()
+            self.close_write()
 
     def _write_out(self) -> None:
         """Send queued batches until done or the socket is full (holding ``_wlock``).
@@ -542,225 +551,3 @@ def _poll_ms(deadline: float | None) -> int | None:
         return None
     left = deadline - time.monotonic()
     return min(math.ceil(left * 1000), _POLL_MAX_MS) if left > 0 else 0
-
-
-# ------------------------------------------------------------------ handshake
-
-
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionResetError("connection closed during the handshake")
-        got += k
-    return bytes(buf)
-
-
-async def _send_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: Any) -> None:
-    body = msgpack.packb(obj)
-    await loop.sock_sendall(sock, _LEN.pack(len(body)) + body)
-
-
-async def _recv_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(await _recv_exact(loop, sock, 4))
-    if n > _HELLO_MAX:
-        raise ProtocolError(f"handshake message of {n} bytes is too large")
-    try:
-        return msgpack.unpackb(await _recv_exact(loop, sock, n))
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"malformed handshake message: {e}") from e
-
-
-class Unreachable(ConnectError):
-    """The peer's Unix socket could not be connected to (nothing was
-    exchanged): the caller dials TCP instead, so users never see this type."""
-
-
-async def tcp_connect(
-    address: str,
-    label: str,
-    *,
-    options: RpcOptions,
-    my_rank: int,
-    my_name: str,
-    unix: str | None = None,
-    sync: bool = False,
-) -> socket.socket:
-    """Connect to a peer's :class:`TcpServer` and present our identity and token.
-
-    ``address`` is ``host:port``; with ``unix`` (the name of the peer's
-    abstract Unix socket), that socket is dialled instead. ``sync`` tells the
-    peer that one blocking call at a time will use the connection.
-
-    Raises:
-        Unreachable: ``unix`` was given and that socket cannot be reached.
-        ConnectError: the peer cannot be reached over TCP, the handshake
-            failed, or the peer refused us (e.g. our job token), with its reason.
-    """
-    loop = asyncio.get_running_loop()
-    target: Any
-    if unix is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        target = "\0" + unix
-    else:
-        host, port = split_address(address)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        target = (host, port)
-    sock.setblocking(False)
-    try:
-        try:
-            await loop.sock_connect(sock, target)
-        except OSError as e:
-            kind = ConnectError if unix is None else Unreachable
-            raise kind(f"could not connect to {label}: {e}") from e
-        try:
-            async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
-                await loop.sock_sendall(sock, MAGIC)
-                hello = {"rank": my_rank, "name": my_name, "token": options.token}
-                if sync:
-                    hello["sync"] = True
-                await _send_msg(loop, sock, hello)
-                reply = await _recv_msg(loop, sock)
-        except (OSError, TimeoutError, ProtocolError) as e:
-            raise ConnectError(f"handshake with {label} failed: {e}") from e
-        if not isinstance(reply, dict) or reply.get("error"):
-            why = reply.get("error") if isinstance(reply, dict) else repr(reply)
-            raise ConnectError(f"{label} refused the connection: {why}")
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-#: ``validate(rank, name) -> None`` or the reason a peer is refused.
-Validate = Callable[[int, str], "str | None"]
-#: ``on_connection(rank, name, sock, sync)``; ``sync``: see :func:`tcp_connect`.
-OnConnection = Callable[[int, str, socket.socket, bool], Awaitable[None]]
-
-
-class TcpServer:
-    """Accepts peer sockets, checks their hello and job token, then hands
-    them to ``on_connection``."""
-
-    def __init__(
-        self,
-        options: RpcOptions,
-        validate: Validate,
-        on_connection: OnConnection,
-    ) -> None:
-        self._options = options
-        self._validate = validate
-        self._on_connection = on_connection
-        self._listeners: list[socket.socket] = []
-        self._accepting: list[asyncio.Task[None]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-        #: Name of the abstract Unix socket also listened on (``None``: none).
-        self.unix_name: str | None = None
-
-    async def start(self) -> int:
-        """Listen on ``listen_host`` at a port the OS picks (and on an abstract
-        Unix socket for same-host peers, when ``options.unix_sockets``).
-
-        Raises:
-            ConnectError: the address cannot be bound.
-        """
-        host = self._options.listen_host.strip("[]") or "0.0.0.0"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-            sock.listen(512)
-        except OSError as e:
-            sock.close()
-            raise ConnectError(f"cannot listen on {host}: {e}") from e
-        self.port = sock.getsockname()[1]
-        self._listen(sock)
-        if self._options.unix_sockets:
-            # The abstract namespace: no file to clean up, gone with the socket.
-            name = f"rpcdist-{os.getpid()}-{secrets.token_hex(8)}"
-            usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                usock.bind("\0" + name)
-                usock.listen(512)
-            except OSError as e:  # not fatal: peers dial TCP instead
-                usock.close()
-                _log.debug("no Unix socket for same-host peers: %s", e)
-            else:
-                self.unix_name = name
-                self._listen(usock)
-        return self.port
-
-    def _listen(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        self._listeners.append(sock)
-        self._accepting.append(asyncio.get_running_loop().create_task(self._accept_loop(sock)))
-
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as e:
-                _log.warning("accept failed: %s", e)
-                await asyncio.sleep(0.05)
-                continue
-            task = loop.create_task(self._serve(sock))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        sock.setblocking(False)
-        try:
-            async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
-                if await _recv_exact(loop, sock, len(MAGIC)) != MAGIC:
-                    raise ProtocolError("not an rpcdist peer (bad magic)")
-                hello = await _recv_msg(loop, sock)
-                if not isinstance(hello, dict):
-                    raise ProtocolError("malformed hello")
-                why = self._check(hello)
-                if why is not None:
-                    await _send_msg(loop, sock, {"error": why})
-                    sock.close()
-                    return
-                await _send_msg(loop, sock, {"ok": True})
-        except (OSError, TimeoutError, ProtocolError) as e:
-            _log.debug("refused an incoming connection: %s", e)
-            sock.close()
-            return
-        except BaseException:
-            sock.close()
-            raise
-        await self._on_connection(
-            int(hello["rank"]), str(hello["name"]), sock, hello.get("sync") is True
-        )
-
-    def _check(self, hello: dict[str, Any]) -> str | None:
-        expected = self._options.token
-        if expected is not None:
-            got = hello.get("token")
-            if not isinstance(got, str) or not hmac.compare_digest(got.encode(), expected.encode()):
-                return "missing or wrong rpcdist job token"
-        rank, name = hello.get("rank"), hello.get("name")
-        if not isinstance(rank, int) or not isinstance(name, str):
-            return "malformed hello (rank and name required)"
-        return self._validate(rank, name)
-
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop accepting and end every connection this server handed out."""
-        del grace  # connections are closed by their owners first
-        for task in self._accepting:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        self._accepting = []
-        for sock in self._listeners:
-            sock.close()
-        self._listeners = []
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -12,7 +12,7 @@ from typing import Any
 from .._errors import ConfigError, NotInitializedError, RpcdistError
 from .._rpc._api import release_agent, start_agent_for
 from .._rpc._context import current_agent, default_agent
-from ._group import ProcessGroup
+from ._group import ABORT, ProcessGroup, on_abort
 from ._state import BACKENDS, CollectiveState
 
 __all__ = [
@@ -44,12 +44,12 @@ def state() -> CollectiveState:
         agent = current_agent()
     except NotInitializedError:
         agent = None
-    st = agent.extensions.get(_KEY) if agent is not None else None
-    if st is None:
+    st = agent.registry.extensions.get(_KEY) if agent is not None else None
+    if not isinstance(st, CollectiveState):
         raise NotInitializedError(
             "no process group: call rpcdist.collectives.init_process_group() first"
         )
-    return st  # type: ignore[no-any-return]
+    return st
 
 
 def _check_backend(backend: str) -> str:
@@ -79,24 +79,27 @@ def attach(
     """
     _check_backend(backend)
     timeout = _check_timeout(timeout)
-    if agent.extensions.get(_KEY) is not None:
+    if agent.registry.extensions.get(_KEY) is not None:
         raise ConfigError("a process group is already initialised on this agent")
+    # Peers may send aborts as soon as their setup passed its store barrier.
+    agent.registry.add_handler(ABORT, on_abort)
     st = CollectiveState(agent, backend, timeout)
     agent.run(st.setup(agent.options.init_timeout), "init_process_group()")
-    agent.extensions[_KEY] = st
+    agent.registry.install(st)
     return st
 
 
 def detach(agent: Any) -> bool:
     """Tear the collective layer off ``agent``; whether it ended cleanly."""
-    st = agent.extensions.pop(_KEY, None)
-    if st is None:
+    st = agent.registry.extensions.get(_KEY)
+    if not isinstance(st, CollectiveState):
         return True
+    agent.registry.remove(_KEY)
     clean = not any(g.broken for g in st.groups.values()) and not st.dead_peers(
         range(agent.world_size)
     )
     agent.check_not_loop_thread("destroy_process_group()")
-    st.close()
+    st.destroy()
     return clean
 
 
@@ -132,7 +135,7 @@ def init_process_group(
     timeout = _check_timeout(timeout)
     existing = default_agent()
     if existing is not None and not existing.closed:
-        if existing.extensions.get(_KEY) is not None:
+        if existing.registry.extensions.get(_KEY) is not None:
             raise ConfigError("init_process_group() was already called in this process")
         if (rank is not None and rank != existing.rank) or (
             world_size is not None and world_size != existing.world_size
@@ -165,7 +168,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     agent = st.agent
     if group is not None and group is not st.world:
         agent.check_not_loop_thread("destroy_process_group()")
-        st.close(group.gid)
+        st.destroy(group.gid)
         return
     clean = detach(agent)
     try:

@@ -47,7 +47,6 @@ from .._errors import (
     TransportError,
 )
 from .._futures import Future
-from .._rpc._agent import internal_handler
 from .._worker import WorkerInfo
 from ._shm import CHECK_PERIOD
 from ._work import Work
@@ -55,7 +54,10 @@ from ._work import Work
 if TYPE_CHECKING:
     from ._state import CollectiveState
 
-__all__ = ["ProcessGroup"]
+__all__ = ["ABORT", "ProcessGroup", "on_abort"]
+
+#: The internal method a failing rank tells the others with.
+ABORT = "collectives.abort"
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -348,7 +350,9 @@ class ProcessGroup:
 
     async def _notify(self, dst: int, payload: list[Any]) -> None:
         try:
-            await self._state.agent.call_internal(dst, "collectives.abort", payload, timeout=5.0)
+            agent = self._state.agent
+            deadline = time.monotonic() + 5.0
+            await agent.call(dst, ABORT, payload, deadline=deadline, meta=None, internal=True)
         except RpcdistError as e:
             _log.debug("could not tell rank %d that a collective failed: %s", dst, e)
 
@@ -398,10 +402,10 @@ class ProcessGroup:
                 pass
 
 
-@internal_handler("collectives.abort")
-async def _on_abort(agent: Any, src: WorkerInfo, payload: Any) -> None:
+async def on_abort(agent: Any, src: WorkerInfo, payload: Any) -> None:
+    """A member of one of our groups failed a collective (internal method ``ABORT``)."""
     tag, gid, seq, rank, message = payload
-    state = agent.extensions.get("collectives")
+    state = agent.registry.extensions.get("collectives")
     if state is None or state.tag != tag:
         return
     group = state.groups.get(gid)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CollectiveError
-from .._transport._frames import InMessage
+from .._rpc._p2p import Message as InMessage
 from ._link import Link, run_all
 from ._link import Sends as _Sends
 from ._link import recv_checked as _recv

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from .._errors import ClosedError, CollectiveError
-from .._transport._frames import InMessage
+from .._rpc._p2p import Message as InMessage
 from ._ops import Meta
 
 __all__ = ["AgentLink", "Link", "Sends", "recv_checked", "run_all"]

@@ -41,7 +41,7 @@ def _check_tag(tag: Any, what: str) -> int:
 
 
 def _submit(agent: Any, coro: Any) -> Future[Any]:
-    fut: Future[Any] = agent._lt.submit(coro)
+    fut: Future[Any] = agent.submit(coro)
     return fut
 
 

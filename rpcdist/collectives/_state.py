@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import ConfigError
+from .._rpc._registry import BaseExtension
 from ._group import ProcessGroup
 from ._grpc_backend import GrpcEngine
 from ._link import AgentLink
@@ -67,8 +68,10 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
-class CollectiveState:
-    """The collective layer of one agent."""
+class CollectiveState(BaseExtension):
+    """The collective layer of one agent (its ``"collectives"`` extension)."""
+
+    name = "collectives"
 
     def __init__(
         self, agent: Any, backend: str, timeout: float | None, slot_bytes: int = SLOT_BYTES
@@ -167,7 +170,7 @@ class CollectiveState:
             "collectives_failed": sum(g.failed for g in groups),
         }
 
-    def close(self, gid: int | None = None) -> None:
+    def destroy(self, gid: int | None = None) -> None:
         """Destroy one group, or all (not on the loop: it joins worker threads)."""
         for g in [gid] if gid is not None else list(self.groups):
             group = self.groups.pop(g, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -36,9 +37,7 @@ def test_graceful_shutdown_drains_users_and_children_then_owners():
 
 @pytest.mark.parametrize("ignore", [False, True])
 def test_a_leaked_rref_is_reported_unless_ignored(ignore):
-    opts = [options(), options()]
-    for o in opts:
-        o.ignore_rref_leaks = ignore
+    opts = [dataclasses.replace(options(), ignore_rref_leaks=ignore) for _ in range(2)]
     with as_current_leak_check(ignore):
         with local_agents(2, options=opts, graceful=True, shutdown_timeout=10) as (a, _):
             with as_current(a):  # worker1 drops its RRef but its delete is lost

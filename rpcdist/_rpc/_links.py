@@ -1,0 +1,199 @@
+"""An agent's links to its peers: the transport, outgoing and incoming links.
+
+Worker A's requests to B and B's replies to A travel on the link A opened.
+An outgoing link is made on first use and queues at once while the
+transport dials; when it ends, every call pending on that peer and every
+point-to-point receive from it fail with the reason. Incoming links are
+accepted from the transport once the peer's hello and token check out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ClosedError, RpcdistError, TransportError, WorkerLostError
+from .._transport import Hooks, Link, LinkFactory, Peer, Transport, make_transport
+from .._transport._frames import P2P, OutMessage
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["Links"]
+
+_log = logging.getLogger(__name__)
+
+
+class Links:
+    """One agent's transport and links (see the module docstring)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._loop = agent.loop
+        self.transport: Transport = make_transport(
+            agent.loop, agent.options, rank=agent.rank, name=agent.name
+        )
+        self._out: dict[int, Link] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._in: set[Link] = set()
+        self._late: set[asyncio.Task[None]] = set()
+        #: What each peer's transport published at rendezvous, and its host.
+        self._info: dict[int, dict[str, Any]] = {}
+        self._hosts: dict[int, str] = {}
+
+    # ------------------------------------------------------------ setup
+
+    async def serve(self) -> dict[str, Any]:
+        """Start listening; what peers need to reach us (published at rendezvous)."""
+        return await self.transport.serve(self._refusal, self._accept)
+
+    def set_peers(self, infos: dict[int, dict[str, Any]], hosts: dict[int, str]) -> None:
+        self._info = infos
+        self._hosts = hosts
+
+    def address(self, rank: int) -> str:
+        return str(self._info[rank].get("addr", "?"))
+
+    def peer(self, rank: int) -> Peer:
+        me = self._agent.rank
+        return Peer(
+            rank=rank,
+            label=self.label(rank),
+            info=self._info[rank],
+            same_host=self._hosts.get(rank) == self._hosts.get(me),
+        )
+
+    def label(self, rank: int) -> str:
+        return f"worker {self._agent.workers[rank].name!r} at {self.address(rank)}"
+
+    def _refusal(self, rank: int, name: str) -> str | None:
+        workers = self._agent.workers
+        if not 0 <= rank < len(workers) or workers[rank].name != name:
+            return f"worker {name!r} (rank {rank}) is not part of this job"
+        return None
+
+    # --------------------------------------------------------- outgoing
+
+    def get(self, dst: int) -> Link | None:
+        """The open link to ``dst``, if any (any thread; a hint)."""
+        link = self._out.get(dst)
+        return link if link is not None and link.closed is None else None
+
+    def send(self, dst: int, msg: OutMessage) -> None:
+        """Queue ``msg`` on the link to ``dst``, opening it if needed (on the loop).
+
+        Raises:
+            RpcdistError: the link is closed, the agent is shutting down, or a
+                fault rule failed the message.
+        """
+        self.link(dst).send(msg)
+
+    def link(self, dst: int) -> Link:
+        """The link to ``dst``, opened on first use (on the loop).
+
+        Raises:
+            ClosedError: the agent is shutting down.
+        """
+        link = self._out.get(dst)
+        if link is not None and link.closed is None:
+            return link
+        agent = self._agent
+        if agent.closed:
+            raise ClosedError(f"agent {agent.name!r} is shutting down")
+        hooks = Hooks(on_message=agent.on_message, after_read=agent.flush_wakeups)
+        link, run = self.transport.link(self.peer(dst), hooks)
+        self._out[dst] = link
+        # A clean context: the link outlives the call that opened it, so it
+        # must not inherit that call's deadline (or anything else).
+        task = self._loop.create_task(self._run(dst, link, run), context=contextvars.Context())
+        self._tasks[dst] = task
+        return link
+
+    async def _run(self, dst: int, link: Link, run: Any) -> None:
+        exc: RpcdistError
+        cancelled = False
+        try:
+            await run
+            exc = WorkerLostError(f"{link.label} ended its stream (it shut down)")
+        except asyncio.CancelledError:
+            cancelled = True
+            exc = ClosedError(f"agent {self._agent.name!r} shut down")
+        except RpcdistError as e:
+            exc = e
+        except Exception as e:
+            exc = TransportError(f"link to {link.label} failed: {type(e).__name__}: {e}")
+        link.closed = exc
+        if self._out.get(dst) is link:
+            del self._out[dst]
+            self._tasks.pop(dst, None)
+        self._agent.peer_failed(dst, exc)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    # --------------------------------------------------------- incoming
+
+    async def _accept(self, rank: int, name: str, sync: bool, make: LinkFactory) -> None:
+        """A peer connected and passed the handshake (on the loop)."""
+        agent = self._agent
+        same_host = self._hosts.get(rank) == self._hosts.get(agent.rank)
+        if sync and agent.sync.serve(rank, name, make, same_host):
+            return  # a thread of its own serves it
+        mailbox = agent.mailbox
+
+        def alloc(kind: int, key: str, total: int) -> memoryview | None:
+            return mailbox.alloc(rank, key, total) if kind == P2P else None
+
+        hooks = Hooks(on_message=agent.on_message, alloc=alloc, after_read=agent.flush_wakeups)
+        link = make(hooks, same_host=same_host)
+        self._in.add(link)
+        try:
+            await link.run()
+        finally:
+            link.closed = link.closed or WorkerLostError(f"stream from {link.label} ended")
+            self._in.discard(link)
+
+    def adopt_late(self, link: Link) -> None:
+        """On the loop: serve a thread-driven link whose call timed out.
+
+        Half-closed, so the callee ends it once it has answered (or at once,
+        dropping the reply, if it has not started the answer); a reply that
+        still comes is handled as any late reply.
+        """
+        agent = self._agent
+        if agent.closed:
+            link.close_threaded()  # type: ignore[attr-defined]
+            return
+        link.rebind(Hooks(on_message=agent.on_message, after_read=agent.flush_wakeups))
+        link.hand_to_loop()  # type: ignore[attr-defined]
+        link.close_write()
+        task = self._loop.create_task(self._serve_late(link))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def _serve_late(self, link: Link) -> None:
+        try:
+            await link.run()
+        except RpcdistError:
+            pass
+
+    # ---------------------------------------------------------- closing
+
+    async def close(self, grace: float) -> None:
+        """Half-close every outgoing link, end the rest, stop the transport (on the loop)."""
+        await asyncio.gather(
+            *(link.aclose_write() for link in list(self._out.values())), return_exceptions=True
+        )
+        tasks = [*self._tasks.values(), *self._late]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.transport.stop(grace)
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "queued_frames": sum(link.queued() for link in list(self._out.values())),
+            "outgoing_streams": len(self._out),
+            "incoming_streams": len(self._in),
+        }

@@ -1,0 +1,218 @@
+"""What the layers above the agent plug into it: extensions, internal
+handlers, handler scopes and call metadata.
+
+Each agent has one :class:`Registry`. The layers above RPC (RRefs,
+collectives, distributed autograd) are *extensions*: objects with a name,
+statistics and shutdown steps, registered on the agent, which add
+
+* **internal handlers**: control methods (``"rref.fork_request"``) run on
+  the agent loop as ``await handler(agent, src, payload)``;
+* **handler scopes**: context managers the agent enters around every
+  incoming call's user function and the encoding of its reply, on whichever
+  thread runs it (``scope(call) -> context manager | None``); an autograd
+  context or a trace span is bound here;
+* **metadata sources**: ``source() -> dict | None``, asked for named fields
+  to attach to each outgoing call and reply made from this thread or task
+  (an autograd context id travels this way). They are not asked for
+  control messages.
+
+The contract on timing: a worker may receive an extension's messages as soon
+as any peer can send them, so an extension whose handlers, scopes or codec
+entries a peer may need is registered before this agent can be reached
+(when the agent is made: RRefs, autograd), or before a collective step
+that every peer passes before sending it anything (collectives register
+theirs before their setup's store barrier). A message naming an unknown
+internal method is answered with ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .._errors import ConfigError
+from .._transport._frames import Meta
+from .._worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = [
+    "BUILTIN_EXTENSIONS",
+    "BaseExtension",
+    "CallInfo",
+    "Extension",
+    "HandlerScope",
+    "InternalHandler",
+    "MetaSource",
+    "Registry",
+]
+
+E = TypeVar("E", bound="Extension")
+
+#: Extensions every agent installs when it is made, as ``"module:callable"``
+#: called with the agent, in the manner of entry points: the RPC layer names
+#: the layers above it but never imports them at module level.
+BUILTIN_EXTENSIONS = ("rpcdist._rref._extension:install",)
+
+InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
+MetaSource = Callable[[], "Meta | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What a handler scope knows of the incoming call it wraps.
+
+    Attributes:
+        agent: The agent running the call.
+        peer: The caller.
+        method: The function name or internal method.
+        meta: The call's named extension fields (``None``: none).
+        deadline: Its absolute deadline (``time.monotonic()``), if any.
+    """
+
+    agent: Agent
+    peer: WorkerInfo
+    method: str
+    meta: Meta | None
+    deadline: float | None
+
+
+HandlerScope = Callable[[CallInfo], "AbstractContextManager[Any] | None"]
+
+
+class Extension(Protocol):
+    """A per-agent layer above RPC (see the module docstring)."""
+
+    #: Key under which the agent keeps it, and prefix of its statistics.
+    name: str
+
+    def statistics(self) -> Mapping[str, int]:
+        """Gauges (0 when idle) and counters, merged into the agent's."""
+
+    async def drain(self) -> None:
+        """Graceful shutdown, on the loop, before the agent waits for quiet:
+        finish this layer's own traffic (collective: every worker runs it)."""
+
+    def check(self) -> None:
+        """After a graceful shutdown closed the agent: raise what ``drain``
+        found wrong (for example, leaked RRefs)."""
+
+    def close(self) -> None:
+        """The agent closed, gracefully or not (any thread)."""
+
+
+class BaseExtension:
+    """An :class:`Extension` with nothing to count, drain, check or close."""
+
+    name = ""
+
+    def statistics(self) -> Mapping[str, int]:
+        return {}
+
+    async def drain(self) -> None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Registry:
+    """One agent's extensions and what they registered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.handlers: dict[str, InternalHandler] = {}
+        #: Tuples, replaced whole, so readers on other threads need no lock.
+        self.scopes: tuple[HandlerScope, ...] = ()
+        self.sources: tuple[MetaSource, ...] = ()
+        self.extensions: dict[str, Extension] = {}
+
+    def add_handler(self, method: str, handler: InternalHandler) -> None:
+        """Serve internal ``method`` with ``handler``.
+
+        Raises:
+            ConfigError: another handler serves ``method``.
+        """
+        with self._lock:
+            if method in self.handlers and self.handlers[method] is not handler:
+                raise ConfigError(f"internal method {method!r} is already registered")
+            self.handlers[method] = handler
+
+    def add_scope(self, scope: HandlerScope) -> None:
+        with self._lock:
+            self.scopes = (*self.scopes, scope)
+
+    def add_source(self, source: MetaSource) -> None:
+        with self._lock:
+            self.sources = (*self.sources, source)
+
+    def extension(self, name: str, make: Callable[[], E]) -> E:
+        """The extension ``name``, made (and so registered) on first use."""
+        ext = self.extensions.get(name)
+        if ext is None:
+            with self._lock:
+                ext = self.extensions.get(name)
+            if ext is None:
+                made = make()  # registers its handlers (takes the lock itself)
+                with self._lock:
+                    ext = self.extensions.setdefault(name, made)
+        return ext  # type: ignore[return-value]
+
+    def install(self, ext: Extension) -> None:
+        """Register ``ext`` (already made) under its name.
+
+        Raises:
+            ConfigError: an extension of that name is installed.
+        """
+        with self._lock:
+            if ext.name in self.extensions:
+                raise ConfigError(f"extension {ext.name!r} is already installed")
+            self.extensions[ext.name] = ext
+
+    def remove(self, name: str) -> None:
+        """Forget extension ``name`` (its handlers stay; they find it gone)."""
+        with self._lock:
+            self.extensions.pop(name, None)
+
+    def meta(self) -> Meta | None:
+        """The named fields this thread or task's next call or reply carries."""
+        sources = self.sources
+        if not sources:
+            return None
+        meta: Meta | None = None
+        for source in sources:
+            got = source()
+            if got:
+                meta = got if meta is None else {**meta, **got}
+        return meta
+
+    def enter_scopes(self, call: CallInfo) -> contextlib.ExitStack | None:
+        """Enter every handler scope for ``call``; ``None`` when none applies.
+
+        The caller exits the returned stack (with the exception, if any)
+        once the handler has run and its reply is encoded.
+        """
+        scopes = self.scopes
+        if not scopes:
+            return None
+        stack: contextlib.ExitStack | None = None
+        try:
+            for scope in scopes:
+                cm = scope(call)
+                if cm is not None:
+                    if stack is None:
+                        stack = contextlib.ExitStack()
+                    stack.enter_context(cm)
+        except BaseException:
+            if stack is not None:
+                stack.close()
+            raise
+        return stack

@@ -1,0 +1,219 @@
+"""The transport interface: what the agent needs from a way of moving frames.
+
+A :class:`Transport` serves one agent: it listens (:meth:`Transport.serve`),
+opens a :class:`Link` to a peer (:meth:`Transport.link`) and stops. A link is
+one end of a peer connection: it queues outgoing :class:`OutMessage` objects
+and hands reassembled incoming :class:`InMessage` objects to ``on_message``.
+Implementations: plain sockets (:mod:`._tcp`, the default), gRPC streams
+(:mod:`._grpc`) and an in-memory transport for tests (:mod:`._inproc`);
+fault injection (:mod:`._faulty`) wraps any of them. Everything runs on the
+agent's loop unless a method says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import RpcdistError
+from .._options import RpcOptions
+from ._frames import P2P, Allocator, InMessage, OutMessage, Reassembler
+from ._shm import SegmentWriter, map_segment, shm_available
+
+__all__ = [
+    "Accept",
+    "Hooks",
+    "Link",
+    "LinkFactory",
+    "OnMessage",
+    "Peer",
+    "Transport",
+    "Validate",
+    "segment_writer",
+]
+
+_log = logging.getLogger(__name__)
+
+OnMessage = Callable[["Link", InMessage], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a link calls back into.
+
+    Attributes:
+        on_message: Called with each whole incoming message (on the loop, or
+            on the thread driving a threaded link).
+        alloc: Where an incoming message's payload lands (a posted receive),
+            else ``None`` for a fresh buffer.
+        after_read: Called at the end of each read callback, after the
+            messages read in it were delivered (transports that batch reads).
+    """
+
+    on_message: OnMessage
+    alloc: Allocator | None = None
+    after_read: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A peer as the transport dials it.
+
+    Attributes:
+        rank: Its rank.
+        label: How messages name it (``worker 'w1' at host:port``).
+        info: What its transport published at rendezvous (address, ...).
+        same_host: Whether it runs on this host (same hostname and boot id).
+    """
+
+    rank: int
+    label: str
+    info: Mapping[str, Any]
+    same_host: bool
+
+
+class Link:
+    """One end of a peer connection: an outgoing queue and an incoming reassembler."""
+
+    #: Whether this transport calls ``after_read`` at the end of each read
+    #: callback (else callers must not wait for it: it stays ``None``).
+    CALLS_AFTER_READ = False
+
+    def __init__(
+        self,
+        *,
+        peer_rank: int,
+        label: str,
+        hooks: Hooks,
+        options: RpcOptions,
+        segments: SegmentWriter | None = None,
+    ) -> None:
+        self.peer_rank = peer_rank
+        self.label = label
+        self.after_read = hooks.after_read if self.CALLS_AFTER_READ else None
+        #: Set for a peer on this host: large payloads then go through /dev/shm.
+        self._segments = segments
+        self._shm_threshold = options.payload_shm_threshold or 0
+        self._on_message = hooks.on_message
+        self._batch_bytes = options.batch_bytes
+        self._chunk_bytes = options.chunk_bytes
+        self._queue: deque[OutMessage] = deque()
+        self._reasm = Reassembler(hooks.alloc)
+        #: Why the link ended (set once; later sends raise it).
+        self.closed: RpcdistError | None = None
+        self.received_any = False
+        self.messages_out = 0
+        self.messages_in = 0
+
+    def rebind(self, hooks: Hooks) -> None:
+        """Deliver to other callbacks from now on (a link changing hands)."""
+        self._on_message = hooks.on_message
+        self.after_read = hooks.after_read if self.CALLS_AFTER_READ else None
+
+    def send(self, msg: OutMessage) -> None:
+        """Queue ``msg``; call on the loop thread.
+
+        Raises:
+            RpcdistError: the link is already closed (the reason).
+        """
+        if self.closed is not None:
+            raise self.closed
+        if (
+            self._segments is not None
+            and msg.kind != P2P
+            and not msg.shm_path
+            and msg.payload_bytes >= self._shm_threshold
+        ):
+            try:
+                msg.shm_path = self._segments.write(msg.buffers)
+            except OSError as e:  # /dev/shm full or unavailable: use the stream
+                _log.debug(
+                    "shared-memory payload for %s failed, using the stream: %s", self.label, e
+                )
+        self._queue.append(msg)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Start moving queued messages (the subclass's writer)."""
+        raise NotImplementedError
+
+    def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
+        """Send ``msg`` at once from any thread, if the transport can; False if not.
+
+        ``before`` runs just before the message leaves, only if it will.
+        This base cannot: everything goes through the loop.
+        """
+        return False
+
+    def close_write(self) -> None:
+        """Half-close: the peer sees the end once everything queued is out."""
+
+    async def aclose_write(self) -> None:
+        """:meth:`close_write`, returning once the transport has done it."""
+        self.close_write()
+
+    async def run(self) -> None:
+        """Move bytes until the link ends.
+
+        Raises:
+            RpcdistError: why it ended, unless the peer closed it cleanly.
+        """
+        raise NotImplementedError
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _deliver(self, m: InMessage) -> None:
+        if m.shm_path:
+            try:
+                m.buffers = map_segment(m.shm_path, m.sizes)
+            except (OSError, ValueError) as e:
+                _log.warning("dropping message %d from %s: %s", m.id, self.label, e)
+                return
+        self._on_message(self, m)
+
+
+#: ``validate(rank, name) -> None`` or the reason a peer is refused.
+Validate = Callable[[int, str], "str | None"]
+#: ``make(hooks, *, threaded=False, same_host=False) -> Link`` for an accepted
+#: connection (``threaded``: for one thread to drive, see ``TcpLink``;
+#: ``same_host``: the peer runs on this host).
+LinkFactory = Callable[..., Link]
+#: ``accept(rank, name, sync, make)``: a peer connected and passed the
+#: handshake; ``sync``: it will make one blocking call at a time on it.
+Accept = Callable[[int, str, bool, LinkFactory], Awaitable[None]]
+
+
+class Transport(Protocol):
+    """How one agent moves frames (see the module docstring)."""
+
+    #: ``"tcp"``, ``"grpc"`` or ``"inproc"``; every worker of a job needs the same.
+    name: str
+
+    async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
+        """Start listening; return what peers need to dial us (published at rendezvous).
+
+        Raises:
+            ConnectError: the address cannot be bound.
+        """
+
+    def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
+        """A link to ``peer`` that queues at once, and the coroutine that
+        dials it and then runs it until it ends (run it as a task).
+
+        The coroutine raises ``ConnectError`` if the peer cannot be reached
+        or refuses us, and what :meth:`Link.run` raises after that.
+        """
+
+    async def stop(self, grace: float) -> None:
+        """Stop listening and end what :meth:`serve` handed out."""
+
+
+def segment_writer(options: RpcOptions) -> SegmentWriter | None:
+    """The /dev/shm payload writer a transport uses for same-host peers, if any."""
+    if options.payload_shm_threshold and shm_available():
+        return SegmentWriter()
+    return None

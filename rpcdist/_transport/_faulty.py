@@ -1,0 +1,226 @@
+"""Fault injection for tests: drop, delay or fail the Nth message of a kind.
+
+:class:`FaultyTransport` wraps any transport; each link it makes consults a
+:class:`FaultInjector` for every outgoing message, on every sending path
+(the loop's queue, a thread's direct send, a blocking call's own socket).
+
+A message's *kind* is its method for calls and internal messages (for
+example ``"rref.fork_request"`` or ``"examples.ops:add"``), ``"reply:" +
+method`` for the reply to one, and ``"p2p"`` for point-to-point messages.
+Rules match by exact kind or by a prefix ending in ``*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._errors import ConfigError, TransportError
+from ._base import Accept, Hooks, Link, LinkFactory, Peer, Validate
+from ._frames import OutMessage, fault_label
+
+__all__ = ["Fault", "FaultInjector", "FaultyLink", "FaultyTransport"]
+
+Action = Literal["drop", "delay", "fail"]
+
+
+@dataclass
+class Fault:
+    """One rule. ``nth`` counts matching messages from 1; ``times`` is how many
+    consecutive matches (from the nth on) the rule applies to; ``None`` means
+    every one from the nth."""
+
+    kind: str
+    action: Action
+    nth: int = 1
+    times: int | None = 1
+    delay: float = 0.0
+    seen: int = 0
+    hits: int = field(default=0)
+
+    def matches(self, kind: str) -> bool:
+        if self.kind.endswith("*"):
+            return kind.startswith(self.kind[:-1])
+        return kind == self.kind
+
+
+class FaultInjector:
+    """A set of :class:`Fault` rules consulted for every outgoing message."""
+
+    def __init__(self) -> None:
+        self._rules: list[Fault] = []
+        self._lock = threading.Lock()
+        self.log: list[tuple[str, Action]] = []
+
+    def add(
+        self,
+        kind: str,
+        action: Action,
+        *,
+        nth: int = 1,
+        times: int | None = 1,
+        delay: float = 0.0,
+    ) -> Fault:
+        """Add a rule and return it (its ``hits`` counts applications).
+
+        Raises:
+            ConfigError: unknown action, ``nth < 1`` or a negative delay.
+        """
+        if action not in ("drop", "delay", "fail"):
+            raise ConfigError(f"fault action must be 'drop', 'delay' or 'fail', got {action!r}")
+        if nth < 1 or (times is not None and times < 1) or delay < 0:
+            raise ConfigError(f"invalid fault rule nth={nth} times={times} delay={delay}")
+        rule = Fault(kind, action, nth, times, delay)
+        with self._lock:
+            self._rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def decide(self, kind: str) -> tuple[Action, float] | None:
+        """The action to apply to the next message of ``kind``, if any."""
+        with self._lock:
+            for r in self._rules:
+                if not r.matches(kind):
+                    continue
+                r.seen += 1
+                last = None if r.times is None else r.nth + r.times - 1
+                if r.seen >= r.nth and (last is None or r.seen <= last):
+                    r.hits += 1
+                    self.log.append((kind, r.action))
+                    return r.action, r.delay
+        return None
+
+
+class FaultyLink(Link):
+    """A link whose outgoing messages pass :class:`FaultInjector` first."""
+
+    def __init__(self, inner: Link, faults: FaultInjector, loop: asyncio.AbstractEventLoop) -> None:
+        # Not Link.__init__: every attribute but the sending ones is the inner link's.
+        self._inner = inner
+        self._faults = faults
+        self._loop = loop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_inner", "_faults", "_loop"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    def _decide(self, msg: OutMessage) -> tuple[Action, float] | None:
+        return self._faults.decide(fault_label(msg))
+
+    def send(self, msg: OutMessage) -> None:
+        """Queue ``msg`` unless a rule drops, fails or delays it (on the loop).
+
+        Raises:
+            TransportError: a rule fails it.
+        """
+        d = self._decide(msg)
+        if d is None:
+            self._inner.send(msg)
+        elif d[0] == "drop":
+            msg.dropped()
+        elif d[0] == "fail":
+            raise TransportError(f"injected failure sending {fault_label(msg)!r} to {self.label}")
+        else:
+            self._loop.call_later(d[1], self._send_late, msg)
+
+    def _send_late(self, msg: OutMessage) -> None:
+        if self._inner.closed is not None:
+            msg.dropped()
+        else:
+            self._inner.send(msg)
+
+    def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
+        """As the inner link's, with the rules applied first (any thread).
+
+        Raises:
+            TransportError: a rule fails it.
+        """
+        d = self._decide(msg)
+        if d is None:
+            return self._inner.try_send_now(msg, before)
+        if d[0] == "fail":
+            raise TransportError(f"injected failure sending {fault_label(msg)!r} to {self.label}")
+        if before is not None:
+            before()
+        if d[0] == "drop":
+            msg.dropped()
+        else:
+            self._loop.call_soon_threadsafe(self._loop.call_later, d[1], self._send_late, msg)
+        return True
+
+    def send_blocking(self, msg: OutMessage, deadline: float | None) -> bool:
+        """As the inner (threaded) link's, with the rules applied first.
+
+        Raises:
+            TransportError: a rule fails it.
+            OSError: the socket failed.
+        """
+        d = self._decide(msg)
+        if d is not None:
+            if d[0] == "fail":
+                raise TransportError(
+                    f"injected failure sending {fault_label(msg)!r} to {self.label}"
+                )
+            if d[0] == "drop":
+                msg.dropped()
+                return True  # as if sent: the caller waits for a reply that never comes
+            time.sleep(d[1])  # this thread's own call, delayed
+        inner: Any = self._inner
+        return bool(inner.send_blocking(msg, deadline))
+
+    def close_write(self) -> None:
+        self._inner.close_write()
+
+    async def run(self) -> None:
+        await self._inner.run()
+
+    def queued(self) -> int:
+        return self._inner.queued()
+
+
+class FaultyTransport:
+    """Wraps a transport so that every link it makes applies ``faults``."""
+
+    def __init__(self, inner: Any, faults: FaultInjector, loop: asyncio.AbstractEventLoop) -> None:
+        self._inner = inner
+        self._faults = faults
+        self._loop = loop
+        self.name: str = inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def wrap(self, link: Link) -> Link:
+        return FaultyLink(link, self._faults, self._loop)
+
+    async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
+        async def faulty_accept(rank: int, name: str, sync: bool, make: LinkFactory) -> None:
+            def faulty_make(hooks: Hooks, **kw: Any) -> Link:
+                return self.wrap(make(hooks, **kw))
+
+            await accept(rank, name, sync, faulty_make)
+
+        served: dict[str, Any] = await self._inner.serve(validate, faulty_accept)
+        return served
+
+    def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
+        link, run = self._inner.link(peer, hooks)
+        return self.wrap(link), run
+
+    def threaded_link(self, peer: Peer, hooks: Hooks) -> Link:
+        return self.wrap(self._inner.threaded_link(peer, hooks))
+
+    async def stop(self, grace: float) -> None:
+        await self._inner.stop(grace)
