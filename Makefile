@@ -49,6 +49,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check rpcdist tests examples benchmarks
 	$(BIN)/ruff format --check rpcdist tests examples benchmarks
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 fmt: $(STAMP)
 	$(BIN)/ruff format rpcdist tests examples benchmarks

@@ -15,7 +15,7 @@ Submodules: ``rpcdist.functions``, ``rpcdist.futures``, ``rpcdist.testing``,
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import functions, futures
 from ._deadline import UNSET
@@ -41,19 +41,23 @@ from ._errors import (
 )
 from ._futures import Future
 from ._options import RpcOptions
-from ._rpc._api import (
-    get_rpc_timeout,
-    get_worker_info,
-    init_rpc,
-    rpc_async,
-    rpc_sync,
-    set_rpc_timeout,
-    shutdown,
-)
-from ._rref._rref import RRef, remote
-from ._save import load, save
-from ._serialization import register_type
+from ._publish import publish
 from ._worker import WorkerInfo
+
+if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` stays light
+    from ._rpc._api import (
+        get_rpc_timeout,
+        get_worker_info,
+        init_rpc,
+        rpc_async,
+        rpc_sync,
+        set_rpc_timeout,
+        shutdown,
+        statistics,
+    )
+    from ._rref._rref import RRef, remote
+    from ._save import load, save
+    from ._serialization import register_type
 
 __version__ = "0.1.0"
 
@@ -94,27 +98,56 @@ __all__ = [
     "save",
     "set_rpc_timeout",
     "shutdown",
+    "statistics",
 ]
 
 
-def _publish(namespace: str, names: list[str], scope: dict[str, Any]) -> None:
-    """Report the public namespace as ``__module__`` of re-exported names (as trio does)."""
-    for name in names:
-        obj = scope[name]
-        mod = getattr(obj, "__module__", None)
-        if isinstance(mod, str) and mod.startswith(namespace + "._"):
-            try:
-                obj.__module__ = namespace
-            except (AttributeError, TypeError):
-                pass
+#: Names imported on first use, and the private module each lives in.
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "get_rpc_timeout",
+            "get_worker_info",
+            "init_rpc",
+            "rpc_async",
+            "rpc_sync",
+            "set_rpc_timeout",
+            "shutdown",
+            "statistics",
+        ],
+        "._rpc._api",
+    ),
+    "RRef": "._rref._rref",
+    "remote": "._rref._rref",
+    "load": "._save",
+    "save": "._save",
+    "register_type": "._serialization",
+}
+_LAZY_MODULES = {
+    "tensor",
+    "nn",
+    "optim",
+    "collectives",
+    "autograd",
+    "testing",
+    "parallel",
+    "launch",
+}
 
-
-_publish(__name__, __all__, globals())
-
-_LAZY_MODULES = {"tensor", "nn", "optim", "collectives", "autograd", "testing", "parallel"}
+publish(__name__, [n for n in __all__ if n not in _LAZY], globals())
 
 
 def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is not None:
+        obj = getattr(importlib.import_module(where, __name__), name)
+        publish(__name__, [name], {name: obj})
+        globals()[name] = obj
+        return obj
     if name in _LAZY_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'rpcdist' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

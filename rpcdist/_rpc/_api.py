@@ -25,6 +25,7 @@ __all__ = [
     "set_rpc_timeout",
     "shutdown",
     "start_agent_for",
+    "statistics",
 ]
 
 _init_lock = threading.Lock()
@@ -234,3 +235,24 @@ def set_rpc_timeout(timeout: float | None) -> None:
     if timeout is not None and not isinstance(timeout, int | float):
         raise ConfigError(f"timeout must be seconds or None, got {timeout!r}")
     current_agent().rpc_timeout = timeout
+
+
+def statistics() -> dict[str, int]:
+    """What this process's agent has in flight and has done, for debugging
+    leaks and hangs: one flat dict.
+
+    Gauges (0 when idle): ``pending_calls``, ``inflight_handlers``,
+    ``queued_frames``, ``outgoing_streams`` and ``incoming_streams`` (links),
+    ``p2p_unclaimed`` and ``p2p_posted``; RRefs: ``rref_owners`` (values
+    owned here), ``rref_forks`` (user RRefs elsewhere that hold them),
+    ``rref_users``, ``rref_pending_users`` and ``rref_pending_children``
+    (forks waiting for the owner's confirmation), ``rref_outbox``;
+    collectives (when a process group is up): ``collectives_queued`` and
+    ``collectives_inflight``; distributed autograd: ``autograd_contexts``.
+    Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
+    ``collectives_completed``, ``collectives_failed`` and others.
+
+    Raises:
+        NotInitializedError: no agent is running in this process.
+    """
+    return current_agent().statistics()

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from .._errors import ConfigError, TransportError
 from ._base import Accept, Hooks, Link, LinkFactory, Peer, Validate
-from ._frames import OutMessage, fault_label
+from ._frames import InMessage, OutMessage, fault_label
 
 __all__ = ["Fault", "FaultInjector", "FaultyLink", "FaultyTransport"]
 
@@ -183,6 +183,15 @@ class FaultyLink(Link):
     def close_write(self) -> None:
         self._inner.close_write()
 
+    async def aclose_write(self) -> None:
+        await self._inner.aclose_write()
+
+    def rebind(self, hooks: Hooks) -> None:
+        def on_message(_: Link, m: InMessage) -> None:
+            hooks.on_message(self, m)
+
+        self._inner.rebind(Hooks(on_message, hooks.alloc, hooks.after_read))
+
     async def run(self) -> None:
         await self._inner.run()
 
@@ -202,13 +211,22 @@ class FaultyTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def wrap(self, link: Link) -> Link:
-        return FaultyLink(link, self._faults, self._loop)
+    def _wrapped(self, hooks: Hooks, make: Callable[[Hooks], Link]) -> Link:
+        """``make(hooks)`` wrapped, with its messages delivered as the wrapper's
+        (so replies to them are sent through the wrapper too)."""
+        box: list[FaultyLink] = []
+
+        def on_message(_: Link, m: InMessage) -> None:
+            hooks.on_message(box[0], m)
+
+        inner = make(Hooks(on_message, hooks.alloc, hooks.after_read))
+        box.append(FaultyLink(inner, self._faults, self._loop))
+        return box[0]
 
     async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
         async def faulty_accept(rank: int, name: str, sync: bool, make: LinkFactory) -> None:
             def faulty_make(hooks: Hooks, **kw: Any) -> Link:
-                return self.wrap(make(hooks, **kw))
+                return self._wrapped(hooks, lambda h: make(h, **kw))
 
             await accept(rank, name, sync, faulty_make)
 
@@ -216,11 +234,17 @@ class FaultyTransport:
         return served
 
     def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
-        link, run = self._inner.link(peer, hooks)
-        return self.wrap(link), run
+        runs: list[Awaitable[None]] = []
+
+        def make(h: Hooks) -> Link:
+            link, run = self._inner.link(peer, h)
+            runs.append(run)
+            return link  # type: ignore[no-any-return]
+
+        return self._wrapped(hooks, make), runs[0]
 
     def threaded_link(self, peer: Peer, hooks: Hooks) -> Link:
-        return self.wrap(self._inner.threaded_link(peer, hooks))
+        return self._wrapped(hooks, lambda h: self._inner.threaded_link(peer, h))
 
     async def stop(self, grace: float) -> None:
         await self._inner.stop(grace)

@@ -17,6 +17,7 @@ involved and leaves the group unusable. See ``docs/collectives.md``.
 
 from __future__ import annotations
 
+from .._publish import publish
 from ._api import (
     destroy_process_group,
     get_backend,
@@ -59,8 +60,4 @@ __all__ = [
     "send",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if callable(_obj) and getattr(_obj, "__module__", "").startswith(__name__ + "._"):
-        _obj.__module__ = __name__
-del _name, _obj
+publish(__name__, __all__, globals())

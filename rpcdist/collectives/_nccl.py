@@ -20,6 +20,7 @@ real runs are marked ``gpu``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,8 @@ __all__ = [
     "usable",
     "use_nccl",
 ]
+
+_log = logging.getLogger(__name__)
 
 _NCCL_TYPES = {
     "int8": "NCCL_INT8",
@@ -129,8 +132,8 @@ class NcclEngine:
         """Destroy the communicator."""
         try:
             self.comm.destroy()
-        except Exception:
-            pass
+        except Exception as e:  # a communicator already torn down by a failure
+            _log.warning("destroying the NCCL communicator failed: %s", e)
 
     def _type(self, a: Any) -> tuple[int, int]:
         """``(nccl datatype, element count)``; complex travels as float pairs."""

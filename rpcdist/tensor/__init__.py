@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as _np
 
+from .._publish import publish
 from ._backward import backward, tensor_roots
 from ._device import cuda_device_count, cuda_is_available
 from ._engine import GraphTask, compute_dependencies, run_backward
@@ -154,8 +155,4 @@ __all__ = [
     "zeros_like",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if callable(_obj) and getattr(_obj, "__module__", "").startswith(__name__ + "._"):
-        _obj.__module__ = __name__
-del _name, _obj
+publish(__name__, __all__, globals())
