@@ -108,7 +108,7 @@ def test_faults_apply_on_every_sending_path(transport, path):
         faults.add(kind, "delay", delay=0.3)
         started = time.monotonic()
         assert call(10) == 3
-        assert time.monotonic() - started >= 0.3
+        assert time.monotonic() - started >= 0.25  # held back (timers may fire a little early)
         assert [k for k, _ in faults.log] == [kind] * 3
         if path == "blocking":
             assert a.sync.calls >= 1  # it really took the thread-driven path

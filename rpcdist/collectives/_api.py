@@ -13,7 +13,7 @@ from .._errors import ConfigError, NotInitializedError, RpcdistError
 from .._rpc._api import release_agent, start_agent_for
 from .._rpc._context import current_agent, default_agent
 from ._group import ABORT, ProcessGroup, on_abort
-from ._state import BACKENDS, CollectiveState
+from ._state import CollectiveState, normalize_backend
 
 __all__ = [
     "attach",
@@ -53,9 +53,7 @@ def state() -> CollectiveState:
 
 
 def _check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+    return normalize_backend(backend)
 
 
 def _check_timeout(timeout: float | None) -> float | None:
@@ -117,9 +115,10 @@ def init_process_group(
     adopts the agent started here.
 
     Args:
-        backend: ``"auto"`` (shared memory on one host, gRPC across hosts,
-            NCCL for CuPy buffers when every rank has its own GPU),
-            ``"shm"``, ``"grpc"`` or ``"nccl"``.
+        backend: ``"auto"`` (shared memory on one host, the message ring
+            over the agent's links across hosts, NCCL for CuPy buffers when
+            every rank has its own GPU), ``"shm"``, ``"ring"`` (``"grpc"``,
+            its former name, is accepted) or ``"nccl"``.
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file://``.
         rank: This process's rank (default: ``RANK``).
         world_size: Number of processes (default: ``WORLD_SIZE``).
@@ -246,7 +245,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    """The engine ``group`` uses for NumPy buffers (``"shm"`` or ``"grpc"``).
+    """The engine ``group`` uses for NumPy buffers (``"shm"`` or ``"ring"``).
 
     Raises:
         NotInitializedError: no process group is initialised.

@@ -6,42 +6,32 @@ the group, which runs it in issue order on the executing thread (see
 :mod:`._group`). Bodies read the buffers when they run (so an async op sees
 the buffer as it is then), flatten them (a non-contiguous one is copied to a
 contiguous scratch and written back), stage CuPy buffers through host memory
-where the engine needs it, and pick the engine: NCCL for CuPy buffers when
-usable, else the group's CPU engine (shared memory, called directly; gRPC,
-run on the agent loop).
+where the engine needs it, and run the engine :func:`~._engine.engine_for`
+picks (NCCL for CuPy buffers when usable, else the group's CPU engine:
+shared memory, or the message ring on the agent loop).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from .._errors import ConfigError
 from ._api import resolve
+from ._engine import cuda_stream, engine_for, writeback
 from ._group import ProcessGroup
-from ._nccl import NcclEngine, nccl_supports, setup_nccl, use_nccl
-from ._ops import Meta, ReduceOp, Xp, check_array, check_op, flat, is_cupy, xp_for
+from ._ops import Meta, ReduceOp, check_array, check_op, flat, is_cupy, xp_for
 
 __all__ = [
     "all_reduce",
     "array_list",
     "barrier",
     "broadcast",
-    "cuda_stream",
-    "host_in",
-    "host_out",
     "member_group",
-    "nccl_engine",
     "reduce",
     "reduce_scatter",
-    "run_engine",
     "same_kind",
 ]
-
-Finish = Callable[[], None]
 
 
 def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -66,80 +56,6 @@ def array_list(arrays: Any, n: int, what: str, writable: bool = False) -> list[A
     if not isinstance(arrays, list | tuple) or len(arrays) != n:
         raise ConfigError(f"{what} must be a list of {n} arrays (one per rank), got {arrays!r:.80}")
     return [check_array(a, f"{what}[{i}]", writable=writable) for i, a in enumerate(arrays)]
-
-
-def host_in(a: Any) -> np.ndarray:
-    """A flat contiguous host array with ``a``'s values (a view when possible)."""
-    if is_cupy(a):
-        return a.reshape(-1).get()  # type: ignore[no-any-return]
-    out: np.ndarray = flat(a)[0]
-    return out
-
-
-def host_out(a: Any) -> tuple[np.ndarray, Finish | None]:
-    """A flat host array to fill, and how to copy it back into ``a`` (if needed)."""
-    if is_cupy(a):
-        h = np.empty(a.size, a.dtype)
-        return h, lambda: a.__setitem__(Ellipsis, xp_for(a).module.asarray(h).reshape(a.shape))
-    f, copied = flat(a)
-    if not copied:
-        return f, None
-    return f, lambda: a.__setitem__(Ellipsis, f.reshape(a.shape))
-
-
-def writeback(a: Any, f: Any, copied: bool) -> None:
-    """Copy the contiguous scratch ``f`` back into ``a`` if it was a copy."""
-    if copied:
-        a[...] = f.reshape(a.shape)
-
-
-def run_engine(g: ProcessGroup, result: Any) -> Any:
-    """Run an engine call: coroutines (gRPC) on the loop, plain calls (shm) as they are."""
-    if asyncio.iscoroutine(result):
-        return g.run_async(result)
-    return result
-
-
-def nccl_engine(
-    g: ProcessGroup,
-    kind: str,
-    xp: Xp,
-    dtype: Any,
-    op: ReduceOp | None,
-    device: int,
-    sizes: Sequence[int] = (),
-) -> NcclEngine | None:
-    """The group's NCCL engine if this collective goes to NCCL (set up at first use)."""
-    if (
-        xp.host
-        or g.size == 1
-        or g.requested in ("grpc", "shm")
-        or not nccl_supports(kind, np.dtype(dtype), op, sizes)
-    ):
-        return None
-    if "nccl" not in g.extra:
-        st = g.state
-        g.extra["nccl"] = g.run_async(
-            setup_nccl(
-                st.agent.store,
-                f"{st.tag}/g{g.gid}/nccl",
-                g.ranks,
-                g.rank,
-                st.agent.options.init_timeout,
-                device,
-            )
-        )
-    eng = g.extra["nccl"]
-    return eng if use_nccl(g.requested, True, eng is not None) else None
-
-
-def cuda_stream(buf: Any) -> tuple[Any, int]:
-    """The caller's current CUDA stream and ``buf``'s device (``None, -1`` for NumPy)."""
-    if not is_cupy(buf):
-        return None, -1
-    import cupy
-
-    return cupy.cuda.get_current_stream(), buf.device.id
 
 
 def all_reduce(
@@ -180,22 +96,8 @@ def all_reduce(
         meta = Meta("all_reduce", seq, rop, -1, buf.dtype, buf.shape)
         src, src_copied = flat(buf)
         dst, dst_copied = (src, src_copied) if out is None else flat(out)
-        eng = nccl_engine(g, "all_reduce", xp, buf.dtype, rop, device)
-        if eng is not None:
-            g.run_async(
-                eng.run(
-                    "all_reduce",
-                    {"src": src, "dst": dst, "op": rop, "device": device},
-                    stream,
-                    g.timeout,
-                    meta.kind,
-                )
-            )
-        elif g.size == 1:
-            if out is not None:
-                xp.copy(dst, src)
-        else:
-            run_engine(g, g.engine.all_reduce(seq, xp, src, dst, rop, meta))
+        eng = engine_for(g, "all_reduce", xp, buf.dtype, rop, stream, device)
+        eng.all_reduce(seq, xp, src, dst, rop, meta)
         writeback(target, dst, dst_copied)
         return target
 
@@ -228,12 +130,8 @@ def reduce(
         meta = Meta("reduce", seq, rop, root, buf.dtype, buf.shape)
         src, copied = flat(buf)
         out = src if g.rank == root else None
-        eng = nccl_engine(g, "reduce", xp, buf.dtype, rop, device)
-        if eng is not None:
-            args = {"src": src, "dst": src, "op": rop, "root": root, "device": device}
-            g.run_async(eng.run("reduce", args, stream, g.timeout, meta.kind))
-        elif g.size > 1:
-            run_engine(g, g.engine.reduce(seq, xp, src, out, root, rop, meta))
+        eng = engine_for(g, "reduce", xp, buf.dtype, rop, stream, device)
+        eng.reduce(seq, xp, src, out, root, rop, meta)
         if out is not None:
             writeback(buf, out, copied)
         return buf
@@ -257,27 +155,9 @@ def broadcast(buf: Any, src: int, group: ProcessGroup | None = None, async_op: b
 
     def body(seq: int) -> Any:
         meta = Meta("broadcast", seq, 0, root, buf.dtype, buf.shape)
-        eng = nccl_engine(g, "broadcast", xp, buf.dtype, None, device)
-        if eng is not None:
-            f, copied = flat(buf)
-            g.run_async(
-                eng.run(
-                    "broadcast",
-                    {"buf": f, "root": root, "device": device},
-                    stream,
-                    g.timeout,
-                    meta.kind,
-                )
-            )
-            writeback(buf, f, copied)
-        elif g.size > 1:
-            if g.rank == root:
-                run_engine(g, g.engine.broadcast(seq, host_in(buf), root, meta))
-            else:
-                host, finish = host_out(buf)
-                run_engine(g, g.engine.broadcast(seq, host, root, meta))
-                if finish is not None:
-                    finish()
+        engine_for(g, "broadcast", xp, buf.dtype, None, stream, device).broadcast(
+            seq, buf, root, meta
+        )
         return buf
 
     return g.submit("broadcast", body, async_op)
@@ -315,15 +195,8 @@ def reduce_scatter(
         meta = Meta("reduce_scatter", seq, rop, -1, out.dtype, sizes)
         dst, copied = flat(out)
         flats = [flat(i)[0] for i in ins]
-        eng = nccl_engine(g, "reduce_scatter", xp, out.dtype, rop, device, sizes)
-        if eng is not None:
-            whole = xp.module.concatenate(flats)
-            args = {"src": whole, "out": dst, "op": rop, "device": device}
-            g.run_async(eng.run("reduce_scatter", args, stream, g.timeout, meta.kind))
-        elif g.size == 1:
-            xp.copy(dst, flats[0])
-        else:
-            run_engine(g, g.engine.reduce_scatter(seq, xp, flats, dst, rop, meta))
+        eng = engine_for(g, "reduce_scatter", xp, out.dtype, rop, stream, device, sizes)
+        eng.reduce_scatter(seq, xp, flats, dst, rop, meta)
         writeback(out, dst, copied)
         return out
 
@@ -343,8 +216,8 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Any:
     g = member_group(group, "barrier")
 
     def body(seq: int) -> Any:
-        if g.size > 1:
-            run_engine(g, g.engine.barrier(seq, Meta("barrier", seq, 0, -1, "u1", ())))
+        meta = Meta("barrier", seq, 0, -1, "u1", ())
+        engine_for(g, "barrier", xp_for(None), "u1", None, None, -1).barrier(seq, meta)
         return None
 
     return g.submit("barrier", body, async_op)

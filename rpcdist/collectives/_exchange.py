@@ -10,21 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .._errors import ConfigError
-from ._calls import (
-    array_list,
-    cuda_stream,
-    host_in,
-    host_out,
-    member_group,
-    nccl_engine,
-    run_engine,
-    same_kind,
-)
+from ._calls import array_list, member_group, same_kind
+from ._engine import cuda_stream, engine_for
 from ._group import ProcessGroup
-from ._ops import Meta, check_array, flat, xp_for
+from ._ops import Meta, check_array, xp_for
 
 __all__ = ["all_gather", "all_to_all", "gather", "scatter"]
 
@@ -54,31 +44,8 @@ def all_gather(
 
     def body(seq: int) -> Any:
         meta = Meta("all_gather", seq, 0, -1, buf.dtype, sizes)
-        eng = nccl_engine(g, "all_gather", xp, buf.dtype, None, device, sizes)
-        if eng is not None:
-            whole = xp.module.empty(buf.size * g.size, buf.dtype)
-            f, _ = flat(buf)
-            g.run_async(
-                eng.run(
-                    "all_gather",
-                    {"src": f, "out": whole, "device": device},
-                    stream,
-                    g.timeout,
-                    meta.kind,
-                )
-            )
-            for q, o in enumerate(outs):
-                o[...] = whole[q * buf.size : (q + 1) * buf.size].reshape(o.shape)
-            return list(out_list)
-        staged = [host_out(o) for o in outs]
-        hosts = [h for h, _ in staged]
-        if g.size == 1:
-            np.copyto(hosts[0], host_in(buf))
-        else:
-            run_engine(g, g.engine.all_gather(seq, host_in(buf), hosts, meta))
-        for _, finish in staged:
-            if finish is not None:
-                finish()
+        eng = engine_for(g, "all_gather", xp, buf.dtype, None, stream, device, sizes)
+        eng.all_gather(seq, buf, outs, meta)
         return list(out_list)
 
     return g.submit("all_gather", body, async_op)
@@ -126,16 +93,7 @@ def gather(
             [buf.size],
             [o.size for o in outs] if outs else [],
         )
-        staged = [host_out(o) for o in outs] if outs is not None else None
-        hosts = [h for h, _ in staged] if staged is not None else None
-        if g.size == 1:
-            assert hosts is not None
-            np.copyto(hosts[0], host_in(buf))
-        else:
-            run_engine(g, g.engine.gather(seq, host_in(buf), hosts, root, meta))
-        for _, finish in staged or ():
-            if finish is not None:
-                finish()
+        _host_engine(g, "gather").gather(seq, buf, outs, root, meta)
         return list(gather_list) if outs is not None and gather_list is not None else None
 
     return g.submit("gather", body, async_op)
@@ -172,15 +130,7 @@ def scatter(
         meta = Meta(
             "scatter", seq, 0, root, buf.dtype, (), [i.size for i in ins] if ins else [], [buf.size]
         )
-        host, finish = host_out(buf)
-        hins = [host_in(i) for i in ins] if ins is not None else None
-        if g.size == 1:
-            assert hins is not None
-            np.copyto(host, hins[0])
-        else:
-            run_engine(g, g.engine.scatter(seq, host, hins, root, meta))
-        if finish is not None:
-            finish()
+        _host_engine(g, "scatter").scatter(seq, buf, ins, root, meta)
         return buf
 
     return g.submit("scatter", body, async_op)
@@ -218,16 +168,12 @@ def all_to_all(
             [i.size for i in ins],
             [o.size for o in outs],
         )
-        staged = [host_out(o) for o in outs]
-        hosts = [h for h, _ in staged]
-        hins = [host_in(i) for i in ins]
-        if g.size == 1:
-            np.copyto(hosts[0], hins[0])
-        else:
-            run_engine(g, g.engine.all_to_all(seq, hosts, hins, meta))
-        for _, finish in staged:
-            if finish is not None:
-                finish()
+        _host_engine(g, "all_to_all").all_to_all(seq, outs, ins, meta)
         return list(out_list)
 
     return g.submit("all_to_all", body, async_op)
+
+
+def _host_engine(g: ProcessGroup, kind: str) -> Any:
+    """The engine of ops NCCL does not run (any buffer: staged through host memory)."""
+    return engine_for(g, kind, xp_for(None), "u1", None, None, -1)

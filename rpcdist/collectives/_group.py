@@ -9,7 +9,7 @@ order, one at a time:
   group's queue for the group's worker thread.
 
 The shared-memory engine runs on that thread itself (blocking waits on its
-doorbell); the gRPC and NCCL engines are coroutines, run on the agent loop
+doorbell); the message-ring and NCCL engines are coroutines, run on the agent loop
 with :meth:`ProcessGroup.run_async`. Either way a watchdog ends the op with
 an error on:
 
@@ -79,7 +79,7 @@ class ProcessGroup:
         ranks: The members' global ranks, in group-rank order.
         rank: This process's rank in the group, ``-1`` for a non-member.
         size: Number of members.
-        backend: ``"shm"`` or ``"grpc"`` (the path for NumPy buffers);
+        backend: ``"shm"`` or ``"ring"`` (the path for NumPy buffers);
             ``""`` on non-members.
     """
 
@@ -96,7 +96,7 @@ class ProcessGroup:
         self.size = len(ranks)
         self.timeout = timeout
         self.backend = ""
-        #: The backend asked for ("auto", "shm", "grpc" or "nccl").
+        #: The backend asked for ("auto", "shm", "ring" or "nccl").
         self.requested = ""
         self.engine: Any = None
         #: Lazily created per-group extra engines (NCCL), keyed by name.

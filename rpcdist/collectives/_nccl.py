@@ -91,7 +91,7 @@ def use_nccl(requested: str, buffer_is_cupy: bool, nccl_ok: bool) -> bool:
         ConfigError: ``backend="nccl"`` was asked for a CuPy buffer but NCCL
             is not usable on every rank.
     """
-    if not buffer_is_cupy or requested in ("grpc", "shm"):
+    if not buffer_is_cupy or requested in ("ring", "shm"):
         return False
     if requested == "nccl" and not nccl_ok:
         raise ConfigError("backend='nccl' needs CuPy with NCCL on every rank and one GPU per rank")

@@ -14,7 +14,7 @@ from typing import Any
 from .._errors import CollectiveError, ConfigError, RpcTimeoutError
 from .._futures import Future
 from ._api import resolve, state
-from ._calls import host_in, host_out
+from ._engine import host_in, host_out
 from ._group import ProcessGroup
 from ._link import recv_checked as _recv
 from ._ops import Meta, as_bytes, check_array

@@ -17,37 +17,53 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._rpc._registry import BaseExtension
+from ._engine import HostEngine
 from ._group import ProcessGroup
-from ._grpc_backend import GrpcEngine
 from ._link import AgentLink
+from ._ring_engine import RingEngine
 from ._shm import SLOT_BYTES, setup_segments
 from ._shm_algos import ShmEngine
 
-__all__ = ["BACKENDS", "CollectiveState", "cpu_backend"]
+__all__ = ["BACKENDS", "CollectiveState", "cpu_backend", "normalize_backend"]
 
 _log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "shm", "grpc", "nccl")
+BACKENDS = ("auto", "shm", "ring", "nccl")
+#: Older names still accepted: the message ring was first called "grpc",
+#: after the transport it ran on then.
+_ALIASES = {"grpc": "ring"}
+
+
+def normalize_backend(requested: str) -> str:
+    """``requested`` with aliases resolved (pure).
+
+    Raises:
+        ConfigError: an unknown backend.
+    """
+    name = _ALIASES.get(requested, requested)
+    if name not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    return name
 
 
 def cpu_backend(requested: str, hosts: Sequence[str]) -> str:
     """The engine for host buffers of a group whose members run on ``hosts`` (pure).
 
     ``auto`` (and ``nccl``, whose CPU side is ``auto``'s) picks shared memory
-    when every member is on one host, gRPC otherwise.
+    when every member is on one host, the message ring (over the agent's
+    links: sockets or gRPC streams) otherwise.
 
     Raises:
         ConfigError: ``shm`` asked for a group that spans hosts, or an
             unknown backend.
     """
-    if requested not in BACKENDS:
-        raise ConfigError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    requested = normalize_backend(requested)
     same_host = len(set(hosts)) <= 1
-    if requested == "grpc":
-        return "grpc"
+    if requested == "ring":
+        return "ring"
     if requested == "shm" and not same_host:
         raise ConfigError("backend='shm' needs every member of the group on one host")
-    return "shm" if same_host else "grpc"
+    return "shm" if same_host else "ring"
 
 
 def _alive(pid: int) -> bool:
@@ -118,10 +134,12 @@ class CollectiveState(BaseExtension):
         """
         group = ProcessGroup(self, gid, ranks, timeout)
         if group.is_member:
-            group.backend, group.engine = await self._engine(group, backend)
+            backend = normalize_backend(backend)
+            group.backend, inner = await self._engine(group, backend)
+            group.engine = HostEngine(inner, group)
             group.requested = backend
-            if isinstance(group.engine, ShmEngine):
-                group.engine.seg.check = group.check
+            if isinstance(inner, ShmEngine):
+                inner.seg.check = group.check
         self.groups[gid] = group
         return group
 
@@ -142,11 +160,15 @@ class CollectiveState(BaseExtension):
                 return "shm", ShmEngine(seg)
             if backend == "shm":
                 raise ConfigError(f"backend='shm': shared memory is not usable: {seg}")
-            _log.warning("%s: shared memory is not usable (%s); using gRPC", group.describe(), seg)
-            kind = "grpc"
+            _log.warning(
+                "%s: shared memory is not usable (%s); using the message ring",
+                group.describe(),
+                seg,
+            )
+            kind = "ring"
         # A group of one moves no data: any engine will do; keep the chosen name.
         link = AgentLink(self.agent, group.ranks, group.rank)
-        return kind, GrpcEngine(link, group.prefix)
+        return kind, RingEngine(link, group.prefix)
 
     def dead_peers(self, ranks: Sequence[int]) -> list[int]:
         """Members on this host whose process has exited."""

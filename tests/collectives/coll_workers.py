@@ -63,7 +63,7 @@ def oracle(xs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
 
 def _init(rank: int, world: int, init: str, timeout: float = 60) -> dist.ProcessGroup:
     dist.init_process_group("auto", init_method=init, rank=rank, world_size=world, timeout=timeout)
-    return dist.new_group(range(world), backend="grpc")
+    return dist.new_group(range(world), backend="grpc")  # the ring's former name
 
 
 def allreduce_matrix(rank: int, world: int, init: str, seed: int, n_random: int) -> dict:
@@ -72,8 +72,8 @@ def allreduce_matrix(rank: int, world: int, init: str, seed: int, n_random: int)
     checked = 0
     digests = []
     try:
-        assert dist.get_backend() == "shm" and dist.get_backend(grpc_group) == "grpc"
-        for name, group in (("shm", None), ("grpc", grpc_group)):
+        assert dist.get_backend() == "shm" and dist.get_backend(grpc_group) == "ring"
+        for name, group in (("shm", None), ("ring", grpc_group)):
             sizes = [0, 1, max(world - 1, 0), 7 * world + 3]
             cases = [(n, d, op) for n in sizes for d in DTYPES for op in ops_for(d)]
             cases += [
@@ -124,7 +124,7 @@ def everything_else(rank: int, world: int, init: str) -> dict:
     shm_files = sorted(f for f in os.listdir("/dev/shm") if st.job in f)
     out: dict = {"shm_files_while_running": shm_files}
     try:
-        for name, group in (("shm", None), ("grpc", grpc_group)):
+        for name, group in (("shm", None), ("ring", grpc_group)):
             p = dist.get_world_size(group)
             for root in range(p):
                 for n in (0, 5, 300_001):
@@ -192,7 +192,7 @@ def failures(rank: int, world: int, init: str) -> dict:
     """Mismatches on both backends, then a rank killed in the middle of each."""
     assert world == 4
     dist.init_process_group("auto", init_method=init, rank=rank, world_size=world, timeout=30)
-    groups = {"shm": dist.new_group(range(3)), "grpc": dist.new_group(range(3), backend="grpc")}
+    groups = {"shm": dist.new_group(range(3)), "ring": dist.new_group(range(3), backend="ring")}
     out: dict = {}
     for name, g in groups.items():
         if rank == 3:
@@ -211,7 +211,7 @@ def failures(rank: int, world: int, init: str) -> dict:
     # Kill: rank 3 dies in a shared-memory all_reduce, rank 2 in a gRPC one.
     kill = {
         "shm": (dist.new_group([0, 1, 3]), 3),
-        "grpc": (dist.new_group([0, 1, 2], backend="grpc"), 2),
+        "ring": (dist.new_group([0, 1, 2], backend="ring"), 2),
     }
     big = np.ones(4 << 20, "f4")
     for name, (g, victim) in kill.items():

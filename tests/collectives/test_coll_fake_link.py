@@ -21,8 +21,8 @@ from rpcdist import CollectiveError
 from rpcdist._rpc._p2p import Mailbox
 from rpcdist._transport._frames import P2P, InMessage
 from rpcdist.collectives import ReduceOp
-from rpcdist.collectives._grpc_backend import GrpcEngine
 from rpcdist.collectives._ops import Meta, xp_for
+from rpcdist.collectives._ring_engine import RingEngine
 
 
 class FakeLink:
@@ -41,11 +41,11 @@ class FakeLink:
         return self._boxes[self.rank].post(src, key, out)
 
 
-def engines(p: int, chunk: int, seed: int = 0, small: int = 0) -> list[GrpcEngine]:
+def engines(p: int, chunk: int, seed: int = 0, small: int = 0) -> list[RingEngine]:
     """Engines over one fake network; ``small``: the recursive-doubling limit in bytes."""
     boxes = [Mailbox() for _ in range(p)]
     rng = random.Random(seed)
-    return [GrpcEngine(FakeLink(r, boxes, rng), "t/", chunk, small) for r in range(p)]
+    return [RingEngine(FakeLink(r, boxes, rng), "t/", chunk, small) for r in range(p)]
 
 
 def inputs(p: int, n: int, dtype: str, op: ReduceOp, seed: int) -> list[np.ndarray]:

@@ -68,7 +68,7 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
 
 @needs_gpu
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["shm", "grpc"])
+@pytest.mark.parametrize("backend", ["shm", "ring"])
 def test_cupy_buffers_on_the_cpu_engines(backend):
     run_workers(cupy_worker, 2, args=(backend, False), timeout=150)
 

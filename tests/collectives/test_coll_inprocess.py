@@ -57,7 +57,7 @@ def settle(agents: list[Any]) -> dict[str, int]:
         time.sleep(0.01)
 
 
-@pytest.fixture(params=["shm", "grpc"])
+@pytest.fixture(params=["shm", "ring"])
 def group3(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
     with local_agents(3) as agents:
         ok(on_all(agents, lambda r: attach(agents[r], request.param, 20)))
@@ -72,7 +72,7 @@ def test_every_collective_matches_numpy(group3):
     def work(r: int) -> None:
         p = dist.get_world_size()
         assert dist.get_rank() == r and p == 3 and dist.is_initialized()
-        assert dist.get_backend() in ("shm", "grpc")
+        assert dist.get_backend() in ("shm", "ring")
         for n in (0, 1, 2, 5, 1000):
             x = np.arange(n, dtype="f8").reshape(-1) * (r + 1)
             dist.all_reduce(x)
@@ -280,7 +280,7 @@ def test_blocking_call_on_the_loop_thread_is_refused(group3):
     assert caught and "blocks" in str(caught[0])
 
 
-@pytest.mark.parametrize("backend", ["shm", "grpc"])
+@pytest.mark.parametrize("backend", ["shm", "ring"])
 def test_mismatch_fails_on_every_rank_and_breaks_only_that_group(backend):
     with local_agents(3) as agents:
         ok(on_all(agents, lambda r: attach(agents[r], backend, 20)))
@@ -316,7 +316,7 @@ def test_mismatch_fails_on_every_rank_and_breaks_only_that_group(backend):
         ok(on_all(agents, lambda r: detach(agents[r])))
 
 
-@pytest.mark.parametrize("backend", ["shm", "grpc"])
+@pytest.mark.parametrize("backend", ["shm", "ring"])
 def test_a_rank_that_never_comes_gives_a_timeout_then_destroy_is_prompt(backend):
     with local_agents(2) as agents:
         ok(on_all(agents, lambda r: attach(agents[r], backend, 20)))
@@ -357,5 +357,5 @@ def test_auto_falls_back_to_grpc_when_shared_memory_is_unusable(monkeypatch):
                 dist.new_group([0, 1], backend="shm")
             return dist.get_backend()
 
-        assert ok(on_all(agents, work)) == ["grpc", "grpc"]
+        assert ok(on_all(agents, work)) == ["ring", "ring"]
         ok(on_all(agents, lambda r: detach(agents[r])))

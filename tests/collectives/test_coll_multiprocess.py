@@ -31,7 +31,7 @@ def test_other_collectives_ordering_barrier_and_cleanup():
     for rank, r in enumerate(results):
         # The segments are unlinked as soon as every member mapped them.
         assert r["shm_files_while_running"] == [] and r["shm_files_after"] == []
-        for backend in ("shm", "grpc"):
+        for backend in ("shm", "ring"):
             if rank != 0:
                 assert r[f"{backend}_barrier_wait"] > 0.4, (backend, r)
         stats = r["stats"]
@@ -45,12 +45,12 @@ def test_mismatch_and_killed_rank_fail_every_rank_within_the_timeout():
     survivors = results[:2]
     mismatch_ranks = [results[0], results[1]]
     for r in mismatch_ranks:
-        for backend in ("shm", "grpc"):
+        for backend in ("shm", "ring"):
             first, second = r[f"{backend}_mismatch"]
             assert first != "no error" and "#0" in first, r
             assert "unusable" in second or "failed on rank" in second, r
     for r in survivors:
-        for backend in ("shm", "grpc"):
+        for backend in ("shm", "ring"):
             message, elapsed = r[f"{backend}_kill"]
             assert message != "no error"
             assert "died" in message or "left" in message or "failed" in message, message

@@ -172,9 +172,10 @@ def test_validate_pairs_piece_sizes():
 
 def test_cpu_backend_choice():
     assert cpu_backend("auto", ["h", "h"]) == "shm"
-    assert cpu_backend("auto", ["h", "k"]) == "grpc"
+    assert cpu_backend("auto", ["h", "k"]) == "ring"
     assert cpu_backend("nccl", ["h"]) == "shm"
-    assert cpu_backend("grpc", ["h", "h"]) == "grpc"
+    assert cpu_backend("grpc", ["h", "h"]) == "ring"  # the former name
+    assert cpu_backend("ring", ["h", "h"]) == "ring"
     assert cpu_backend("shm", ["h", "h"]) == "shm"
     with pytest.raises(ConfigError, match="one host"):
         cpu_backend("shm", ["h", "k"])
@@ -190,7 +191,7 @@ def test_nccl_selection_logic():
     assert use_nccl("auto", True, True)
     assert not use_nccl("auto", False, True)  # NumPy buffers never go to NCCL
     assert not use_nccl("auto", True, False)
-    assert not use_nccl("shm", True, True) and not use_nccl("grpc", True, True)
+    assert not use_nccl("shm", True, True) and not use_nccl("ring", True, True)
     with pytest.raises(ConfigError, match="nccl"):
         use_nccl("nccl", True, False)
     f4, c8, b1 = np.dtype("f4"), np.dtype("c8"), np.dtype("?")

@@ -29,7 +29,7 @@ from ._link import recv_checked as _recv
 from ._ops import Meta, ReduceOp, Xp, as_bytes
 from ._ring import ag_step, chain_neighbours, lane_count, rs_step, split, tree_children, tree_parent
 
-__all__ = ["GrpcEngine"]
+__all__ = ["RingEngine"]
 
 #: Lane (chunk) size of the pipelined ring and chain algorithms. Measured on
 #: the TCP transport (p = 2 and 4, 16-64 MB): 4 MiB beat 1 and 8 MiB, and
@@ -43,10 +43,10 @@ LANES_IN_FLIGHT = 4
 TREE_MAX_BYTES = 64 << 10
 
 
-class GrpcEngine:
+class RingEngine:
     """Ring, tree and chain collectives over a :class:`Link`."""
 
-    name = "grpc"
+    name = "ring"
 
     def __init__(
         self,
