@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .._errors import ConfigError, NotInitializedError, RpcdistError
 from .._rpc._api import release_agent, start_agent_for
 from .._rpc._context import current_agent, default_agent
 from ._group import ABORT, ProcessGroup, on_abort
 from ._state import CollectiveState, normalize_backend
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
 
 __all__ = [
     "attach",
@@ -65,7 +68,7 @@ def _check_timeout(timeout: float | None) -> float | None:
 
 
 def attach(
-    agent: Any, backend: str = "auto", timeout: float | None = DEFAULT_TIMEOUT
+    agent: Agent, backend: str = "auto", timeout: float | None = DEFAULT_TIMEOUT
 ) -> CollectiveState:
     """Set up the collective layer on a running agent (collective over all ranks).
 
@@ -87,7 +90,7 @@ def attach(
     return st
 
 
-def detach(agent: Any) -> bool:
+def detach(agent: Agent) -> bool:
     """Tear the collective layer off ``agent``; whether it ended cleanly."""
     st = agent.registry.extensions.get(_KEY)
     if not isinstance(st, CollectiveState):

@@ -52,6 +52,7 @@ from ._shm import CHECK_PERIOD
 from ._work import Work
 
 if TYPE_CHECKING:
+    from .._rpc._agent import Agent
     from ._state import CollectiveState
 
 __all__ = ["ABORT", "ProcessGroup", "on_abort"]
@@ -402,10 +403,10 @@ class ProcessGroup:
                 pass
 
 
-async def on_abort(agent: Any, src: WorkerInfo, payload: Any) -> None:
+async def on_abort(agent: Agent, src: WorkerInfo, payload: Any) -> None:
     """A member of one of our groups failed a collective (internal method ``ABORT``)."""
     tag, gid, seq, rank, message = payload
-    state = agent.registry.extensions.get("collectives")
+    state: Any = agent.registry.extensions.get("collectives")  # a CollectiveState
     if state is None or state.tag != tag:
         return
     group = state.groups.get(gid)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ClosedError, CollectiveError
 from .._rpc._p2p import Message as InMessage
 from ._ops import Meta
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
 
 __all__ = ["AgentLink", "Link", "Sends", "recv_checked", "run_all"]
 
@@ -34,7 +37,7 @@ class Link(Protocol):
 class AgentLink:
     """A :class:`Link` over the agent's gRPC streams (``p2p_send`` / mailbox)."""
 
-    def __init__(self, agent: Any, ranks: Sequence[int], rank: int) -> None:
+    def __init__(self, agent: Agent, ranks: Sequence[int], rank: int) -> None:
         self._agent = agent
         self._ranks = tuple(ranks)
         self.rank = rank

@@ -9,7 +9,7 @@ sequence number: they are not ordered with the collectives.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CollectiveError, ConfigError, RpcTimeoutError
 from .._futures import Future
@@ -20,6 +20,9 @@ from ._link import recv_checked as _recv
 from ._ops import Meta, as_bytes, check_array
 from ._shm import CHECK_PERIOD
 from ._work import Work
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
 
 __all__ = ["irecv", "isend", "recv", "send"]
 
@@ -40,7 +43,7 @@ def _check_tag(tag: Any, what: str) -> int:
     return tag
 
 
-def _submit(agent: Any, coro: Any) -> Future[Any]:
+def _submit(agent: Agent, coro: Any) -> Future[Any]:
     fut: Future[Any] = agent.submit(coro)
     return fut
 

@@ -13,7 +13,7 @@ import os
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._rpc._registry import BaseExtension
@@ -23,6 +23,9 @@ from ._link import AgentLink
 from ._ring_engine import RingEngine
 from ._shm import SLOT_BYTES, setup_segments
 from ._shm_algos import ShmEngine
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
 
 __all__ = ["BACKENDS", "CollectiveState", "cpu_backend", "normalize_backend"]
 
@@ -90,7 +93,7 @@ class CollectiveState(BaseExtension):
     name = "collectives"
 
     def __init__(
-        self, agent: Any, backend: str, timeout: float | None, slot_bytes: int = SLOT_BYTES
+        self, agent: Agent, backend: str, timeout: float | None, slot_bytes: int = SLOT_BYTES
     ) -> None:
         self.agent = agent
         self.backend = backend
