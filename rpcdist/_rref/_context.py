@@ -318,7 +318,7 @@ class RRefContext(BaseExtension):
             rref._state = RELEASED
 
     async def drain(self) -> None:
-        """Graceful shutdown, RRef part (RREF_PROTOCOL.md, flow 6)."""
+        """Graceful shutdown, RRef part (``docs/rref.md``, flow 6)."""
         await _drain(self)
 
     def check(self) -> None:

@@ -1,6 +1,6 @@
 """The RRef ownership state machine: ids, the owner's table and the user's tables.
 
-Pure bookkeeping with no I/O and no event loop (see ``RREF_PROTOCOL.md``);
+Pure bookkeeping with no I/O and no event loop (see ``docs/rref.md``);
 :mod:`._rref_context` drives it from messages. Every method is thread-safe
 (one lock per table) and calls nothing out while holding its lock: values
 and RRefs that stop being referenced are handed back to the caller, so that

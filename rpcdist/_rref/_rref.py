@@ -3,7 +3,7 @@
 An RRef travels only inside an RPC (arguments or results, nested anywhere):
 the codec extension below turns it into a fork descriptor
 ``[owner, r0, r1, child fork counter]`` and back, doing the protocol's
-bookkeeping on both ends (``RREF_PROTOCOL.md``, flows 2-4).
+bookkeeping on both ends (``docs/rref.md``, flows 2-4).
 """
 
 from __future__ import annotations
