@@ -57,7 +57,10 @@ E = TypeVar("E", bound="Extension")
 #: Extensions every agent installs when it is made, as ``"module:callable"``
 #: called with the agent, in the manner of entry points: the RPC layer names
 #: the layers above it but never imports them at module level.
-BUILTIN_EXTENSIONS = ("rpcdist._rref._extension:install",)
+BUILTIN_EXTENSIONS = (
+    "rpcdist._rref._extension:install",
+    "rpcdist.autograd._extension:install",
+)
 
 InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
 MetaSource = Callable[[], "Meta | None"]

@@ -25,6 +25,7 @@ from .._errors import (
     WorkerLostError,
 )
 from .._futures import Future
+from .._rpc._agent import AUTO
 from .._rpc._context import WireContext
 from .._serialization import decode
 from .._worker import WorkerInfo
@@ -42,9 +43,11 @@ Make = Callable[..., "RRef[Any]"]
 
 
 def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | None, what: str,
-               args: Any = (), kwargs: Any = None, internal: bool = True) -> Future[Any]:  # fmt: skip
+               args: Any = (), kwargs: Any = None, internal: bool = True,
+               meta: Any = AUTO) -> Future[Any]:  # fmt: skip
     """Send ``method`` (an internal method, or a function for ``internal=False``)
     to the owner of ``rref``, with ``deadline``; a Future of the reply.
+    ``meta``: the call's named fields (default: this thread's or task's).
 
     The reply's transport failures become OwnerLostError; a pending ``rref``
     that fails meanwhile (remote() timed out, owner lost) fails it at once.
@@ -54,7 +57,7 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     if rref._owner in ctx.lost:
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
     reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
-                       where=(args, kwargs))  # fmt: skip
+                       where=(args, kwargs), meta=meta)  # fmt: skip
     # The reply's callback holds ``rref`` (so its fork) alive until the reply.
     hold = [rref]
     out = reply.then(
@@ -97,21 +100,25 @@ def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -
     """
     out: Future[Any] = Future()
     assert rref._confirmed is not None and rref._creator is not None
-    rref._confirmed.add_done_callback(functools.partial(_after_creation, rref, out, deadline, what))
+    # The fetch leaves from a callback: it carries this caller's fields (an
+    # autograd context), taken now.
+    meta = rref._ctx.agent.registry.meta()
+    done = functools.partial(_after_creation, rref, out, deadline, what, meta)
+    rref._confirmed.add_done_callback(done)
     if deadline is None or rref._creator <= deadline:
         return out  # the creation fails by itself first; a fetch has ``deadline``
     return rref._ctx.bounded(out, deadline, what)
 
 
 def _after_creation(rref: RRef[Any], out: Future[Any], deadline: float | None, what: str,
-                    confirmed: Future[None]) -> None:  # fmt: skip
+                    meta: Any, confirmed: Future[None]) -> None:  # fmt: skip
     exc = confirmed.exception()
     try:
         if exc is not None:
             raise exc
         early = rref._early
         if early is None:
-            fetch = call_owner(rref, FETCH, [*rref._rid], deadline, what)
+            fetch = call_owner(rref, FETCH, [*rref._rid], deadline, what, meta=meta)
             fetch.add_done_callback(functools.partial(_copy, out))
             return
         agent = rref._ctx.agent

@@ -86,8 +86,10 @@ def is_plain(fn: Callable[..., Any]) -> bool:
 
 
 def _early_copy(agent: Agent, peer: WorkerInfo, value: Any) -> list[Any] | None:
-    """``value`` encoded for its creator if small and free of side effects (no RRefs)."""
-    ctx = WireContext(agent, peer)
+    """``value`` encoded for its creator if small and free of side effects (no
+    RRefs, no tensors recording autograd edges: encoded with this call's
+    metadata, an extension that records anything registers an undo)."""
+    ctx = WireContext(agent, peer, meta=agent.registry.meta())
     try:
         header, buffers = encode(value, allow_pickle=agent.options.allow_pickle, context=ctx)
     except RpcdistError:

@@ -43,6 +43,8 @@ from ._proxy import RRefProxy
 __all__ = ["RRef", "remote"]
 
 T = TypeVar("T")
+#: The owner's internal method (served by its distributed autograd extension).
+_RREF_BACKWARD = "autograd.rref_backward"
 RREF_CODE = 32  # codec extension code of fork descriptors
 
 
@@ -236,6 +238,23 @@ class RRef(Generic[T]):
             return out
         waited = self._ctx.bounded(rec.ready, deadline, f"to_here() on {self!r}")
         return waited.then(lambda f: (f.value(), rec.get())[1])
+
+    def backward(self, context_id: int, retain_graph: bool = False) -> None:
+        """Run ``rpcdist.autograd.backward(context_id, [value])`` on the owner,
+        for an RRef to a scalar loss computed in that context (blocking).
+
+        Raises:
+            AutogradError: the owner has no such context, or the pass failed.
+            ConfigError: the value is not a scalar tensor that requires grad.
+            OwnerLostError: the owner is gone.
+            WrongThreadError: called on the agent's loop thread.
+        """
+        self._check("backward()")
+        agent = self._ctx.agent
+        agent.check_not_loop_thread("RRef.backward()")
+        deadline = deadline_for(UNSET, agent.rpc_timeout)
+        payload = [self, context_id, retain_graph]
+        call_owner(self, _RREF_BACKWARD, payload, deadline, "backward()").wait()
 
     # ------------------------------------------------------------- proxies
 

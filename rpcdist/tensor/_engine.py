@@ -116,6 +116,11 @@ class GraphTask:
         callback_kinds: Node classes handed to ``callback``.
         retain_graph: Keep saved arrays so that the graph can be walked again.
             Tasks that walk one graph at the same time need it.
+        eager_leaves: Sum each gradient into a leaf's slot of ``grad_map`` as
+            it arrives, instead of once every counted input has arrived. A
+            leaf then never waits: distributed autograd uses it so that a
+            parameter shared by several sent tensors gets its gradient even
+            when some of them get none in a pass. Needs ``grad_map``.
 
     Each task has its own dependency counts and gradient buffers, so tasks in
     different threads never mix. After a node fails, the task is abandoned.
@@ -134,11 +139,15 @@ class GraphTask:
         callback: NodeCallback | None = None,
         callback_kinds: tuple[type[Node], ...] = (RecvFunction,),
         retain_graph: bool = False,
+        eager_leaves: bool = False,
     ) -> None:
+        if eager_leaves and grad_map is None:
+            raise AutogradError("GraphTask(eager_leaves=True) needs a grad_map")
         self.grad_map = grad_map
         self.callback = callback
         self.callback_kinds = callback_kinds
         self.retain_graph = retain_graph
+        self.eager_leaves = eager_leaves
         self._deps = compute_dependencies(start_nodes)
         self._buffers: dict[Node, _Buffer] = {}
         self._lock = threading.Lock()
@@ -184,6 +193,7 @@ class GraphTask:
     def _run(self, ready: list[Node]) -> None:
         deps, buffers, lock = self._deps, self._buffers, self._lock
         callback, kinds = self.callback, self.callback_kinds
+        eager = self.eager_leaves
         while ready:
             node = ready.pop()
             with lock:
@@ -200,6 +210,8 @@ class GraphTask:
                     self._accumulate(node, grads[0], owned[0])
                 continue
             if callback is not None and isinstance(node, kinds):
+                if buf is not None:  # the callback may keep them: none may change later
+                    grads = [g if o or g is None else g.copy() for g, o in zip(grads, owned)]
                 callback(node, grads)
                 continue
             edges = node.next_edges
@@ -218,12 +230,18 @@ class GraphTask:
                     )
             if not self.retain_graph:
                 node.release()
+            leaves: list[tuple[AccumulateGrad, Any, bool]] = []
             with lock:
                 for i, edge in enumerate(edges):
                     if edge is None:
                         continue
                     child, nr = edge
                     g = outs[i]
+                    if eager and type(child) is AccumulateGrad:
+                        if g is not None:
+                            leaves.append((child, g, _is_fresh(g, grads, outs, i)))
+                        deps[child] -= 1
+                        continue
                     if g is not None:
                         b = buffers.get(child)
                         if b is None:
@@ -237,6 +255,8 @@ class GraphTask:
                         raise AutogradError(
                             f"a gradient reached {child.name()} after it had already run"
                         )
+            for leaf, g, fresh in leaves:  # outside the lock: it takes it itself
+                self._accumulate(leaf, g, fresh)
 
     def _accumulate(self, node: AccumulateGrad, g: Any, owned: bool) -> None:
         Tensor = _tensor.Tensor

@@ -1,0 +1,332 @@
+"""The distributed backward pass: FAST mode, made exact so that it cannot hang.
+
+``backward(context_id, roots)`` runs the local engine from the roots. When it
+reaches a :class:`DistRecv` (tensors that arrived in a message), the
+gradients go back to the sender (``autograd.grads``), whose :class:`DistSend`
+for that message feeds them into *its* engine, which may send more on. Each
+gradient message is an RPC answered once the receiver has run everything the
+gradients made runnable and its own gradient messages were answered, so the
+root's pass ends when its messages are answered; an error anywhere fails it,
+with the remote traceback and the failing worker's name.
+
+A worker counts dependencies, once per pass, from its start nodes: the
+roots (on the root worker) and the send functions of the context (PyTorch's
+FAST mode). PyTorch hangs when a send gets no gradient in the pass (its
+output never reached the loss) while a node below it also serves a send or
+root that does: that node waits forever. rpcdist finds such sends before it
+runs: a send whose subgraph shares a node with another start node is
+*overlapping* (leaves do not count: they are summed as gradients arrive,
+``eager_leaves``); for each overlapping send the worker asks the receiver
+whether the matching receive function is reached in this pass
+(``autograd.reach``), which the receiver answers from its own graph (is it
+reached from a root here, or from one of its sends that is reached: asked on
+in turn; the cross-worker graph follows causality, so this ends), and leaves
+the unreached ones out of the count. Passes without overlapping sends (the
+usual case: parameter servers, pipelines) cost no extra message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._deadline import UNSET, current_deadline, deadline_for
+from .._errors import AutogradError, ConfigError
+from .._futures import Future
+from .._worker import WorkerInfo
+from ..tensor import AccumulateGrad, GraphTask, Node, Tensor
+from ._context import DistContext, DistRecv, DistSend
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
+    from ._extension import AutogradExtension
+
+__all__ = ["PassState", "backward_blocking", "on_grads", "on_reach"]
+
+GRADS = "autograd.grads"
+REACH = "autograd.reach"
+Key = tuple[int, int]
+
+_collect = threading.local()
+
+
+class PassState:
+    """One backward pass on one worker."""
+
+    def __init__(self, key: Key, roots: Sequence[Node] = (), retain: bool = False) -> None:
+        self.key = key
+        self.roots = list(roots)
+        self.retain = retain
+        self.lock = threading.Lock()
+        self.task: GraphTask | None = None
+        self.ready: asyncio.Future[None] | None = None
+        #: Receive function -> the start nodes from which it is reached.
+        self._reached_from: dict[Node, set[Node]] | None = None
+        self._overlapping: set[Node] = set()
+        #: Answers of ``autograd.reach`` here, by message id.
+        self.answers: dict[int, asyncio.Future[bool]] = {}
+
+    def analyse(self, ctx: DistContext) -> tuple[dict[Node, set[Node]], set[Node]]:
+        """``(receive function -> start nodes reaching it, overlapping start nodes)``."""
+        with self.lock:
+            if self._reached_from is None:
+                starts = [*self.roots, *ctx.sends.values()]
+                self._reached_from, self._overlapping = _analyse(starts)
+            return self._reached_from, self._overlapping
+
+
+def _analyse(starts: Sequence[Node]) -> tuple[dict[Node, set[Node]], set[Node]]:
+    """Walk from each start node: which receive functions it reaches, and
+    which start nodes share a non-leaf node with another (a pure function)."""
+    owner: dict[Node, Node] = {}
+    overlapping: set[Node] = set()
+    reached_from: dict[Node, set[Node]] = {}
+    for start in starts:
+        seen = {start}
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, DistRecv):
+                reached_from.setdefault(node, set()).add(start)
+                continue
+            for edge in node.next_edges:
+                if edge is None or edge[0] in seen:
+                    continue
+                child = edge[0]
+                seen.add(child)
+                if type(child) is AccumulateGrad:
+                    continue  # summed as gradients arrive: never waits
+                first = owner.setdefault(child, start)
+                if first is not start:
+                    overlapping.update((first, start))
+                stack.append(child)
+    return reached_from, overlapping
+
+
+def _ext(agent: Agent) -> AutogradExtension:
+    found: Any = agent.registry.extensions.get("autograd")
+    if found is None:
+        raise AutogradError(f"the rpcdist agent {agent.name!r} has no distributed autograd")
+    ext: AutogradExtension = found
+    return ext
+
+
+def _deadline(agent: Agent) -> float | None:
+    """The deadline of a pass's messages: the handler's, else the agent's default."""
+    inherited = current_deadline.get()
+    if inherited is not None:
+        return inherited
+    return deadline_for(UNSET, agent.rpc_timeout)
+
+
+def _task(agent: Agent, ctx: DistContext, st: PassState, unreached: set[DistSend]) -> GraphTask:
+    """The pass's graph task here, counting from the start nodes minus ``unreached``."""
+    if ctx.freed_by is not None:
+        raise AutogradError(
+            f"backward in context {ctx.id} on worker {agent.name!r}: the graph was freed by "
+            f"an earlier backward ({ctx.freed_by}); pass retain_graph=True to every backward "
+            "that walks a graph again"
+        )
+    starts = [*st.roots, *(s for s in ctx.sends.values() if s not in unreached)]
+    task = GraphTask(starts, grad_map=ctx.grads, callback=_make_callback(agent, ctx, st),
+                     retain_graph=st.retain, eager_leaves=True)  # fmt: skip
+    if not st.retain:
+        ctx.freed_by = f"pass {st.key[1]} started by rank {st.key[0]}"
+    return task
+
+
+def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
+    key = list(st.key)
+
+    def send_back(node: Node, grads: list[Any]) -> None:
+        assert isinstance(node, DistRecv)
+        out: list[Future[Any]] | None = getattr(_collect, "futures", None)
+        if out is None:
+            raise AutogradError("internal: gradients for a receive function outside a pass")
+        payload = [ctx.id, key, node.message_id, grads, st.retain]
+        out.append(agent.call(node.peer, GRADS, payload, deadline=_deadline(agent), meta=None,
+                              internal=True))  # fmt: skip
+
+    return send_back
+
+
+def _execute(task: GraphTask, seeds: list[tuple[Node, Any]], out: list[Future[Any]]) -> None:
+    """``task.execute(seeds)`` with the gradient messages it sends collected in ``out``."""
+    _collect.futures = out
+    try:
+        task.execute(seeds)
+    finally:
+        _collect.futures = None
+
+
+# ------------------------------------------------------------------- the root
+
+
+def backward_blocking(
+    agent: Agent, context_id: int, roots: Sequence[Tensor], retain_graph: bool
+) -> None:
+    """Run a backward pass from ``roots`` (this worker is the root; blocking).
+
+    Raises:
+        ConfigError: a root is not a scalar tensor that requires grad.
+        AutogradError: no such context, a freed graph, or a failure anywhere.
+        RpcTimeoutError, WorkerLostError: a worker did not answer in time, or died.
+    """
+    ext = _ext(agent)
+    ctx = ext.get(context_id, "backward()")
+    if not isinstance(roots, list | tuple) or not roots:
+        raise ConfigError(f"backward(): roots must be a non-empty list of tensors, got {roots!r}")
+    seeds: list[tuple[Node, Any]] = []
+    for i, t in enumerate(roots):
+        if not isinstance(t, Tensor):
+            raise ConfigError(f"backward(): roots[{i}] is a {type(t).__name__}, not a Tensor")
+        edge = t.gradient_edge()
+        if edge is None:
+            raise ConfigError(f"backward(): roots[{i}] does not require grad")
+        if t.numel() != 1:
+            raise ConfigError(f"backward(): roots[{i}] has shape {t.shape}; roots must be scalars")
+        grads: list[Any] = [None] * edge[0].num_outputs
+        grads[edge[1]] = t.data.dtype.type(1) * _ones(t)
+        seeds.append((edge[0], grads))
+    key = (agent.rank, ctx.next_pass())
+    st = PassState(key, [node for node, _ in seeds], retain_graph)
+    with ctx.lock:
+        ctx.passes = {k: v for k, v in ctx.passes.items() if k[0] != agent.rank}
+        ctx.passes[key] = st
+    _, overlapping = st.analyse(ctx)
+    unreached = {s for s in overlapping if isinstance(s, DistSend) and not _ask(agent, ctx, st, s)}
+    task = st.task = _task(agent, ctx, st, unreached)
+    out: list[Future[Any]] = []
+    _execute(task, _merge(seeds), out)
+    for fut in out:
+        fut.wait()
+
+
+def _ones(t: Tensor) -> Any:
+    data = t.data
+    return np.ones_like(data) if isinstance(data, np.ndarray) else data * 0 + 1
+
+
+def _merge(seeds: list[tuple[Node, Any]]) -> list[tuple[Node, Any]]:
+    """One seed per node (two roots may be outputs of one node)."""
+    merged: dict[Node, list[Any]] = {}
+    for node, grads in seeds:
+        cur = merged.setdefault(node, [None] * node.num_outputs)
+        for i, g in enumerate(grads):
+            if g is not None:
+                cur[i] = g if cur[i] is None else cur[i] + g
+    return list(merged.items())
+
+
+def _ask(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:
+    """Blocking: whether ``send``'s receive function is reached in the pass."""
+    payload = [ctx.id, list(st.key), send.message_id]
+    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
+                     internal=True)  # fmt: skip
+    return bool(got.wait())
+
+
+# ------------------------------------------------------------------ handlers
+
+
+async def on_grads(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
+    """``autograd.grads``: ``[context id, pass key, message id, grads, retain]``."""
+    context_id, key_list, message_id, grads, retain = payload
+    key: Key = (int(key_list[0]), int(key_list[1]))
+    ext = _ext(agent)
+    ctx = ext.get(context_id, f"gradients from {src.name!r}")
+    st = await _ready(agent, ctx, key, bool(retain))
+    send = ctx.sends.get(message_id)
+    if send is None:
+        raise AutogradError(
+            f"worker {agent.name!r} has no send function for message {message_id} of context "
+            f"{context_id} (gradients from {src.name!r})"
+        )
+    assert st.task is not None
+    out: list[Future[Any]] = []
+    try:
+        seeds: list[tuple[Node, Any]] = [(send, grads)]
+        await agent.loop.run_in_executor(agent.executor, _execute, st.task, seeds, out)
+    except AutogradError as e:
+        raise AutogradError(f"backward on worker {agent.name!r} failed: {e}") from e
+    for fut in out:
+        await fut
+
+
+async def _ready(agent: Agent, ctx: DistContext, key: Key, retain: bool) -> PassState:
+    """The pass state with its task, set up by the first gradient message here."""
+    with ctx.lock:
+        st = ctx.passes.get(key)
+        if st is None:
+            st = ctx.passes[key] = PassState(key, (), retain)
+        if st.task is not None:  # the root's own pass (set up before it sent anything)
+            return st
+        first = st.ready is None
+        if first:
+            st.ready = agent.loop.create_future()
+    assert st.ready is not None
+    if not first:
+        await asyncio.shield(st.ready)
+        return st
+    try:
+        _, overlapping = await agent.loop.run_in_executor(agent.executor, st.analyse, ctx)
+        sends = [s for s in overlapping if isinstance(s, DistSend)]
+        answers = await asyncio.gather(*(_ask_async(agent, ctx, st, s) for s in sends))
+        unreached = {s for s, ok in zip(sends, answers) if not ok}
+        st.task = _task(agent, ctx, st, unreached)
+    except BaseException as e:
+        st.ready.set_exception(e)
+        st.ready.exception()  # retrieved: the first caller raises it
+        raise
+    st.ready.set_result(None)
+    return st
+
+
+async def _ask_async(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:
+    payload = [ctx.id, list(st.key), send.message_id]
+    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
+                     internal=True)  # fmt: skip
+    return bool(await got)
+
+
+async def on_reach(agent: Agent, src: WorkerInfo, payload: list[Any]) -> bool:
+    """``autograd.reach``: ``[context id, pass key, message id]`` -> whether this
+    worker's receive function for that message is reached in the pass."""
+    context_id, key_list, message_id = payload
+    key: Key = (int(key_list[0]), int(key_list[1]))
+    ctx = _ext(agent).get(context_id, f"a reachability question from {src.name!r}")
+    with ctx.lock:
+        st = ctx.passes.get(key)
+        if st is None:
+            st = ctx.passes[key] = PassState(key)
+        answer = st.answers.get(message_id)
+        if answer is None:
+            answer = st.answers[message_id] = agent.loop.create_future()
+            asking = True
+        else:
+            asking = False
+    if asking:
+        try:
+            answer.set_result(await _reached(agent, ctx, st, message_id))
+        except BaseException as e:
+            answer.set_exception(e)
+            answer.exception()
+            raise
+    return await asyncio.shield(answer)
+
+
+async def _reached(agent: Agent, ctx: DistContext, st: PassState, message_id: int) -> bool:
+    recv = ctx.recvs.get(message_id)
+    if recv is None:
+        return False
+    reached_from, _ = await agent.loop.run_in_executor(agent.executor, st.analyse, ctx)
+    starts = reached_from.get(recv, set())
+    if any(s in st.roots for s in starts):
+        return True
+    sends = [s for s in starts if isinstance(s, DistSend)]
+    answers = await asyncio.gather(*(_ask_async(agent, ctx, st, s) for s in sends))
+    return any(answers)

@@ -1,0 +1,176 @@
+"""Distributed autograd contexts: identities, send and receive functions, gradients.
+
+A context id and an autograd message id are 64-bit: the 16 high bits are the
+rank of the worker that made them, the 48 low bits a counter there, so they
+are unique across the job without coordination.
+
+A :class:`DistContext` lives on every worker that took part in a forward
+pass: it holds the :class:`DistSend` functions of tensors that left this
+worker and the :class:`DistRecv` functions of tensors that arrived, both
+keyed by message id, the gradients of this worker's leaves accumulated by
+backward passes, the workers it exchanged messages with (so that its
+release reaches them) and the state of backward passes (:mod:`._backward`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._errors import AutogradError, ConfigError
+from ..tensor import RecvFunction, SendFunction
+
+if TYPE_CHECKING:
+    from ..tensor import Tensor
+    from ._backward import PassState
+
+__all__ = [
+    "CURRENT",
+    "DistContext",
+    "DistRecv",
+    "DistSend",
+    "IdMaker",
+    "creator_of",
+]
+
+_COUNTER_BITS = 48
+_MAX_RANK = (1 << 16) - 1
+
+#: The context calls made from this thread or task travel in (its id).
+CURRENT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "rpcdist_autograd_context", default=None
+)
+
+
+def creator_of(context_id: int) -> int:
+    """The rank of the worker that made ``context_id`` (or a message id)."""
+    return context_id >> _COUNTER_BITS
+
+
+class IdMaker:
+    """Context and message ids of one worker (thread-safe)."""
+
+    def __init__(self, rank: int) -> None:
+        if not 0 <= rank <= _MAX_RANK:
+            raise ConfigError(
+                f"distributed autograd supports ranks 0..{_MAX_RANK}, this worker is rank {rank}"
+            )
+        self._base = rank << _COUNTER_BITS
+        self._counter = itertools.count(1)
+
+    def new(self) -> int:
+        return self._base | next(self._counter)  # next() on a count is atomic in CPython
+
+
+class DistSend(SendFunction):
+    """Tensors that left this worker in one message; their gradients come back to it.
+
+    Grows one output per tensor as the message is encoded.
+    """
+
+    __module__ = "rpcdist.autograd"
+    __slots__ = ("context_id", "message_id", "peer")
+
+    def __init__(self, context_id: int, message_id: int, peer: int) -> None:
+        super().__init__(())
+        self.context_id = context_id
+        self.message_id = message_id
+        self.peer = peer
+
+    def add(self, tensor: Tensor) -> int:
+        """Record one more sent tensor; its index in this message."""
+        self.next_edges = (*self.next_edges, tensor.gradient_edge())
+        self.num_outputs += 1
+        return self.num_outputs - 1
+
+    def name(self) -> str:
+        return f"SendFunction(message {self.message_id} to rank {self.peer})"
+
+
+class DistRecv(RecvFunction):
+    """The ``grad_fn`` of tensors that arrived in one message.
+
+    Backward hands its gradients to the pass, which sends them to ``peer``.
+    """
+
+    __module__ = "rpcdist.autograd"
+    __slots__ = ("context_id", "message_id", "peer")
+
+    def __init__(self, context_id: int, message_id: int, peer: int) -> None:
+        super().__init__(0)
+        self.context_id = context_id
+        self.message_id = message_id
+        self.peer = peer
+
+    def grow(self, index: int) -> None:
+        """Make room for output ``index`` (tensors are decoded one at a time)."""
+        if index >= self.num_outputs:
+            self.num_outputs = index + 1
+
+    def name(self) -> str:
+        return f"RecvFunction(message {self.message_id} from rank {self.peer})"
+
+
+class DistContext:
+    """One distributed autograd context on one worker (see the module docstring)."""
+
+    def __init__(self, context_id: int, me: int) -> None:
+        self.id = context_id
+        self.creator = creator_of(context_id)
+        self.me = me
+        self.lock = threading.Lock()
+        self.sends: dict[int, DistSend] = {}
+        self.recvs: dict[int, DistRecv] = {}
+        #: Leaf gradients of backward passes, keyed by the leaf tensor.
+        self.grads: dict[Tensor, Any] = {}
+        #: Workers this context exchanged messages with (its release reaches them).
+        self.known: set[int] = set()
+        #: Backward passes, by ``(root rank, pass number)``.
+        self.passes: dict[tuple[int, int], PassState] = {}
+        self._pass_numbers = itertools.count(1)
+        #: Set once a pass ran without ``retain_graph``: the graph is freed.
+        self.freed_by: str | None = None
+        self.released = False
+        #: When its creator was found lost (``time.monotonic()``), for the lease.
+        self.orphaned_at: float | None = None
+
+    def next_pass(self) -> int:
+        return next(self._pass_numbers)
+
+    def send_for(self, message_id: int, peer: int) -> DistSend:
+        with self.lock:
+            self.known.add(peer)
+            fn = self.sends.get(message_id)
+            if fn is None:
+                fn = self.sends[message_id] = DistSend(self.id, message_id, peer)
+            return fn
+
+    def recv_for(self, message_id: int, peer: int) -> DistRecv:
+        with self.lock:
+            self.known.add(peer)
+            fn = self.recvs.get(message_id)
+            if fn is None:
+                fn = self.recvs[message_id] = DistRecv(self.id, message_id, peer)
+            return fn
+
+    def touch(self, peer: int) -> None:
+        with self.lock:
+            self.known.add(peer)
+
+    def check_usable(self, what: str) -> None:
+        """Raises: AutogradError: the context was released."""
+        if self.released:
+            raise AutogradError(f"{what}: distributed autograd context {self.id} was released")
+
+    def orphan(self) -> None:
+        if self.orphaned_at is None:
+            self.orphaned_at = time.monotonic()
+
+    def __repr__(self) -> str:
+        return (
+            f"<DistContext {self.id} creator={self.creator} sends={len(self.sends)} "
+            f"recvs={len(self.recvs)} known={sorted(self.known)}>"
+        )

@@ -1,0 +1,283 @@
+"""Distributed autograd on one agent: its contexts, what it plugs into the agent,
+and their release.
+
+Installed on every agent when it is made (a built-in extension), because any
+worker may receive a call made inside a context:
+
+* a **metadata source** puts ``{"ad": context id}`` on every call and reply
+  made inside a context (even with no tensor that requires grad: a parameter
+  server's reply may carry one);
+* a **handler scope** makes that context current around the handler of a
+  call that carries it (made here on first sight), so nested calls and the
+  reply carry it too;
+* **internal methods**: ``autograd.grads`` (gradients for a send function),
+  ``autograd.reach`` (is a receive function reached in a pass?),
+  ``autograd.release`` (free a context) and ``autograd.rref_backward``.
+
+Leaving ``with context()`` releases the context here and sends
+``autograd.release`` to every worker it exchanged messages with; each frees
+its copy and passes the release on to the workers *it* knows, each message
+retried until acknowledged. A context whose creator is lost is freed after
+``lease`` seconds (PyTorch leaks these: pytorch/pytorch#26379).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .._errors import AutogradError, RpcdistError
+from .._rpc._registry import BaseExtension, CallInfo
+from .._worker import WorkerInfo
+from . import _backward
+from ._codec import register_tensor_codec
+from ._context import CURRENT, DistContext, IdMaker
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
+
+__all__ = [
+    "GRADS",
+    "REACH",
+    "RELEASE",
+    "RREF_BACKWARD",
+    "AutogradExtension",
+    "ext",
+    "install",
+]
+
+_log = logging.getLogger(__name__)
+
+GRADS = "autograd.grads"
+REACH = "autograd.reach"
+RELEASE = "autograd.release"
+RREF_BACKWARD = "autograd.rref_backward"
+#: Seconds a context outlives the loss of its creator (lets failing passes end).
+LEASE = 5.0
+
+
+class AutogradExtension(BaseExtension):
+    """One agent's distributed autograd contexts (see the module docstring)."""
+
+    name = "autograd"
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.ids = IdMaker(agent.rank)
+        self.lease = LEASE
+        self._lock = threading.Lock()
+        self._contexts: dict[int, DistContext] = {}
+        self._releases: set[asyncio.Task[None]] = set()
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self.released = 0
+
+    # ------------------------------------------------------------ contexts
+
+    def new_context(self) -> DistContext:
+        ctx = DistContext(self.ids.new(), self.agent.rank)
+        with self._lock:
+            self._contexts[ctx.id] = ctx
+        return ctx
+
+    def context(self, context_id: int) -> DistContext:
+        """Context ``context_id``, made here on first sight (any thread)."""
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(context_id)
+                if ctx is None:
+                    ctx = self._contexts[context_id] = DistContext(context_id, self.agent.rank)
+        return ctx
+
+    def get(self, context_id: int, what: str) -> DistContext:
+        """Raises: AutogradError: no such context on this worker."""
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise AutogradError(
+                f"{what}: distributed autograd context {context_id} does not exist on worker "
+                f"{self.agent.name!r} (never made here, or already released)"
+            )
+        return ctx
+
+    def forget_send(self, context_id: int, message_id: int) -> None:
+        """A message recorded in a send function was never sent (undo)."""
+        ctx = self._contexts.get(context_id)
+        if ctx is not None:
+            with ctx.lock:
+                ctx.sends.pop(message_id, None)
+
+    # --------------------------------------------- what the agent calls
+
+    def scope(self, call: CallInfo) -> contextlib.AbstractContextManager[None] | None:
+        meta = call.meta
+        if not meta:
+            return None
+        context_id = meta.get("ad")
+        if not isinstance(context_id, int):
+            return None
+        self.context(context_id).touch(call.peer.id)
+        return _bound(context_id)
+
+    def source(self) -> dict[str, object] | None:
+        context_id = CURRENT.get()
+        if context_id is None:
+            return None
+        return {"ad": context_id}
+
+    # ------------------------------------------------------------- release
+
+    def release(self, context_id: int, src: int | None = None) -> None:
+        """Free ``context_id`` here and tell the workers it knows (any thread)."""
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            return
+        ctx.released = True
+        self.released += 1
+        peers = sorted(ctx.known - {self.agent.rank, src if src is not None else -1})
+        _clear(ctx)
+        if not peers or self.agent.closed:
+            return
+        try:
+            self.agent.loop.call_soon_threadsafe(self._send_releases, context_id, peers)
+        except RuntimeError:  # the loop is gone: the agent shut down
+            pass
+
+    def _send_releases(self, context_id: int, peers: list[int]) -> None:
+        for peer in peers:
+            task = self.agent.loop.create_task(self._send_release(context_id, peer))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _send_release(self, context_id: int, peer: int) -> None:
+        try:
+            await self.agent.send_control(peer, RELEASE, context_id)
+        except RpcdistError as e:  # it is gone: its copy went with it
+            _log.debug("releasing context %d on rank %d: %s", context_id, peer, e)
+
+    def peer_lost(self, rank: int) -> None:
+        """Worker ``rank`` is gone: its contexts here are freed after the lease."""
+        orphans = [c for c in list(self._contexts.values()) if c.creator == rank]
+        for ctx in orphans:
+            ctx.orphan()
+        if orphans and self._lease_timer is None and not self.agent.closed:
+            try:
+                self.agent.loop.call_soon_threadsafe(self._arm_lease)
+            except RuntimeError:
+                pass
+
+    def _arm_lease(self) -> None:
+        if self._lease_timer is None:
+            self._lease_timer = self.agent.loop.call_later(self.lease / 4, self._expire_leases)
+
+    def _expire_leases(self) -> None:
+        self._lease_timer = None
+        now = time.monotonic()
+        waiting = False
+        for ctx in list(self._contexts.values()):
+            if ctx.orphaned_at is None:
+                continue
+            if now - ctx.orphaned_at >= self.lease:
+                _log.info("freeing autograd context %d: its creator was lost", ctx.id)
+                self.release(ctx.id, src=ctx.creator)
+            else:
+                waiting = True
+        if waiting:
+            self._arm_lease()
+
+    # ---------------------------------------------------------- extension
+
+    def statistics(self) -> Mapping[str, int]:
+        return {
+            "autograd_contexts": len(self._contexts),
+            "autograd_released": self.released,
+            "autograd_releases_inflight": len(self._releases),
+        }
+
+    async def drain(self) -> None:
+        """Graceful shutdown: let releases already sent be acknowledged."""
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+    def close(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        with self._lock:
+            contexts, self._contexts = list(self._contexts.values()), {}
+        for ctx in contexts:
+            ctx.released = True
+            _clear(ctx)
+
+    def contexts(self) -> int:
+        return len(self._contexts)
+
+
+def _clear(ctx: DistContext) -> None:
+    with ctx.lock:
+        ctx.sends.clear()
+        ctx.recvs.clear()
+        ctx.grads.clear()
+        ctx.passes.clear()
+
+
+@contextlib.contextmanager
+def _bound(context_id: int) -> Iterator[None]:
+    token = CURRENT.set(context_id)
+    try:
+        yield
+    finally:
+        CURRENT.reset(token)
+
+
+# ----------------------------------------------------------------- handlers
+
+
+async def _on_release(agent: Agent, src: WorkerInfo, context_id: int) -> None:
+    ext(agent).release(context_id, src=src.id)
+
+
+async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
+    rref, context_id, retain_graph = payload
+    loss = rref.local_value()
+    token = CURRENT.set(context_id)
+    try:
+        await agent.loop.run_in_executor(
+            agent.executor, _backward.backward_blocking, agent, context_id, [loss], retain_graph
+        )
+    finally:
+        CURRENT.reset(token)
+
+
+def ext(agent: Agent) -> AutogradExtension:
+    """The distributed autograd extension of ``agent``.
+
+    Raises:
+        AutogradError: the agent has none (made without built-in extensions).
+    """
+    found = agent.registry.extensions.get("autograd")
+    if not isinstance(found, AutogradExtension):
+        raise AutogradError(f"the rpcdist agent {agent.name!r} has no distributed autograd")
+    return found
+
+
+def install(agent: Agent) -> AutogradExtension:
+    """Give ``agent`` distributed autograd (a built-in extension, see ``_rpc._registry``)."""
+    register_tensor_codec()
+
+    def make() -> AutogradExtension:
+        e = AutogradExtension(agent)
+        registry = agent.registry
+        registry.add_handler(GRADS, _backward.on_grads)
+        registry.add_handler(REACH, _backward.on_reach)
+        registry.add_handler(RELEASE, _on_release)
+        registry.add_handler(RREF_BACKWARD, _on_rref_backward)
+        registry.add_scope(e.scope)
+        registry.add_source(e.source)
+        return e
+
+    return agent.extension("autograd", make)
