@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import CHILD
+from launch_util import CHILD
 
 from rpcdist import ConfigError
 from rpcdist.launch import LaunchConfig, child_env, main, parse_args

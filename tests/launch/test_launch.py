@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import CHILD, SCRIPTS, TRAIN, alive, read_pid, read_starts, running, train_module
+from launch_util import CHILD, SCRIPTS, TRAIN, alive, read_pid, read_starts, running, train_module
 
 import rpcdist
 
