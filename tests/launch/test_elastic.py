@@ -9,6 +9,8 @@ change the membership while the job is certainly running.
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 from launch_util import TRAIN, node_args, read_json, read_starts, running, train_module
@@ -69,3 +71,32 @@ def test_too_few_nodes_within_the_rendezvous_timeout_exit_1(tmp_path, launchers,
     rc, out = launchers.run(*_elastic(port, tmp_path, ("--rdzv-timeout", "0.5")))
     assert rc == 1, out
     assert "only 1 of the 2 node(s) needed joined within --rdzv-timeout 0.5 s" in out
+
+
+def test_a_signalled_node_stops_its_worker_and_leaves_the_others_to_go_on(
+    tmp_path, launchers, port
+):
+    argv = _elastic(port, tmp_path, ("--rdzv-last-call", "30"), hold="2:2")
+    nodes = [launchers.start(*argv) for _ in range(3)]
+    holder = read_json(tmp_path / "holding.json")
+    leaver = next(p for p in nodes if p.pid == holder["launcher"])
+    leaver.send_signal(signal.SIGTERM)
+    rc, out = launchers.finish(leaver)
+    assert rc == 128 + signal.SIGTERM, out
+    assert not running(holder["pid"])  # stopped and reaped before its launcher left
+    outs = [launchers.finish(p) for p in nodes if p is not leaver]
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    assert all("received signal 15 and left" in out for _, out in outs)
+    assert [s[:2] for s in read_starts(tmp_path)][3:] == [(1, 2), (1, 2)]
+
+
+def test_when_node_0_is_lost_the_others_stop_their_workers_and_exit_1(tmp_path, launchers, port):
+    argv = _elastic(port, tmp_path, ("--rdzv-last-call", "30"), hold="0:2")
+    nodes = [launchers.start(*argv) for _ in range(3)]
+    holder = read_json(tmp_path / "holding.json")  # rank 0: on the node serving the store
+    host = next(p for p in nodes if p.pid == holder["launcher"])
+    host.kill()
+    host.wait(timeout=30)
+    outs = [launchers.finish(p) for p in nodes if p is not host]
+    assert [rc for rc, _ in outs] == [1, 1], outs
+    assert all("no answer from the launchers' store" in out for _, out in outs)
