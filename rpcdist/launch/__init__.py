@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 
 from .._errors import ConfigError, ConnectError, RpcdistError
@@ -84,7 +85,26 @@ def launch(config: LaunchConfig) -> int:
         ConnectError: the launchers' store can be neither served nor reached.
         OSError: a child could not be started.
     """
-    return asyncio.run(run_node(config))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # the usual case: no event loop runs in this thread
+        return asyncio.run(run_node(config))
+    # Called from a coroutine (a notebook, say): run in a thread of its own.
+    result: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(asyncio.run(run_node(config)))
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="rpcdist-launch")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

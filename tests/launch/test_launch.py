@@ -7,6 +7,7 @@ whatever is left and fails the test if any process it started survived.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from launch_util import CHILD, SCRIPTS, TRAIN, alive, read_pid, read_starts, running, train_module
 
 import rpcdist
+from rpcdist.launch import launch, parse_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
@@ -143,3 +145,12 @@ def test_rpc_ring_job_through_env_rendezvous(launchers):
     assert rc == 0, out
     for r in range(3):
         assert f"RING worker{r} -> worker{(r + 1) % 3} value={100 * r + 1} world=3" in out
+
+
+def test_launch_called_from_a_coroutine_runs_in_a_thread_of_its_own(capfd):
+    async def from_a_notebook() -> int:
+        return launch(parse_args(["--nproc-per-node", "2", "-m", "platform"], env={}))
+
+    assert asyncio.run(from_a_notebook()) == 0
+    out = capfd.readouterr().out
+    assert out.count("[rank 0] ") == out.count("[rank 1] ") == 1
