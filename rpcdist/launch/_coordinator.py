@@ -164,7 +164,8 @@ class Coordinator:
         keys = [rec.done_key(number, s) for s in members]
         finished = asyncio.create_task(self.store.wait(keys))
         woken = asyncio.create_task(self._wake.wait())  # shutdown() wakes it
-        pending: set[asyncio.Task[object]] = {ended, finished, woken}  # type: ignore[arg-type]
+        arrival = asyncio.create_task(self._arrival())
+        pending: set[asyncio.Task[object]] = {ended, finished, woken, arrival}  # type: ignore[arg-type]
         try:
             while not ended.done():
                 await asyncio.wait(
@@ -184,12 +185,17 @@ class Coordinator:
                 else:
                     await self._refresh()
                     end = self._membership_change(number, members)
+                    if arrival.done():  # wait for the next one from now on
+                        pending.discard(arrival)  # type: ignore[arg-type]
+                        if arrival.exception() is None:
+                            arrival = asyncio.create_task(self._arrival())
+                            pending.add(arrival)  # type: ignore[arg-type]
                 if end is not None:
                     await self.store.compare_set(rec.end_key(number), b"", rec.encode(end))
             ending: rec.End = rec.decode(rec.End, ended.result(), rec.end_key(number))
             return ending
         finally:
-            for task in (ended, finished, woken):
+            for task in (ended, finished, woken, arrival):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, RpcdistError):
                     await task
@@ -235,10 +241,23 @@ class Coordinator:
         node.outbox += 1
 
     async def _pause(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.policy.interval):
-                await self._wake.wait()
+        """Sleep one interval, or less: until shutdown() or a launcher registers."""
+        woken = asyncio.create_task(self._wake.wait())
+        arrival = asyncio.create_task(self._arrival())
+        try:
+            await asyncio.wait(
+                {woken, arrival}, timeout=self.policy.interval, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (woken, arrival):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RpcdistError):
+                    await task
         self._wake.clear()
+
+    async def _arrival(self) -> None:
+        """Return once the next launcher has registered (waits on the store)."""
+        await self.store.get(rec.node_key(len(self._nodes) + 1))
 
     # -- membership ----------------------------------------------------------
 
