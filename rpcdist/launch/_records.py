@@ -37,6 +37,7 @@ __all__ = [
     "bye_key",
     "decode",
     "done_key",
+    "encode",
     "end_key",
     "heartbeat_key",
     "inbox_key",

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from rpcdist import ProtocolError
 from rpcdist.launch import _records as rec
 from rpcdist.launch._coordinator import Coordinator, RoundPolicy
 from rpcdist.launch._rendezvous import MemoryStore, NodeSession
@@ -103,7 +104,7 @@ def test_order_members_puts_node_0_first_then_the_previous_order_then_newcomers(
 def test_records_round_trip_and_garbage_is_a_protocol_error():
     end = rec.End("membership", "lost", 1, lost=[3])
     assert rec.decode(rec.End, rec.encode(end), "k") == end
-    with pytest.raises(rec.ProtocolError, match="'k' holds b'nope'"):
+    with pytest.raises(ProtocolError, match="'k' holds b'nope'"):
         rec.decode(rec.End, b"nope", "k")
 
 
