@@ -219,7 +219,13 @@ async def join(config: LaunchConfig) -> AsyncIterator[Membership]:
                 server = None
     client = StoreClient(address, token=config.token, timeout=config.node_timeout)
     try:
-        await client.connect(timeout=config.rdzv_timeout)
+        try:
+            await client.connect(timeout=config.rdzv_timeout)
+        except ConnectError as exc:
+            raise ConnectError(
+                f"cannot join the launchers' rendezvous at {address}: {exc}; every launcher "
+                "of a job needs the same --master-addr, --master-port and --token"
+            ) from exc
         session = NodeSession(
             client,
             f"the launchers' store at {address}",

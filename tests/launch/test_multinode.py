@@ -109,3 +109,14 @@ def test_duplicate_node_rank_is_refused_and_a_signal_to_node_0_ends_the_job(
     assert [rc for rc, _ in outs] == [128 + signal.SIGTERM] * 2, outs
     assert "received signal 15" in outs[1][1]  # node 1 was told why
     assert not any(alive(p) for p in pids)
+
+
+def test_a_launcher_without_the_secret_cannot_join(tmp_path, launchers, port):
+    job = [CHILD, "env", str(tmp_path)]
+    base = ["--nproc-per-node", "1", "--nnodes", "2", "--master-port", str(port)]
+    node0 = launchers.start(*base, "--node-rank", "0", "--token", "right", *job)
+    rc, out = launchers.run(*base, "--node-rank", "1", "--token", "wrong", *job)
+    assert rc == 1, out
+    assert "rejected this process's token" in out and "the same --master-addr" in out
+    assert launchers.run(*base, "--node-rank", "1", "--token", "right", *job)[0] == 0
+    assert launchers.finish(node0)[0] == 0
