@@ -34,6 +34,7 @@ from .._errors import (
     RpcTimeoutError,
     SerializationError,
     TransportError,
+    WorkerLostError,
 )
 from .._futures import Future
 from .._loop import LoopThread
@@ -511,6 +512,16 @@ class Agent:
         """The link to ``dst`` ended: fail what waits on it (on the loop)."""
         self.calls.fail_peer(dst, exc)
         self.mailbox.fail_all(dst, type(exc)(str(exc)))
+        if isinstance(exc, WorkerLostError) and not self.closed:
+            self.peer_lost(dst)
+
+    def peer_lost(self, rank: int) -> None:
+        """Worker ``rank`` is gone (a link with it broke): tell the extensions (on the loop)."""
+        for ext in list(self.registry.extensions.values()):
+            try:
+                ext.peer_lost(rank)
+            except Exception:
+                _shutdown.log.exception("extension %r on the loss of rank %d", ext.name, rank)
 
     def _no_calls(self) -> bool:
         return not len(self.calls) and not self.sync.inflight

@@ -150,6 +150,10 @@ class Links:
         self._in.add(link)
         try:
             await link.run()
+        except WorkerLostError:  # broken, not closed: the peer (or its host) is gone
+            if not agent.closed:
+                agent.peer_lost(rank)
+            raise
         finally:
             link.closed = link.closed or WorkerLostError(f"stream from {link.label} ended")
             self._in.discard(link)

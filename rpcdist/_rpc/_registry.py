@@ -108,6 +108,9 @@ class Extension(Protocol):
     def close(self) -> None:
         """The agent closed, gracefully or not (any thread)."""
 
+    def peer_lost(self, rank: int) -> None:
+        """A link with worker ``rank`` broke (it died, or its host did; on the loop)."""
+
 
 class BaseExtension:
     """An :class:`Extension` with nothing to count, drain, check or close."""
@@ -124,6 +127,9 @@ class BaseExtension:
         return None
 
     def close(self) -> None:
+        return None
+
+    def peer_lost(self, rank: int) -> None:
         return None
 
 
