@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
-
-import msgpack
 
 from .._deadline import UNSET, Unset, current_deadline, deadline_for
 from .._errors import (
@@ -46,7 +43,7 @@ from .._transport import Link
 from .._transport._frames import CALL, ERROR_REPLY, INTERNAL, P2P, REPLY, InMessage, OutMessage
 from .._transport._frames import Meta as Meta
 from .._worker import WorkerInfo, check_worker_name
-from . import _dispatch, _shutdown
+from . import _dispatch, _join, _shutdown
 from ._activity import Activity
 from ._calls import Calls
 from ._context import WireContext
@@ -68,15 +65,6 @@ class _Auto:
 
 #: ``meta=AUTO``: ask the registry's metadata sources (user-facing calls).
 AUTO: Final = _Auto()
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class Agent:
@@ -159,45 +147,15 @@ class Agent:
 
     async def _start(self) -> None:
         self.calls.start()
-        timeout = self.options.init_timeout
         self._store, self._store_server = await open_store(
-            self._spec, token=self.options.token, timeout=timeout
+            self._spec, token=self.options.token, timeout=self.options.init_timeout
         )
-        published = await self.links.serve()
-        me = {
-            "name": self.name,
-            "rank": self.rank,
-            "host": _host_id(),
-            "transport": self.links.transport.name,
-            "link": published,
-        }
-        await self._store.set(f"rpc/worker/{self.rank}", msgpack.packb(me))
-        entries = await asyncio.gather(
-            *(self._store.get(f"rpc/worker/{r}", timeout) for r in range(self.world_size))
-        )
-        infos = [msgpack.unpackb(e) for e in entries]
+        infos = await _join.join(self, await self.links.serve())
         self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
         self._by_name = {w.name: w for w in self.workers}
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
-        # After this barrier every worker has its table (so may be called) and
-        # has read every entry (so rank 0 may stop the store on failure).
-        await self._store.barrier("rpc/init", self.world_size, timeout)
-        seen: dict[str, int] = {}
-        for info in infos:
-            if info["name"] in seen:
-                raise ConfigError(
-                    f"worker name {info['name']!r} is used by both rank {seen[info['name']]} "
-                    f"and rank {info['rank']}: names must be unique"
-                )
-            seen[info["name"]] = info["rank"]
-        mine = self.links.transport.name
-        other = next((i for i in infos if i.get("transport") != mine), None)
-        if other is not None:
-            raise ConfigError(
-                f"worker {other['name']!r} uses transport {other.get('transport')!r} but "
-                f"{self.name!r} uses {mine!r}: every worker needs the same RpcOptions.transport"
-            )
+        await _join.check(self, infos)
 
     async def rename(self, name: str, timeout: float) -> None:
         """Change this worker's name, collectively (every worker calls it).
@@ -207,15 +165,7 @@ class Agent:
         Raises:
             ConfigError: duplicate names after the change.
         """
-        check_worker_name(name)
-        await self._store.set(f"rpc/name/{self.rank}", name.encode())
-        got = await asyncio.gather(
-            *(self._store.get(f"rpc/name/{r}", timeout) for r in range(self.world_size))
-        )
-        names = [g.decode() for g in got]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ConfigError(f"worker name {dup!r} is used more than once: names must be unique")
+        names = await _join.agree_names(self, check_worker_name(name), timeout)
         self.name = name
         rename = getattr(self.links.transport, "rename", None)
         if rename is not None:

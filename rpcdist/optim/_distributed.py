@@ -1,0 +1,230 @@
+"""``DistributedOptimizer``: one local optimizer per parameter owner, stepped
+with a distributed autograd context's gradients where the parameters live.
+
+Each owner gets, once, a local optimizer over its parameters (made at
+construction, so a bad option fails there, at the caller, with the owner's
+error type). ``step(context_id)`` asks every owner at once to step with that
+context's gradients (``rpcdist.autograd.get_gradients`` there), each under a
+lock of its own; there is no order across owners, so several trainers may
+step one server concurrently (Hogwild). The optimizer's hyperparameters live
+here in ``param_groups`` (one group, as PyTorch's), so a learning-rate
+scheduler can drive them: changes travel with the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._errors import AutogradError, ConfigError
+from .._futures import Future
+from .._rpc._api import rpc_async
+from .._rpc._context import current_agent
+from .._rref._rref import RRef
+from .._serialization import resolve_function
+from .._worker import WorkerInfo
+from ..autograd import get_gradients
+from ..tensor import Tensor
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _Local:
+    """An owner's optimizer over its parameters, with a lock."""
+
+    def __init__(self, optimizer: Any, params: list[Tensor]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+        self.lock = threading.Lock()
+
+
+def _new_local(cls_name: str, rrefs: list[RRef[Tensor]], defaults: dict[str, Any]) -> RRef[_Local]:
+    params = [r.local_value() for r in rrefs]
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise ConfigError(f"DistributedOptimizer: params_rref[{i}] names a {type(p).__name__}")
+    optimizer = resolve_function(cls_name)(params, **defaults)
+    return RRef(_Local(optimizer, params))
+
+
+def _grads(context_id: int) -> Mapping[Tensor, Any]:
+    try:
+        return get_gradients(context_id)
+    except AutogradError:  # this owner took no part in the context: nothing to step with
+        return {}
+
+
+def _step(local: RRef[_Local], context_id: int, hyper: dict[str, Any] | None,
+          scale: float | None) -> None:  # fmt: skip
+    opt = local.local_value()
+    grads = _grads(context_id)
+    with opt.lock:
+        if hyper:
+            for group in opt.optimizer.param_groups:
+                group.update(hyper)
+        if scale is not None:
+            grads = {p: g * scale for p, g in grads.items()}
+        opt.optimizer.step(grads=grads)
+
+
+def _square_norm(local: RRef[_Local], context_id: int) -> float:
+    opt = local.local_value()
+    grads = _grads(context_id)
+    total = 0.0
+    for p in opt.params:
+        g = grads.get(p)
+        if g is not None:
+            total += float((g * g).sum())
+    return total
+
+
+def _state_dict(local: RRef[_Local]) -> dict[str, Any]:
+    opt = local.local_value()
+    with opt.lock:
+        sd: dict[str, Any] = opt.optimizer.state_dict()
+    return sd
+
+
+def _load_state_dict(local: RRef[_Local], state: dict[str, Any]) -> None:
+    opt = local.local_value()
+    with opt.lock:
+        opt.optimizer.load_state_dict(state)
+
+
+def _wait_all(futures: list[Future[Any]]) -> list[Any]:
+    """Every result; the first error (with its remote traceback) after all finished."""
+    results: list[Any] = []
+    first: BaseException | None = None
+    for fut in futures:
+        try:
+            results.append(fut.wait())
+        except BaseException as e:
+            first = first or e
+            results.append(None)
+    if first is not None:
+        raise first
+    return results
+
+
+class DistributedOptimizer:
+    """Steps parameters held on many workers, each where it lives.
+
+    Args:
+        optimizer_class: A local optimizer class (``rpcdist.optim.SGD``,
+            ``Adam``, ...), sent to the owners by name.
+        params_rref: RRefs to the parameters (``rpcdist.tensor.Tensor``),
+            e.g. from ``RemoteModule.remote_parameters()``.
+        **defaults: The optimizer's options (``lr=0.05``, ``momentum=0.9``).
+
+    Raises:
+        ConfigError: no parameters, or an option the owner's optimizer rejects.
+        Exception: what constructing an optimizer raised on an owner.
+    """
+
+    __module__ = "rpcdist.optim"
+
+    def __init__(self, optimizer_class: type, params_rref: Iterable[RRef[Tensor]],
+                 **defaults: Any) -> None:  # fmt: skip
+        agent = current_agent()
+        rrefs = list(params_rref)
+        if not rrefs:
+            raise ConfigError("DistributedOptimizer: got an empty list of parameter RRefs")
+        by_owner: dict[WorkerInfo, list[RRef[Tensor]]] = {}
+        for i, r in enumerate(rrefs):
+            if not isinstance(r, RRef):
+                raise ConfigError(
+                    f"DistributedOptimizer: params_rref[{i}] is a {type(r).__name__}, not an RRef"
+                )
+            by_owner.setdefault(r.owner(), []).append(r)
+        name = agent.function_name(optimizer_class)
+        futs = [rpc_async(w, _new_local, args=(name, rs, defaults)) for w, rs in by_owner.items()]
+        self._owners: list[WorkerInfo] = list(by_owner)
+        self._locals: list[RRef[_Local]] = _wait_all(futs)
+        self._class_name = name
+        #: One group of hyperparameters (no ``"params"``: they live on the owners).
+        self.param_groups: list[dict[str, Any]] = [dict(defaults)]
+        self._sent = dict(defaults)
+        self._scale: dict[int, float] = {}
+
+    def _changed(self) -> dict[str, Any] | None:
+        group = self.param_groups[0]
+        changed = {k: v for k, v in group.items() if self._sent.get(k) != v}
+        if not changed:
+            return None
+        self._sent.update(changed)
+        return changed
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with context ``context_id``'s gradients.
+
+        Owners step concurrently; the call returns when all have.
+
+        Raises:
+            Exception: the first error an owner raised (with ``remote_traceback``).
+        """
+        hyper = self._changed()
+        scale = self._scale.pop(context_id, None)
+        _wait_all([rpc_async(w, _step, args=(opt, context_id, hyper, scale))
+                   for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+
+    def clip_grad_norm_(self, context_id: int, max_norm: float) -> float:
+        """Clip context ``context_id``'s gradients to a total 2-norm of ``max_norm``.
+
+        One round to the owners gathers their norms; the scaling is applied
+        by every owner at the next :meth:`step` of this context (the
+        gradients in the context are left as they are).
+
+        Returns:
+            The total norm before clipping.
+
+        Raises:
+            ConfigError: ``max_norm`` is not a positive number.
+        """
+        if not isinstance(max_norm, int | float) or max_norm <= 0:
+            raise ConfigError(f"clip_grad_norm_: max_norm must be positive, got {max_norm!r}")
+        squares = _wait_all([rpc_async(w, _square_norm, args=(opt, context_id))
+                             for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+        total = math.sqrt(sum(squares))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            self._scale[context_id] = coef
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every owner's optimizer state, gathered here (for ``rpcdist.save``)."""
+        states = _wait_all([rpc_async(w, _state_dict, args=(opt,))
+                            for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+        return {
+            "optimizer": self._class_name,
+            "owners": [w.name for w in self._owners],
+            "states": states,
+            "param_groups": [dict(g) for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Scatter a :meth:`state_dict` back to the owners.
+
+        Raises:
+            ConfigError: it was saved for other owners or another optimizer.
+        """
+        owners = [w.name for w in self._owners]
+        if list(state_dict.get("owners", ())) != owners:
+            raise ConfigError(
+                f"DistributedOptimizer.load_state_dict: saved for owners "
+                f"{list(state_dict.get('owners', ()))}, these are {owners}"
+            )
+        if state_dict.get("optimizer") != self._class_name:
+            raise ConfigError(
+                f"DistributedOptimizer.load_state_dict: saved for {state_dict.get('optimizer')}, "
+                f"this one is {self._class_name}"
+            )
+        _wait_all([rpc_async(w, _load_state_dict, args=(opt, st))
+                   for w, opt, st in zip(self._owners, self._locals, state_dict["states"])])  # fmt: skip
+        self.param_groups = [dict(g) for g in state_dict["param_groups"]]
+        self._sent = {}  # send every hyperparameter with the next step
+
+    def __repr__(self) -> str:
+        owners = ", ".join(w.name for w in self._owners)
+        return f"DistributedOptimizer({self._class_name}, owners=[{owners}])"
