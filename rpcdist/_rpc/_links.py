@@ -150,13 +150,13 @@ class Links:
         self._in.add(link)
         try:
             await link.run()
-        except WorkerLostError:  # broken, not closed: the peer (or its host) is gone
-            if not agent.closed:
-                agent.peer_lost(rank)
-            raise
         finally:
             link.closed = link.closed or WorkerLostError(f"stream from {link.label} ended")
             self._in.discard(link)
+            # A killed process's sockets close cleanly too: any end of a peer's
+            # link (while we run) means it is gone or going.
+            if not agent.closed:
+                agent.peer_lost(rank)
 
     def adopt_late(self, link: Link) -> None:
         """On the loop: serve a thread-driven link whose call timed out.

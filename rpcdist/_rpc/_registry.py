@@ -109,7 +109,9 @@ class Extension(Protocol):
         """The agent closed, gracefully or not (any thread)."""
 
     def peer_lost(self, rank: int) -> None:
-        """A link with worker ``rank`` broke (it died, or its host did; on the loop)."""
+        """A link with worker ``rank`` ended while this agent runs: it shut
+        down, died or its host did (a killed process's sockets close cleanly,
+        so these look alike). On the loop."""
 
 
 class BaseExtension:

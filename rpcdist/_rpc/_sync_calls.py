@@ -340,6 +340,12 @@ class SyncCalls:
                 del self._served[link]
                 self._served_per_peer[link.peer_rank] -= 1
             link.close_threaded()
+            agent = self._agent
+            if not agent.closed:  # as for any link a peer ended (see Links._accept)
+                try:
+                    agent.loop.call_soon_threadsafe(agent.peer_lost, link.peer_rank)
+                except RuntimeError:  # the loop is gone
+                    pass
 
     def _run(self, link: Any, m: InMessage) -> None:
         """Handle one call on the serving thread: a plain function runs right

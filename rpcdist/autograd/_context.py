@@ -159,6 +159,8 @@ class DistContext:
     def touch(self, peer: int) -> None:
         with self.lock:
             self.known.add(peer)
+            if peer == self.creator:
+                self.orphaned_at = None  # the creator is back: no lease
 
     def check_usable(self, what: str) -> None:
         """Raises: AutogradError: the context was released."""

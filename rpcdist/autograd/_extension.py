@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRADS",
+    "PING",
     "REACH",
     "RELEASE",
     "RREF_BACKWARD",
@@ -57,6 +58,7 @@ GRADS = "autograd.grads"
 REACH = "autograd.reach"
 RELEASE = "autograd.release"
 RREF_BACKWARD = "autograd.rref_backward"
+PING = "autograd.ping"
 #: Seconds a context outlives the loss of its creator (lets failing passes end).
 LEASE = 5.0
 
@@ -178,17 +180,37 @@ class AutogradExtension(BaseExtension):
     def _expire_leases(self) -> None:
         self._lease_timer = None
         now = time.monotonic()
+        due: dict[int, list[DistContext]] = {}
         waiting = False
         for ctx in list(self._contexts.values()):
             if ctx.orphaned_at is None:
                 continue
             if now - ctx.orphaned_at >= self.lease:
-                _log.info("freeing autograd context %d: its creator was lost", ctx.id)
-                self.release(ctx.id, src=ctx.creator)
+                due.setdefault(ctx.creator, []).append(ctx)
             else:
                 waiting = True
+        for creator, contexts in due.items():
+            task = self.agent.loop.create_task(self._free_if_gone(creator, contexts))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
         if waiting:
             self._arm_lease()
+
+    async def _free_if_gone(self, creator: int, contexts: list[DistContext]) -> None:
+        """Free ``contexts`` unless their creator answers a ping after all (a
+        link of its may have ended for another reason: it then keeps them)."""
+        try:
+            deadline = time.monotonic() + min(self.lease, 2.0)
+            await self.agent.call(creator, PING, None, deadline=deadline, meta=None,
+                                  internal=True)  # fmt: skip
+        except RpcdistError:
+            for ctx in contexts:
+                if ctx.orphaned_at is not None:
+                    _log.info("freeing autograd context %d: its creator was lost", ctx.id)
+                    self.release(ctx.id, src=ctx.creator)
+            return
+        for ctx in contexts:
+            ctx.orphaned_at = None
 
     # ---------------------------------------------------------- extension
 
@@ -241,6 +263,10 @@ async def _on_release(agent: Agent, src: WorkerInfo, context_id: int) -> None:
     ext(agent).release(context_id, src=src.id)
 
 
+async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:
+    return True
+
+
 async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
     rref, context_id, retain_graph = payload
     loss = rref.local_value()
@@ -276,6 +302,7 @@ def install(agent: Agent) -> AutogradExtension:
         registry.add_handler(REACH, _backward.on_reach)
         registry.add_handler(RELEASE, _on_release)
         registry.add_handler(RREF_BACKWARD, _on_rref_backward)
+        registry.add_handler(PING, _on_ping)
         registry.add_scope(e.scope)
         registry.add_source(e.source)
         return e

@@ -132,3 +132,33 @@ class Box:
 def loss_here(x: Tensor) -> Tensor:
     """A scalar loss computed on this worker (for RRef.backward)."""
     return (x * param("w")).sum()
+
+
+def grads_of_module(module_rref: Any, context_id: int) -> list[Any]:
+    """The gradients of a module's parameters in the context, in order."""
+    got = dist_autograd.get_gradients(context_id)
+    return [got[p] for p in module_rref.local_value().parameters()]
+
+
+HOLD = threading.Event()
+ENTERED = threading.Event()
+
+
+class Hold(Function):
+    """Blocks in backward until ``HOLD`` is set (a worker busy mid-pass)."""
+
+    def forward(self, x: Any) -> Any:
+        return x * 1.0
+
+    def backward(self, g: Any) -> tuple[Any]:
+        ENTERED.set()
+        HOLD.wait(30)
+        return (g,)
+
+
+def hold(x: Tensor) -> Tensor:
+    return Hold.call(x) * param("w")
+
+
+def contexts_here() -> int:
+    return int(dist_autograd.statistics()["contexts"])

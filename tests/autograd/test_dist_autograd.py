@@ -177,7 +177,11 @@ def test_rref_held_values_proxies_remote_and_to_here(agents):
             gbox = box.rpc_sync().grad(cid)
             g2 = _remote_grads("worker2", cid)["w"]
         del box, made
-    xo, bw, w2 = Tensor(x0.copy(), requires_grad=True), Tensor(np.arange(1.0, 4.0), requires_grad=True), _w()
+    xo, bw, w2 = (
+        Tensor(x0.copy(), requires_grad=True),
+        Tensor(np.arange(1.0, 4.0), requires_grad=True),
+        _w(),
+    )
     (xo * bw + (xo * bw) * (xo * bw) + xo * w2).sum().backward()
     np.testing.assert_allclose(gx, xo.grad.data, **TOL)
     np.testing.assert_allclose(gbox, bw.grad.data, **TOL)
