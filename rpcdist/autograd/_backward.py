@@ -37,6 +37,7 @@ import numpy as np
 from .._deadline import UNSET, current_deadline, deadline_for
 from .._errors import AutogradError, ConfigError
 from .._futures import Future
+from .._rpc._context import current_agent
 from .._worker import WorkerInfo
 from ..tensor import AccumulateGrad, GraphTask, Node, Tensor
 from ._context import DistContext, DistRecv, DistSend
@@ -45,9 +46,11 @@ if TYPE_CHECKING:
     from .._rpc._agent import Agent
     from ._extension import AutogradExtension
 
-__all__ = ["PassState", "backward_blocking", "on_grads", "on_reach"]
+__all__ = ["GRADS", "PassState", "apply_grads", "backward_blocking", "on_reach"]
 
-GRADS = "autograd.grads"
+#: Gradient messages are plain calls of :func:`apply_grads` (the dispatcher's
+#: fast path: no loop task on the receiver, and a blocking caller's link).
+GRADS = "rpcdist.autograd._backward:apply_grads"
 REACH = "autograd.reach"
 Key = tuple[int, int]
 
@@ -63,7 +66,9 @@ class PassState:
         self.retain = retain
         self.lock = threading.Lock()
         self.task: GraphTask | None = None
-        self.ready: asyncio.Future[None] | None = None
+        #: Set once the first gradient message here has set the task up.
+        self.ready: threading.Event | None = None
+        self.failed: BaseException | None = None
         #: Receive function -> the start nodes from which it is reached.
         self._reached_from: dict[Node, set[Node]] | None = None
         self._overlapping: set[Node] = set()
@@ -147,9 +152,9 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
         out: list[Future[Any]] | None = getattr(_collect, "futures", None)
         if out is None:
             raise AutogradError("internal: gradients for a receive function outside a pass")
-        payload = [ctx.id, key, node.message_id, grads, st.retain]
+        payload: Any = ((ctx.id, key, node.message_id, grads, st.retain), {})
         out.append(agent.call(node.peer, GRADS, payload, deadline=_deadline(agent), meta=None,
-                              internal=True))  # fmt: skip
+                              label="autograd.grads"))  # fmt: skip
 
     return send_back
 
@@ -233,57 +238,68 @@ def _ask(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:
 # ------------------------------------------------------------------ handlers
 
 
-async def on_grads(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
-    """``autograd.grads``: ``[context id, pass key, message id, grads, retain]``."""
-    context_id, key_list, message_id, grads, retain = payload
+def apply_grads(context_id: int, key_list: list[int], message_id: int, grads: list[Any],
+                retain: bool) -> None:  # fmt: skip
+    """Gradients for this worker's send function of message ``message_id``:
+    run what they make runnable, and wait for the gradient messages that
+    sends on (a plain function, so it runs on the thread that serves the
+    call: a pool thread, or the one reading a blocking caller's link)."""
+    agent = current_agent()
     key: Key = (int(key_list[0]), int(key_list[1]))
-    ext = _ext(agent)
-    ctx = ext.get(context_id, f"gradients from {src.name!r}")
-    st = await _ready(agent, ctx, key, bool(retain))
+    ctx = _ext(agent).get(context_id, "gradients")
+    st = _ready(agent, ctx, key, bool(retain))
     send = ctx.sends.get(message_id)
     if send is None:
         raise AutogradError(
             f"worker {agent.name!r} has no send function for message {message_id} of context "
-            f"{context_id} (gradients from {src.name!r})"
+            f"{context_id}"
         )
     assert st.task is not None
     out: list[Future[Any]] = []
     try:
-        seeds: list[tuple[Node, Any]] = [(send, grads)]
-        await agent.loop.run_in_executor(agent.executor, _execute, st.task, seeds, out)
+        _execute(st.task, [(send, grads)], out)
     except AutogradError as e:
         raise AutogradError(f"backward on worker {agent.name!r} failed: {e}") from e
     for fut in out:
-        await fut
+        fut.wait()
 
 
-async def _ready(agent: Agent, ctx: DistContext, key: Key, retain: bool) -> PassState:
-    """The pass state with its task, set up by the first gradient message here."""
+def _ready(agent: Agent, ctx: DistContext, key: Key, retain: bool) -> PassState:
+    """The pass state with its task, set up by the first gradient message here
+    (the others wait for it)."""
     with ctx.lock:
         st = ctx.passes.get(key)
         if st is None:
             st = ctx.passes[key] = PassState(key, (), retain)
-        if st.task is not None:  # the root's own pass (set up before it sent anything)
+        if st.task is not None:  # set up already (on the root: before it sent anything)
             return st
         first = st.ready is None
         if first:
-            st.ready = agent.loop.create_future()
+            st.ready = threading.Event()
     assert st.ready is not None
     if not first:
-        await asyncio.shield(st.ready)
+        st.ready.wait()
+        if st.failed is not None:
+            raise st.failed
         return st
     try:
-        _, overlapping = await agent.loop.run_in_executor(agent.executor, st.analyse, ctx)
+        _, overlapping = st.analyse(ctx)
         sends = [s for s in overlapping if isinstance(s, DistSend)]
-        answers = await asyncio.gather(*(_ask_async(agent, ctx, st, s) for s in sends))
-        unreached = {s for s, ok in zip(sends, answers) if not ok}
+        answers = [_ask_sent(agent, ctx, st, s) for s in sends]
+        unreached = {s for s, got in zip(sends, answers) if not got.wait()}
         st.task = _task(agent, ctx, st, unreached)
     except BaseException as e:
-        st.ready.set_exception(e)
-        st.ready.exception()  # retrieved: the first caller raises it
+        st.failed = e
         raise
-    st.ready.set_result(None)
+    finally:
+        st.ready.set()
     return st
+
+
+def _ask_sent(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> Future[Any]:
+    payload = [ctx.id, list(st.key), send.message_id]
+    return agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
+                      internal=True)  # fmt: skip
 
 
 async def _ask_async(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:

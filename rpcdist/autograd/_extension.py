@@ -10,9 +10,11 @@ worker may receive a call made inside a context:
 * a **handler scope** makes that context current around the handler of a
   call that carries it (made here on first sight), so nested calls and the
   reply carry it too;
-* **internal methods**: ``autograd.grads`` (gradients for a send function),
-  ``autograd.reach`` (is a receive function reached in a pass?),
-  ``autograd.release`` (free a context) and ``autograd.rref_backward``.
+* **internal methods**: ``autograd.reach`` (is a receive function reached
+  in a pass?),
+  ``autograd.release`` (free a context), ``autograd.rref_backward`` and
+  ``autograd.ping``; gradient messages are plain calls of
+  ``_backward.apply_grads``.
 
 Leaving ``with context()`` releases the context here and sends
 ``autograd.release`` to every worker it exchanged messages with; each frees
@@ -54,7 +56,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-GRADS = "autograd.grads"
+GRADS = _backward.GRADS
 REACH = "autograd.reach"
 RELEASE = "autograd.release"
 RREF_BACKWARD = "autograd.rref_backward"
@@ -298,7 +300,6 @@ def install(agent: Agent) -> AutogradExtension:
     def make() -> AutogradExtension:
         e = AutogradExtension(agent)
         registry = agent.registry
-        registry.add_handler(GRADS, _backward.on_grads)
         registry.add_handler(REACH, _backward.on_reach)
         registry.add_handler(RELEASE, _on_release)
         registry.add_handler(RREF_BACKWARD, _on_rref_backward)

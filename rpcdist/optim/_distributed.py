@@ -20,7 +20,7 @@ from typing import Any
 
 from .._errors import AutogradError, ConfigError
 from .._futures import Future
-from .._rpc._api import rpc_async
+from .._rpc._api import rpc_async, rpc_sync
 from .._rpc._context import current_agent
 from .._rref._rref import RRef
 from .._serialization import resolve_function
@@ -166,6 +166,9 @@ class DistributedOptimizer:
         """
         hyper = self._changed()
         scale = self._scale.pop(context_id, None)
+        if len(self._owners) == 1:  # a blocking call: its cheapest path
+            rpc_sync(self._owners[0], _step, args=(self._locals[0], context_id, hyper, scale))
+            return
         _wait_all([rpc_async(w, _step, args=(opt, context_id, hyper, scale))
                    for w, opt in zip(self._owners, self._locals)])  # fmt: skip
 

@@ -1,0 +1,128 @@
+"""Distributed autograd benchmark: rpcdist beside PyTorch's, same run.
+
+One iteration = open a context + forward across workers + backward + a
+DistributedOptimizer step (SGD), on three processes of this machine
+(``trainer``, ``ps1``, ``ps2``), one compute thread each:
+
+* ``ps-tiny``: the trainer calls a Linear(16, 16) held by a parameter server
+  through a RemoteModule, batch 4;
+* ``ps-mlp``: a 784-256-256-10 MLP whose first Linear lives on the server,
+  batch 128, cross-entropy;
+* ``rnn``: an embedding table (1000 x 64) on ps1, a 2-layer LSTM (128) on the
+  trainer, the decoder Linear(128, 1000) on ps2; sequence 35, batch 20.
+
+"alone" is the same model and step in one process (each framework's own
+local engine); "per crossing" is (distributed - alone) / the remote calls
+the forward makes (1, 1 and 2).
+
+Run: ``.venv/bin/python benchmarks/bench_dist_autograd.py [--quick] [--repeats N] [--no-write]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _ad_workloads as wl
+from _report import median, table, write_section
+
+CROSSINGS = {"ps-tiny": 1, "ps-mlp": 1, "rnn": 2}
+GOALS = {"ps-tiny": 0.4, "ps-mlp": 0.7, "rnn": 1.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_job(
+    target: Any, make_arg: Any, plan: list[tuple[str, int, int]]
+) -> dict[str, list[float]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    arg = make_arg()
+    procs = [ctx.Process(target=target, args=(r, 3, arg, plan, q), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        out: dict[str, list[float]] = q.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _alone(fn: Any, plan: list[tuple[str, int, int]]) -> dict[str, list[float]]:
+    return {name: wl.timed(fn(name, False), iters, warmup) for name, iters, warmup in plan}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    wl.single_thread_env()
+    iters = {"ps-tiny": 300, "ps-mlp": 100, "rnn": 20} if not a.quick else {
+        "ps-tiny": 60, "ps-mlp": 20, "rnn": 5}  # fmt: skip
+    plan = [(n, iters[n], max(3, iters[n] // 10)) for n in wl.WORKLOADS]
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    runs: dict[str, dict[str, list[float]]] = {}
+
+    def add(kind: str, got: dict[str, list[float]]) -> None:
+        for name, xs in got.items():
+            runs.setdefault(kind, {}).setdefault(name, []).append(median(xs))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(a.repeats):
+            init = f"file://{tmp}/rdv{rep}"
+            add("rpcdist", _run_job(wl.rd_worker, lambda i=init: i, plan))
+            add("rpcdist alone", _alone(wl.rd_iteration_fn, plan))
+            if have_torch:
+                add("PyTorch", _run_job(wl.th_worker, _free_port, plan))
+                add("PyTorch alone", _alone(wl.th_iteration_fn, plan))
+    rows = []
+    for name in wl.WORKLOADS:
+        rd = median(runs["rpcdist"][name]) * 1e3
+        rd_alone = median(runs["rpcdist alone"][name]) * 1e3
+        th = median(runs["PyTorch"][name]) * 1e3 if have_torch else float("nan")
+        th_alone = median(runs["PyTorch alone"][name]) * 1e3 if have_torch else float("nan")
+        ratio = rd / th if have_torch else float("nan")
+        rows.append([
+            name, rd, th, ratio, f"<= {GOALS[name]}", rd_alone, th_alone,
+            (rd - rd_alone) / CROSSINGS[name] * 1e3, (th - th_alone) / CROSSINGS[name] * 1e3,
+        ])  # fmt: skip
+    headers = ["workload", "rpcdist ms/iter", "PyTorch ms/iter", "ratio", "goal",
+               "rpcdist alone", "PyTorch alone", "rpcdist us/crossing",
+               "PyTorch us/crossing"]  # fmt: skip
+    body = table(headers, rows)
+    print(body)
+    if not a.no_write:
+        intro = (__doc__ or "").split("\n\n", 1)[1].rsplit("\n\nRun:", 1)[0]
+        write_section(
+            "dist_autograd",
+            "Distributed autograd: one training iteration across workers",
+            f"{intro}\n\n{body}\n\nMedians of {a.repeats} runs (each a median over its "
+            "iterations); times in ms, per-crossing overheads in us.",
+            f"python benchmarks/bench_dist_autograd.py{' --quick' if a.quick else ''}",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
