@@ -155,6 +155,8 @@ class Agent:
         self._by_name = {w.name: w for w in self.workers}
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
+        # Only with its tables filled in may a worker pass this: peers call at once.
+        await self._store.barrier("rpc/init", self.world_size, self.options.init_timeout)
         await _join.check(self, infos)
 
     async def rename(self, name: str, timeout: float) -> None:

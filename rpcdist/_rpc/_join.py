@@ -30,8 +30,9 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
     """Publish this worker (name, rank, host, what its transport needs to be
     dialled) and return every worker's entry, by rank.
 
-    After the barrier at the end every worker has its table (so may be
-    called) and has read every entry (so rank 0 may stop the store on failure).
+    The caller fills in its tables, then passes the ``"rpc/init"`` barrier:
+    after it every worker has its table (so may be called) and has read every
+    entry (so rank 0 may stop the store on failure).
     """
     store, timeout = agent.store, agent.options.init_timeout
     me = {
@@ -45,9 +46,7 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
     entries = await asyncio.gather(
         *(store.get(f"rpc/worker/{r}", timeout) for r in range(agent.world_size))
     )
-    infos = [msgpack.unpackb(e) for e in entries]
-    await store.barrier("rpc/init", agent.world_size, timeout)
-    return infos
+    return [msgpack.unpackb(e) for e in entries]
 
 
 async def check(agent: Agent, infos: list[dict[str, Any]]) -> None:

@@ -53,7 +53,7 @@ Start = Callable[..., list[Agent]]
 def _describe(agents: list[Agent]) -> str:
     lines = []
     for a in agents:
-        ctx = a.extensions.get("rref")
+        ctx = a.registry.extensions.get("rref")
         stats = {k: v for k, v in a.statistics().items() if k in GAUGES and v}
         left = ctx.owners.leftovers() if ctx is not None else []
         lines.append(f"{a.name}: {stats} live records {left}")
