@@ -194,7 +194,7 @@ class DistributedDataParallel(Module, Joinable):
         return self.process_group
 
     def statistics(self) -> dict[str, Any]:
-        """Buckets, iterations, reductions in flight, the last end-of-backward wait."""
+        """Buckets, iterations, reductions in flight, timings of the last iteration (see Reducer)."""
         return self.reducer.statistics()
 
     def extra_repr(self) -> str:

@@ -149,6 +149,9 @@ class Reducer:
         self._status_work: Any = None
         self.iterations = 0
         self.last_wait_s = 0.0
+        self.last_comm_s = 0.0  # reductions' run time in the last iteration ...
+        self.last_hidden_s = 0.0  # ... and the part of it before backward ended
+        self._times: list[list[float]] = [[0.0, 0.0] for _ in self.buckets]
         ref = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(_make_hook(ref, i))
@@ -328,7 +331,10 @@ class Reducer:
         while self._next < len(buckets) and buckets[self._next].pending == 0:
             bucket = buckets[self._next]
             self._next += 1
-            bucket.future = self._launch(bucket)
+            times = self._times[bucket.index()]
+            times[0] = time.perf_counter()
+            fut = bucket.future = self._launch(bucket)
+            fut.add_done_callback(_stamp(times))
 
     def _launch(self, bucket: GradBucket) -> Future[Any]:
         if self.hook is None:
@@ -384,6 +390,7 @@ class Reducer:
             self._reset()
             raise
         self.last_wait_s = time.perf_counter() - t0
+        self._account(t0)
         lenient = self.find_unused or self.static_graph
         if counts is not None and not lenient:
             bad = [i for i in range(n) if counts[i] != self.expected]
@@ -399,6 +406,21 @@ class Reducer:
         self.iterations += 1
         self._local = [False] * n
         self._reset()
+
+    def _account(self, end_of_backward: float) -> None:
+        """How long the reductions ran, and how much of that under backward.
+
+        Reductions on a group run one at a time, so bucket ``b`` runs from
+        its launch (or the previous bucket's end, if later) to its end.
+        """
+        comm = hidden = 0.0
+        prev = 0.0
+        for start, done in self._times:
+            begin = max(start, prev)
+            comm += max(0.0, done - begin)
+            hidden += max(0.0, min(done, end_of_backward) - begin)
+            prev = done
+        self.last_comm_s, self.last_hidden_s = comm, hidden
 
     def _counts(self) -> list[int] | None:
         """On how many ranks each parameter got a gradient (None: not known)."""
@@ -468,7 +490,13 @@ class Reducer:
         self.finalize()
 
     def statistics(self) -> dict[str, Any]:
-        """Buckets, iterations and the last end-of-backward wait."""
+        """Buckets, iterations, and timings of the last iteration.
+
+        ``ddp_last_wait_s``: how long the end of backward waited for the
+        reductions; ``ddp_last_comm_s``: how long the reductions ran (one
+        after the other, from launch to completion); ``ddp_last_hidden_s``:
+        the part of that before the end of backward (hidden under it).
+        """
         return {
             "ddp_buckets": len(self.buckets),
             "ddp_bucket_bytes": sum(b.buffer().nbytes for b in self.buckets),
@@ -477,12 +505,23 @@ class Reducer:
                 1 for b in self.buckets if b.future is not None and not b.future.done()
             ),
             "ddp_last_wait_s": self.last_wait_s,
+            "ddp_last_comm_s": self.last_comm_s,
+            "ddp_last_hidden_s": self.last_hidden_s,
         }
 
     def remove_hooks(self) -> None:
         """Unregister the post-accumulate-grad hooks from the parameters."""
         for h in self._handles:
             h.remove()
+
+
+def _stamp(times: list[float]) -> Callable[[Future[Any]], None]:
+    """A done-callback that records when a reduction completed."""
+
+    def done(_: Future[Any]) -> None:
+        times[1] = time.perf_counter()
+
+    return done
 
 
 def _tensors(obj: Any) -> list[Tensor]:

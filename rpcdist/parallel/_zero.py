@@ -1,21 +1,31 @@
 """``ZeroRedundancyOptimizer``: optimizer state sharded across ranks (ZeRO stage 1).
 
-Every parameter is owned by one rank (sorted greedy: largest first, to the
-rank with the fewest elements so far). Each rank runs an ordinary optimizer
-over the parameters it owns only, so it holds about ``1/p`` of the
-optimizer state. ``step()`` updates the owned parameters from their
-(already averaged, e.g. by DDP) gradients, then one all-gather per dtype
-gives every rank everyone's updated parameters.
+The parameters of each dtype and device are laid end to end and the
+resulting range of elements is cut into ``p`` equal slices, one per rank
+(:func:`shard_ranges`). A rank owns its slice, which may start and end
+inside parameters: for each parameter it overlaps, a *piece* (a flat view
+of that part of the parameter's data) is handed to an ordinary optimizer,
+so the rank holds optimizer state for ``1/p`` of the elements, whatever the
+sizes of the individual parameters. (PyTorch's implementation assigns
+whole parameters, which leaves one rank with most of the state when a few
+parameters dominate.) Pieces are views: the optimizer updates the
+parameters in place, and each piece's gradient is a view of the
+parameter's ``.grad``; a parameter without a gradient is skipped as the
+unsharded optimizer skips it. This needs an elementwise optimizer (SGD,
+Adam, AdamW are).
 
-``consolidate_state_dict(to)`` gathers the shards into the unsharded
-optimizer's ``state_dict()`` on one rank: a checkpoint that loads into the
-plain optimizer, or into a ``ZeroRedundancyOptimizer`` at any world size.
+``step()`` updates the owned pieces from their (already averaged, e.g. by
+DDP) gradients, then one all-gather per dtype and device hands every rank
+everyone's slices. ``consolidate_state_dict(to)`` joins the pieces' states
+into the unsharded optimizer's ``state_dict()`` on one rank: a checkpoint
+that loads into the plain optimizer, or into a ``ZeroRedundancyOptimizer``
+at any world size.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,42 +34,63 @@ from .. import collectives as dist
 from .._errors import ConfigError
 from .._save import load, save
 from ..optim import Optimizer
-from ..tensor import enable_grad
-from ._arrays import global_rank, group_size, xp_of
+from ..tensor import Tensor, enable_grad
+from ._arrays import global_rank, group_size, host, xp_of
 from ._join import Join, Joinable, JoinHook
 
-__all__ = ["ZeroRedundancyOptimizer", "partition"]
+__all__ = ["ZeroRedundancyOptimizer", "shard_ranges"]
 
 _WHAT = "ZeroRedundancyOptimizer"
+Range = tuple[int, int]
 
 
-def partition(sizes: list[int], world: int) -> list[int]:
-    """Owner rank of each parameter: sorted greedy over element counts (pure)."""
-    load_ = [0] * world
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load_[r], r))
-        owner[i] = r
-        load_[r] += sizes[i]
-    return owner
+def shard_ranges(sizes: Sequence[int], kinds: Sequence[Hashable], world: int) -> list[list[Range]]:
+    """For each rank, for each parameter, the element range ``[lo, hi)`` it owns (pure).
+
+    Parameters of one kind are laid end to end and that range is cut into
+    ``world`` slices of equal size (within one element). An empty range is
+    ``(0, 0)``, except that rank 0 owns empty parameters whole.
+    """
+    out: list[list[Range]] = [[(0, 0)] * len(sizes) for _ in range(world)]
+    members: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(kinds):
+        members.setdefault(k, []).append(i)
+    for idx in members.values():
+        total = sum(sizes[i] for i in idx)
+        bounds = [total * q // world for q in range(world + 1)]
+        off = 0
+        for i in idx:
+            for q in range(world):
+                lo, hi = max(off, bounds[q]), min(off + sizes[i], bounds[q + 1])
+                if lo < hi:
+                    out[q][i] = (lo - off, hi - off)
+            off += sizes[i]
+    return out
+
+
+def _owns(r: Range, size: int, rank: int) -> bool:
+    return r[1] > r[0] or (size == 0 and rank == 0)
 
 
 class ZeroRedundancyOptimizer(Joinable):
-    """Wrap ``optimizer_class`` so each rank keeps the state of its own shard only.
+    """Wrap ``optimizer_class`` so each rank keeps the state of its slice of the elements only.
 
     Args:
         params: Tensors or parameter groups (dicts), as for the optimizer;
             the same on every rank.
-        optimizer_class: The optimizer (``rpcdist.optim.SGD``, ``Adam``, ...).
+        optimizer_class: An elementwise optimizer (``rpcdist.optim.SGD``,
+            ``Adam``, ``AdamW``).
         process_group: The group (None: the default group).
-        parameters_as_bucket_view: Keep parameters as views into one flat
-            buffer per rank and dtype, so the all-gather writes them in place.
+        parameters_as_bucket_view: Make the parameters views into one flat
+            buffer per dtype and device, so the all-gather writes them in
+            place instead of copying out.
         **defaults: Options for ``optimizer_class``.
 
     Attributes:
         param_groups: The groups over *all* parameters, as the unsharded
             optimizer has them; change options (``lr``) here.
-        optim: This rank's local optimizer (None if it owns nothing).
+        optim: This rank's local optimizer over its pieces (None if it owns
+            no element).
 
     Raises:
         ConfigError: no parameters, bad options, or not a member of the group.
@@ -81,91 +112,102 @@ class ZeroRedundancyOptimizer(Joinable):
         self.process_group = process_group
         self.rank, self.world = group_size(process_group, _WHAT)
         self.optimizer_class = optimizer_class
-        # The unsharded optimizer, never stepped: it fills every group's
-        # options and checks them, and fixes the order of state_dict().
+        # The unsharded optimizer, never stepped: it fills in and checks every
+        # group's options, and fixes the parameter order of state_dict().
         self._full = optimizer_class(items, **defaults)
         self.param_groups = self._full.param_groups
         self.defaults = self._full.defaults
         self._params = self._full.parameters()
-        position = {id(p): i for i, p in enumerate(self._params)}
-        self.owner = partition([p.data.size for p in self._params], self.world)
-        mine = {i for i, r in enumerate(self.owner) if r == self.rank}
-        self._local_index = sorted(mine)  # local position -> global index, in group order
-        groups = []
-        for g in self.param_groups:
-            owned = [p for p in g["params"] if position[id(p)] in mine]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": owned})
-        self.optim: Optimizer | None = optimizer_class(groups, **defaults) if mine else None
-        self._kinds = self._plan_gather()
-        self._consolidated: dict[str, Any] | None = None
+        for p in self._params:
+            if not p.data.flags.c_contiguous:
+                p.data = xp_of(p.data).ascontiguousarray(p.data)
+        sizes = [p.data.size for p in self._params]
+        kinds = [(str(p.dtype), p.device) for p in self._params]
+        self.ranges = shard_ranges(sizes, kinds, self.world)
+        self._as_views = parameters_as_bucket_view
+        self._kinds = self._plan_gather(kinds)
         if parameters_as_bucket_view:
             self._bind_views()
-        self._as_views = parameters_as_bucket_view
+        self._pieces: list[tuple[int, Tensor]] = []
+        self.optim: Optimizer | None = self._local_optimizer(defaults)
+        self._consolidated: dict[str, Any] | None = None
+
+    def _local_optimizer(self, defaults: Mapping[str, Any]) -> Optimizer | None:
+        position = {id(p): i for i, p in enumerate(self._params)}
+        mine = self.ranges[self.rank]
+        groups = []
+        for g in self.param_groups:
+            pieces = []
+            for p in g["params"]:
+                i = position[id(p)]
+                if _owns(mine[i], p.data.size, self.rank):
+                    lo, hi = mine[i]
+                    piece = Tensor(p.data.reshape(-1)[lo:hi])
+                    self._pieces.append((i, piece))
+                    pieces.append(piece)
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": pieces})
+        if not self._pieces:
+            return None
+        return self.optimizer_class(groups, **defaults)
 
     # ------------------------------------------------------------ gathering
 
-    def _plan_gather(self) -> list[dict[str, Any]]:
-        """Per (dtype, device): each rank's parameter indices and flat sizes."""
-        kinds: dict[tuple[str, str], list[int]] = {}
-        for i, p in enumerate(self._params):
-            kinds.setdefault((str(p.dtype), p.device), []).append(i)
+    def _plan_gather(self, kinds: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Per dtype and device: each rank's slice as (parameter, lo, hi, offset) parts."""
+        members: dict[tuple[str, str], list[int]] = {}
+        for i, k in enumerate(kinds):
+            members.setdefault(k, []).append(i)
         plans = []
-        for members in kinds.values():
-            per_rank = [[i for i in members if self.owner[i] == r] for r in range(self.world)]
-            sizes = [sum(self._params[i].data.size for i in idx) for idx in per_rank]
-            first = self._params[members[0]].data
+        for idx in members.values():
+            parts: list[list[tuple[int, int, int, int]]] = []
+            for q in range(self.world):
+                off, mine = 0, []
+                for i in idx:
+                    lo, hi = self.ranges[q][i]
+                    if hi > lo:
+                        mine.append((i, lo, hi, off))
+                        off += hi - lo
+                parts.append(mine)
+            first = self._params[idx[0]].data
             xp = xp_of(first)
-            flats = [xp.empty(s, first.dtype) for s in sizes]
-            plans.append({"per_rank": per_rank, "flats": flats})
+            total = sum(self._params[i].data.size for i in idx)
+            whole = xp.empty(total, first.dtype)
+            bounds = [total * q // self.world for q in range(self.world + 1)]
+            slices = [whole[bounds[q] : bounds[q + 1]] for q in range(self.world)]
+            plans.append({"members": idx, "parts": parts, "whole": whole, "slices": slices})
         return plans
 
     def _bind_views(self) -> None:
+        """Make each parameter a view into its kind's flat buffer (values kept)."""
         for plan in self._kinds:
-            for idx, flat in zip(plan["per_rank"], plan["flats"]):
-                off = 0
-                for i in idx:
-                    p = self._params[i]
-                    n = p.data.size
-                    flat[off : off + n] = p.data.reshape(-1)
-                    p.data = flat[off : off + n].reshape(p.shape)
-                    off += n
+            off = 0
+            for i in plan["members"]:
+                p = self._params[i]
+                n = p.data.size
+                plan["whole"][off : off + n] = p.data.reshape(-1)
+                p.data = plan["whole"][off : off + n].reshape(p.shape)
+                off += n
 
     def _all_gather(self) -> None:
         for plan in self._kinds:
-            flats, per_rank = plan["flats"], plan["per_rank"]
-            mine = flats[self.rank]
-            if not self._as_views:
-                off = 0
-                for i in per_rank[self.rank]:
-                    p = self._params[i]
-                    mine[off : off + p.data.size] = p.data.reshape(-1)
-                    off += p.data.size
-            dist.all_gather(
-                flats, mine.copy() if self._as_views else mine, group=self.process_group
-            )
-            if self._as_views:
+            slices, parts = plan["slices"], plan["parts"]
+            if self._as_views:  # the parameters live in ``slices``: gather straight there
+                dist.all_gather(slices, slices[self.rank].copy(), group=self.process_group)
                 continue
-            for r, idx in enumerate(per_rank):
-                if r == self.rank:
+            mine = slices[self.rank]
+            for i, lo, hi, off in parts[self.rank]:
+                mine[off : off + hi - lo] = self._params[i].data.reshape(-1)[lo:hi]
+            dist.all_gather(slices, mine, group=self.process_group)
+            for q in range(self.world):
+                if q == self.rank:
                     continue
-                off = 0
-                for i in idx:
-                    p = self._params[i]
-                    p.data[...] = flats[r][off : off + p.data.size].reshape(p.shape)
-                    off += p.data.size
+                for i, lo, hi, off in parts[q]:
+                    self._params[i].data.reshape(-1)[lo:hi] = slices[q][off : off + hi - lo]
 
     # ----------------------------------------------------------------- step
 
-    def _sync_options(self) -> None:
-        if self.optim is None:
-            return
-        for g, local in zip(self.param_groups, self.optim.param_groups):
-            for k, v in g.items():
-                if k != "params":
-                    local[k] = v
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update this rank's shard from ``.grad``, then share every shard with every rank.
+        """Update this rank's slice from ``.grad``, then share every slice with every rank.
 
         Gradients must already be averaged across the group (DDP does it).
 
@@ -187,33 +229,44 @@ class ZeroRedundancyOptimizer(Joinable):
         return loss
 
     def _local_step(self) -> None:
-        self._sync_options()
         if self.optim is not None:
+            for g, local in zip(self.param_groups, self.optim.param_groups):
+                for k, v in g.items():
+                    if k != "params":
+                        local[k] = v
+            mine = self.ranges[self.rank]
+            for i, piece in self._pieces:
+                grad = self._params[i].grad
+                lo, hi = mine[i]
+                piece.grad = None if grad is None else Tensor(grad.data.reshape(-1)[lo:hi])
             self.optim.step()
         self._all_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the ``.grad`` of every parameter (not only this rank's shard)."""
+        """Clear the ``.grad`` of every parameter (not only this rank's slice)."""
         self._full.zero_grad(set_to_none)
 
     # ------------------------------------------------------------ checkpoints
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every shard's state on rank ``to`` (collective: call it on every rank).
+        """Gather every slice's state on rank ``to`` (collective: call it on every rank).
 
         Args:
             to: The rank (in the group) that will hold the full state dict.
 
         Raises:
-            ConfigError: ``to`` is not a rank of the group.
+            ConfigError: ``to`` is not a rank of the group, or the optimizer
+                keeps state that is not elementwise.
             CollectiveError: the gather failed.
         """
         if not 0 <= to < self.world:
             raise ConfigError(f"consolidate_state_dict: to={to} is not in [0, {self.world})")
         state: dict[int, Any] = {}
         if self.optim is not None:
-            local = self.optim.state_dict()["state"]
-            state = {self._local_index[int(k)]: v for k, v in local.items()}
+            for i, piece in self._pieces:
+                st = self.optim.state.get(piece)
+                if st:
+                    state[i] = {k: host(v) if hasattr(v, "shape") else v for k, v in st.items()}
         raw = io.BytesIO()
         save({"state": state}, raw)
         mine = np.frombuffer(raw.getvalue(), np.uint8)
@@ -225,12 +278,30 @@ class ZeroRedundancyOptimizer(Joinable):
         self._consolidated = None
         if parts is None:
             return
-        merged: dict[int, Any] = {}
-        for part in parts:
-            merged.update(load(io.BytesIO(part.tobytes()))["state"])
-        full = self._full.state_dict()  # groups, with global indices; no state
-        full["state"] = {int(k): merged[k] for k in sorted(merged)}
+        shards = [load(io.BytesIO(part.tobytes()))["state"] for part in parts]
+        full = self._full.state_dict()  # groups with global indices; no state
+        full["state"] = {}
+        for i, p in enumerate(self._params):
+            held = [s[i] for s in shards if i in s]
+            if held:
+                full["state"][i] = self._join_pieces(i, p, held)
         self._consolidated = full
+
+    def _join_pieces(self, i: int, p: Tensor, held: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, first in held[0].items():
+            values = [h[k] for h in held]
+            if getattr(first, "ndim", 0) == 1 and sum(v.size for v in values) == p.data.size:
+                out[k] = np.concatenate(values).reshape(p.shape)
+            elif getattr(first, "ndim", 0) == 0:
+                out[k] = first
+            else:
+                raise ConfigError(
+                    f"{_WHAT}: state {k!r} of parameter {i} has shape {first.shape}, "
+                    f"neither a scalar nor one value per element; "
+                    f"{self.optimizer_class.__name__} is not elementwise"
+                )
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The unsharded optimizer's state dict, on the rank ``consolidate_state_dict`` chose.
@@ -246,13 +317,12 @@ class ZeroRedundancyOptimizer(Joinable):
                 f"(this is rank {self.rank} of the group)"
             )
         sd = self._consolidated
-        groups = [{**g} for g in self.param_groups]
-        for saved, g in zip(sd["param_groups"], groups):
+        for saved, g in zip(sd["param_groups"], self.param_groups):
             saved.update({k: v for k, v in g.items() if k != "params"})
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full (unsharded) state dict; every rank keeps its own shard.
+        """Load a full (unsharded) state dict; every rank keeps its own slice.
 
         Raises:
             ConfigError: the groups do not match this optimizer's.
@@ -261,22 +331,33 @@ class ZeroRedundancyOptimizer(Joinable):
         self._full.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         if self.optim is None:
             return
-        index = {int(k): v for k, v in state_dict["state"].items()}
-        local_state = {pos: index[g] for pos, g in enumerate(self._local_index) if g in index}
-        local_groups = self.optim.state_dict()["param_groups"]
-        for lg, g in zip(local_groups, self.param_groups):
+        full = {int(k): v for k, v in state_dict["state"].items()}
+        mine = self.ranges[self.rank]
+        local: dict[int, Any] = {}
+        for pos, (i, _piece) in enumerate(self._pieces):
+            st = full.get(i)
+            if st is None:
+                continue
+            lo, hi = mine[i]
+            size = self._params[i].data.size
+            local[pos] = {
+                k: v.reshape(-1)[lo:hi] if getattr(v, "ndim", 0) and v.size == size else v
+                for k, v in st.items()
+            }
+        groups = self.optim.state_dict()["param_groups"]
+        for lg, g in zip(groups, self.param_groups):
             lg.update({k: v for k, v in g.items() if k != "params"})
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.optim.load_state_dict({"state": local, "param_groups": groups})
 
     # ------------------------------------------------------------------ Join
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Shadow ``step()`` on a rank that ran out of inputs.
 
-        The joined rank steps its shard with the ``.grad`` that DDP's join
+        The joined rank steps its slice with the ``.grad`` that DDP's join
         hook left there (the average of the ranks still training), then
-        takes part in the all-gather, so every shard stays up to date. Put
-        the DDP model before this optimizer in ``Join``.
+        takes part in the all-gather, so every slice stays current. Put the
+        DDP model before this optimizer in ``Join``.
         """
         return _ZeroJoinHook(self)
 
@@ -286,14 +367,15 @@ class ZeroRedundancyOptimizer(Joinable):
         return self.process_group
 
     def statistics(self) -> dict[str, Any]:
-        """Parameters and optimizer-state bytes held here, against all of them."""
+        """Elements owned here against all, and the optimizer-state bytes held here."""
         held = 0
         if self.optim is not None:
             for st in self.optim.state.values():
                 held += sum(getattr(v, "nbytes", 0) for v in st.values())
+        mine = self.ranges[self.rank]
         return {
-            "zero_params_owned": len(self._local_index),
-            "zero_params_total": len(self._params),
+            "zero_elements_owned": sum(hi - lo for lo, hi in mine),
+            "zero_elements_total": sum(p.data.size for p in self._params),
             "zero_state_bytes": held,
         }
 

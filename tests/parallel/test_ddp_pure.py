@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcdist.parallel._bf16 import bf16_sum, from_bf16, to_bf16
+from rpcdist.parallel._bf16 import from_bf16, to_bf16
 from rpcdist.parallel._buckets import BucketPlan, ParamSpec, plan_buckets
 from rpcdist.parallel._powersgd import _orthonormalize
-from rpcdist.parallel._zero import partition
+from rpcdist.parallel._zero import shard_ranges
 
 MiB = 1 << 20
 
@@ -66,31 +68,40 @@ def test_every_parameter_lands_in_exactly_one_bucket(entries, cap):
     assert plan_buckets(ps, cap, cap // 2 + 1) == plans  # deterministic
 
 
-def test_zero_partition_is_sorted_greedy_and_balanced():
+def test_zero_shards_split_elements_evenly_across_parameter_boundaries():
+    # The large MLP: two matrices hold 98% of the elements.
     sizes = [802816, 1024, 1048576, 1024, 10240, 10]
-    owner = partition(sizes, 2)
-    loads = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(2)]
-    assert owner[2] == 0 and owner[0] == 1  # largest first, to the emptiest rank
-    assert max(loads) / sum(sizes) < 0.57
-    assert partition([5], 3) == [0]
-    assert sorted(partition([1, 1, 1], 3)) == [0, 1, 2]
+    for world in (2, 3, 4):
+        ranges = shard_ranges(sizes, ["f4"] * 6, world)
+        owned = [sum(hi - lo for lo, hi in r) for r in ranges]
+        assert max(owned) - min(owned) <= 1 and sum(owned) == sum(sizes)
+        for i, n in enumerate(sizes):  # each parameter is cut into adjacent pieces
+            pieces = sorted(r[i] for r in ranges if r[i][1] > r[i][0])
+            assert pieces[0][0] == 0 and pieces[-1][1] == n
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    assert shard_ranges([3, 5], ["a", "b"], 2) == [[(0, 1), (0, 2)], [(1, 3), (2, 5)]]
+    assert shard_ranges([0, 4], ["a", "a"], 2) == [[(0, 0), (0, 2)], [(0, 0), (2, 4)]]
 
 
-def test_bf16_keeps_the_top_bits_and_rounds_to_nearest_even():
+def test_bf16_is_the_truncated_top_half_of_float32():
     x = np.array([1.0, -2.5, 3.140625, 0.0, np.inf, -np.inf, 2.0**-130], np.float32)
-    np.testing.assert_array_equal(from_bf16(to_bf16(x)), x)  # exactly representable
-    one_ulp = np.float32(2.0**-7)  # bfloat16 spacing at 1.0
-    half, above = np.float32(1 + one_ulp / 2), np.nextafter(np.float32(1 + one_ulp / 2), 2)
-    assert from_bf16(to_bf16(np.array([half])))[0] == 1.0  # tie -> even
-    assert from_bf16(to_bf16(np.array([above])))[0] == 1 + one_ulp
+    h = to_bf16(x)
+    assert h.dtype == np.uint16 and h.shape == x.shape
+    np.testing.assert_array_equal(from_bf16(h), x)  # exactly representable
+    np.testing.assert_array_equal(h, x.view(np.uint32) >> 16)
+    ulp = np.float32(2.0**-7)  # bfloat16 spacing at 1.0
+    below = np.nextafter(np.float32(1 + ulp), np.float32(0))
+    assert from_bf16(to_bf16(np.array([below])))[0] == 1.0  # toward zero
+    assert from_bf16(to_bf16(np.array([-below])))[0] == -1.0
     assert np.isnan(from_bf16(to_bf16(np.array([np.nan], np.float32))))[0]
-    assert to_bf16(np.array([1.0], np.float32)).dtype == np.uint16
     rng = np.random.default_rng(0)
-    y = rng.standard_normal(1000).astype(np.float32)
-    rel = np.abs(from_bf16(to_bf16(y)) - y) / np.abs(y)
-    assert rel.max() <= 2.0**-8
-    parts = [to_bf16(y), to_bf16(2 * y)]
-    np.testing.assert_allclose(bf16_sum(parts), 3 * y, rtol=2**-7)
+    y = rng.standard_normal((40, 25)).astype(np.float32)
+    back = from_bf16(to_bf16(y))
+    assert back.shape == y.shape
+    assert (np.abs(back) <= np.abs(y)).all()
+    assert (np.abs(back - y) / np.abs(y)).max() < 2.0**-7
+    out = np.empty_like(y)
+    assert from_bf16(to_bf16(y), out=out) is out
 
 
 def test_orthonormalize_makes_orthonormal_columns_and_zeroes_dependent_ones():
