@@ -352,7 +352,9 @@ class Reducer:
                 f"communication hook {getattr(self.hook, '__name__', self.hook)!r} returned "
                 f"{type(fut).__name__}; expected an rpcdist.Future of the reduced flat array"
             )
-        if bucket.is_last() and not (self.static_graph and self._static_unused is not None):
+        # Every rank (joined ones too) counts the same iterations, so every
+        # rank skips the flags' all-reduce from the same iteration on.
+        if bucket.is_last() and not (self.static_graph and self.iterations > 0):
             status = np.asarray(self._used, dtype=np.int32)
             self._status_work = dist.all_reduce(status, group=self.group, async_op=True)
         return fut

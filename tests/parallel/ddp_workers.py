@@ -172,6 +172,20 @@ def training_cases(rank: int, world: int, init_method: str) -> dict[str, Any]:
     v = train(rank, 2)
     p = next(iter(v.module.parameters()))
     out["grad_is_view"] = p.grad is not None and p.grad.data.base is not None
+    # Gradients fed from outside .grad, as distributed autograd will: a
+    # gradient map filled by the engine, grad_ready() per parameter, then
+    # finalize() into another map.
+    ext = DDP(mlp(rank + 1))
+    x, y = batch(0, rank)
+    loss = loss_of(ext, x, y)
+    fed: dict[Any, Any] = {}
+    rt.run_backward(rt.tensor_roots([loss]), grad_map=fed)
+    for param in reversed(list(ext.module.parameters())):
+        ext.reducer.grad_ready(param, fed[param])
+    averaged: dict[Any, Any] = {}
+    ext.reducer.finalize(averaged)
+    out["external"] = {n: averaged[q] for n, q in ext.module.named_parameters()}
+    out["external_left_grad_alone"] = all(q.grad is None for q in ext.module.parameters())
     dist.destroy_process_group()
     return out
 

@@ -68,6 +68,9 @@ def test_ddp_matches_one_process_training(world):
     # no_sync: three micro-batches accumulated, one all-reduce.
     same(results[0]["no_sync"], dw.oracle(3, world, micro=3)[0].state_dict())
     assert all(r["grad_is_view"] for r in results)
+    for r in results:
+        same(r["external"], oracle_grads(world))
+        assert r["external_left_grad_alone"]
 
 
 @pytest.mark.timeout(120)
