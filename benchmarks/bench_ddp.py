@@ -335,10 +335,10 @@ def main() -> None:
         )
         + "\n\nCommunication hidden under backward (rpcdist, no hook): how long a step's "
         "reductions ran (one after the other, launch to completion, mean per step), the "
-        "share of that before backward computed its last gradient, and how long the end of "
-        "backward then waited (median; includes waiting for slower ranks).\n\n"
+        "share of that before backward computed its last gradient, and how long the "
+        "reductions still took after it (median; includes waiting for slower ranks).\n\n"
         + table(
-            ["model", "p", "buckets", "reductions (ms)", "hidden", "waited at end (ms)"],
+            ["model", "p", "buckets", "reductions (ms)", "hidden", "after last gradient (ms)"],
             overlap_rows,
         )
         + "\n\nComm hooks, large model, p=2: bytes each rank sends per step, and step time.\n\n"

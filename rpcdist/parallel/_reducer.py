@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import collectives as dist
-from .._errors import AutogradError, ConfigError
+from .._errors import AutogradError, ConfigError, RpcdistError
 from .._futures import Future
 from ..nn import Parameter
 from ..tensor import AccumulateGrad, Tensor, compute_dependencies
@@ -152,6 +152,7 @@ class Reducer:
         self.last_comm_s = 0.0  # reductions' run time in the last iteration ...
         self.last_hidden_s = 0.0  # ... and the part of it before backward ended
         self._times: list[list[float]] = [[0.0, 0.0] for _ in self.buckets]
+        self._last_grad_t = 0.0  # when the last gradient of this iteration came in
         ref = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(_make_hook(ref, i))
@@ -303,6 +304,7 @@ class Reducer:
             if rebind and self.as_view:
                 self.params[index].grad = Tensor(view)
         self._got[index] = True
+        self._last_grad_t = time.perf_counter()
         self._set_ready(index, 1)
 
     def _mark(self, index: int, used: bool) -> None:
@@ -338,12 +340,25 @@ class Reducer:
 
     def _launch(self, bucket: GradBucket) -> Future[Any]:
         if self.hook is None:
-            if bucket.is_last():
-                bucket._flat[bucket.plan.numel :] = xp_of(bucket._flat).asarray(
-                    self._used, dtype=bucket._flat.dtype
+            if not bucket.is_last():
+                work = dist.all_reduce(
+                    bucket._flat, dist.ReduceOp.AVG, group=self.group, async_op=True
                 )
-            work = dist.all_reduce(bucket._flat, dist.ReduceOp.AVG, group=self.group, async_op=True)
-            return future_of(work)
+                return future_of(work)
+            # The last bucket is complete only once every gradient is in:
+            # nothing is left to overlap with, so reduce it on this thread
+            # (no hand-off to the group's thread and back), flags included.
+            bucket._flat[bucket.plan.numel :] = xp_of(bucket._flat).asarray(
+                self._used, dtype=bucket._flat.dtype
+            )
+            done: Future[Any] = Future()
+            try:
+                dist.all_reduce(bucket._flat, dist.ReduceOp.AVG, group=self.group)
+            except RpcdistError as e:  # raised from finalize(), like the others
+                done.set_exception(e)
+            else:
+                done.set_result(bucket._flat)
+            return done
         fut = self.hook(self.hook_state, bucket)
         if isinstance(fut, dist.Work):
             fut = fut.get_future()
@@ -391,8 +406,9 @@ class Reducer:
         except BaseException:
             self._reset()
             raise
-        self.last_wait_s = time.perf_counter() - t0
-        self._account(t0)
+        end_of_backward = self._last_grad_t if self._marked_any else t0
+        self.last_wait_s = time.perf_counter() - end_of_backward
+        self._account(end_of_backward)
         lenient = self.find_unused or self.static_graph
         if counts is not None and not lenient:
             bad = [i for i in range(n) if counts[i] != self.expected]
@@ -413,7 +429,8 @@ class Reducer:
         """How long the reductions ran, and how much of that under backward.
 
         Reductions on a group run one at a time, so bucket ``b`` runs from
-        its launch (or the previous bucket's end, if later) to its end.
+        its launch (or the previous bucket's end, if later) to its end; the
+        part before the last gradient came in ran under backward.
         """
         comm = hidden = 0.0
         prev = 0.0
@@ -494,10 +511,11 @@ class Reducer:
     def statistics(self) -> dict[str, Any]:
         """Buckets, iterations, and timings of the last iteration.
 
-        ``ddp_last_wait_s``: how long the end of backward waited for the
-        reductions; ``ddp_last_comm_s``: how long the reductions ran (one
+        ``ddp_last_wait_s``: how long the reductions still took after the
+        last gradient came in (communication not hidden); ``ddp_last_comm_s``: how long the reductions ran (one
         after the other, from launch to completion); ``ddp_last_hidden_s``:
-        the part of that before the end of backward (hidden under it).
+        the part of that before the last gradient came in (hidden under
+        backward).
         """
         return {
             "ddp_buckets": len(self.buckets),

@@ -9,7 +9,7 @@ import pytest
 
 import rpcdist.tensor as rt
 from rpcdist import AutogradError
-from rpcdist.tensor import Tensor, run_backward, tensor_roots
+from rpcdist.tensor import GraphTask, Tensor, run_backward, tensor_roots
 from rpcdist.tensor._engine import current_graph_task, queue_callback
 
 
@@ -33,25 +33,21 @@ def test_callback_queued_by_a_hook_runs_once_after_every_leaf() -> None:
 def test_callbacks_run_in_order_and_may_queue_more() -> None:
     w = rt.tensor([1.0], requires_grad=True)
     order: list[int] = []
+    tasks: list[GraphTask | None] = []
 
     def first() -> None:
         order.append(1)
-        queue_later = current_graph_task()
-        assert queue_later is None  # the walk is over: no task is running here
-        task.queue_callback(lambda: order.append(3))
+        assert current_graph_task() is None  # the walk is over
+        task = tasks[0]
+        assert task is not None
+        task.queue_callback(lambda: order.append(3))  # runs after the ones queued before
 
     def hook(t: Tensor) -> None:
+        tasks.append(current_graph_task())
         queue_callback(first)
         queue_callback(lambda: order.append(2))
 
     w.register_post_accumulate_grad_hook(hook)
-    task = None
-
-    def capture(t: Tensor) -> None:
-        nonlocal task
-        task = current_graph_task()
-
-    w.register_post_accumulate_grad_hook(capture)
     (w * 2).sum().backward()
     assert order == [1, 2, 3]
 
