@@ -409,21 +409,20 @@ class Reducer:
         end_of_backward = self._last_grad_t if self._marked_any else t0
         self.last_wait_s = time.perf_counter() - end_of_backward
         self._account(end_of_backward)
+        used, shadow, got = list(self._used), self._shadow, list(self._got)
+        self._local = [False] * n
+        self._reset()  # whatever happens below, the next forward starts afresh
         lenient = self.find_unused or self.static_graph
         if counts is not None and not lenient:
             bad = [i for i in range(n) if counts[i] != self.expected]
             if bad:
-                used, shadow = list(self._used), self._shadow
-                self._reset()
                 raise_unused(self, bad, counts, used, shadow)
         skip = self._skipped(counts, lenient)
         for bucket, value in zip(self.buckets, values):
             self._write_back(bucket, value, skip, grad_map)
-        if self.static_graph and self._static_unused is None and not self._shadow:
-            self._static_unused = [i for i in range(n) if not self._got[i]]
+        if self.static_graph and self._static_unused is None and not shadow:
+            self._static_unused = [i for i in range(n) if not got[i]]
         self.iterations += 1
-        self._local = [False] * n
-        self._reset()
 
     def _account(self, end_of_backward: float) -> None:
         """How long the reductions ran, and how much of that under backward.
