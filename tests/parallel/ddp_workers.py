@@ -299,6 +299,15 @@ def unused_and_errors(rank: int, world: int, init_method: str) -> dict[str, Any]
     lenient.module.use_extra = rank == 1
     loss_of(lenient, x, y).backward()
     out["lenient_grads"] = grads(lenient.module)
+    # no_sync: rank 1 uses ``extra`` in the first micro-batch only; the
+    # synchronised one uses it nowhere, yet rank 1's accumulated gradient counts.
+    acc = DDP(Branchy(rank + 1), find_unused_parameters=True)
+    for micro in (0, 1):
+        acc.module.use_extra = rank == 1 and micro == 0
+        with acc.no_sync() if micro == 0 else contextlib.nullcontext():
+            xm, ym = batch(0, rank, micro)
+            loss_of(acc, xm, ym).backward()
+    out["lenient_no_sync_grads"] = grads(acc.module)
     static = DDP(Branchy(rank + 1), static_graph=True)
     static.module.use_extra = rank == 1
     for _ in range(2):
@@ -344,9 +353,13 @@ def join_cases(rank: int, world: int, init_method: str, ckpt: str) -> dict[str, 
     out: dict[str, Any] = {}
     sgd = lambda ps: optim.SGD(ps, lr=0.1)  # noqa: E731
 
-    def joined(batches: Sequence[int], group: Any = None, zero: bool = False, **kw: Any) -> Any:
+    def joined(
+        batches: Sequence[int], group: Any = None, zero: bool = False, hook: Any = None, **kw: Any
+    ) -> Any:
         me = dist.get_rank(group)
         model = DDP(mlp(rank + 1), process_group=group)
+        if hook is not None:
+            model.register_comm_hook(*hook)
         if zero:
             o: Any = ZeroRedundancyOptimizer(
                 model.parameters(), optim.SGD, process_group=group, lr=0.1, momentum=0.9
@@ -365,6 +378,7 @@ def join_cases(rank: int, world: int, init_method: str, ckpt: str) -> dict[str, 
     out["join_246"] = joined([2, 4, 6])
     out["join_246_active_mean"] = joined([2, 4, 6], divide_by_initial_world_size=False)
     out["join_246_zero"] = joined([2, 4, 6], zero=True)
+    out["join_246_bf16"] = joined([2, 4, 6], hook=(None, comm_hooks.bf16_compress_hook))
     pair = dist.new_group([0, 1])
     if rank < 2:
         out["join_35"] = joined([3, 5], group=pair)

@@ -122,7 +122,16 @@ def test_unused_parameters_misuse_and_buffers():
     # a parameter nobody used keeps grad None.
     want = oracle_grads(2, dw.Branchy, flags=[False, True])
     assert want["never.weight"] is None
+    acc = dw.Branchy(1)
+    for micro in (0, 1):
+        for r in range(2):
+            acc.use_extra = r == 1 and micro == 0
+            x, y = dw.batch(0, r, micro)
+            (dw.loss_of(acc, x, y) * 0.5).backward()
+    want_acc = dw.grads(acc)
+    assert want_acc["extra.weight"] is not None and want_acc["never.weight"] is None
     for r in results:
+        same(r["lenient_no_sync_grads"], want_acc)
         same(r["lenient_grads"], want)
         same(r["static_grads"], want)
         assert "no DistributedDataParallel forward is waiting" in r["backward_twice"]
@@ -153,6 +162,13 @@ def test_join_zero_and_checkpoint_across_world_sizes(tmp_path):
     ]:
         identical(results, key)
         same(results[0][key], want[0].state_dict())
+    identical(results, "join_246_bf16")
+    same(
+        results[0]["join_246_bf16"],
+        dw.oracle(6, 3, opt=sgd, batches=[2, 4, 6])[0].state_dict(),
+        rtol=0,
+        atol=2e-2,
+    )
     pair = results[:2]
     identical(pair, "join_35")
     same(pair[0]["join_35"], dw.oracle(5, 2, opt=sgd, batches=[3, 5])[0].state_dict())
