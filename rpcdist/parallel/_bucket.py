@@ -7,9 +7,10 @@ from typing import Any
 
 from .. import collectives as dist
 from ..nn import Parameter
-from ._buckets import BucketPlan
+from ._arrays import xp_of
+from ._buckets import FIRST_BUCKET_BYTES, BucketPlan, ParamSpec, plan_buckets
 
-__all__ = ["GradBucket"]
+__all__ = ["GradBucket", "comm_overlap", "make_buckets"]
 
 
 class GradBucket:
@@ -106,3 +107,58 @@ class GradBucket:
             f"<GradBucket {self._index}: {len(self._params)} parameters, "
             f"{self._buffer.size} x {self._buffer.dtype}>"
         )
+
+
+def make_buckets(
+    params: Sequence[Parameter],
+    names: Sequence[str],
+    group: dist.ProcessGroup | None,
+    world: int,
+    cap_bytes: int,
+) -> tuple[list[GradBucket], list[tuple[int, int]]]:
+    """The buckets of a model, and each parameter's ``(bucket, position)``.
+
+    Buffers are zeroed arrays of the parameters' dtype on their device; the
+    last bucket has room for one status flag per parameter after its
+    gradients (see :mod:`._reducer`).
+    """
+    n = len(params)
+    specs = [ParamSpec(p.data.size, p.data.dtype.itemsize, (p.dtype, p.device)) for p in params]
+    plans = plan_buckets(specs, cap_bytes, FIRST_BUCKET_BYTES)
+    buckets: list[GradBucket] = []
+    where: list[tuple[int, int]] = [(0, 0)] * n
+    for b, plan in enumerate(plans):
+        last = b == len(plans) - 1
+        first = params[plan.params[0]].data
+        flat = xp_of(first).zeros(plan.numel + (n if last else 0), first.dtype)
+        buckets.append(
+            GradBucket(
+                b,
+                plan,
+                [params[i] for i in plan.params],
+                [names[i] for i in plan.params],
+                flat,
+                is_last=last,
+                process_group=group,
+                world_size=world,
+            )
+        )
+        for pos, i in enumerate(plan.params):
+            where[i] = (b, pos)
+    return buckets, where
+
+
+def comm_overlap(times: Sequence[Sequence[float]], end_of_backward: float) -> tuple[float, float]:
+    """How long reductions ran, and how much of that before ``end_of_backward`` (pure).
+
+    ``times`` holds each bucket's ``(launch, completion)`` in launch order.
+    Reductions on a group run one at a time, so a bucket's runs from its
+    launch (or the previous one's completion, if later) to its completion.
+    """
+    comm = hidden = prev = 0.0
+    for start, done in times:
+        begin = max(start, prev)
+        comm += max(0.0, done - begin)
+        hidden += max(0.0, min(done, end_of_backward) - begin)
+        prev = max(prev, done)
+    return comm, hidden

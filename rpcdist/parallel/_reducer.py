@@ -46,8 +46,7 @@ from ..nn import Parameter
 from ..tensor import AccumulateGrad, Tensor, compute_dependencies
 from ..tensor._engine import current_graph_task
 from ._arrays import future_of, group_size, host, xp_of
-from ._bucket import GradBucket
-from ._buckets import FIRST_BUCKET_BYTES, ParamSpec, plan_buckets
+from ._bucket import GradBucket, comm_overlap, make_buckets
 from ._unused import raise_unused
 
 __all__ = ["CommHook", "Reducer"]
@@ -106,31 +105,9 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
         n = len(self.params)
-        specs = [
-            ParamSpec(p.data.size, p.data.dtype.itemsize, (p.dtype, p.device)) for p in self.params
-        ]
-        plans = plan_buckets(specs, bucket_cap_bytes, FIRST_BUCKET_BYTES)
-        self.buckets: list[GradBucket] = []
-        self._where: list[tuple[int, int]] = [(0, 0)] * n
-        for b, plan in enumerate(plans):
-            last = b == len(plans) - 1
-            first = self.params[plan.params[0]].data
-            # The last bucket has room for one status flag per parameter.
-            flat = xp_of(first).zeros(plan.numel + (n if last else 0), first.dtype)
-            self.buckets.append(
-                GradBucket(
-                    b,
-                    plan,
-                    [self.params[i] for i in plan.params],
-                    [self.names[i] for i in plan.params],
-                    flat,
-                    is_last=last,
-                    process_group=group,
-                    world_size=self.world,
-                )
-            )
-            for pos, i in enumerate(plan.params):
-                self._where[i] = (b, pos)
+        self.buckets, self._where = make_buckets(
+            self.params, self.names, group, self.world, bucket_cap_bytes
+        )
         self.hook: CommHook | None = None
         self.hook_state: Any = None
         self.expected = self.world  # ranks that take part (fewer while some joined)
@@ -408,7 +385,7 @@ class Reducer:
             raise
         end_of_backward = self._last_grad_t if self._marked_any else t0
         self.last_wait_s = time.perf_counter() - end_of_backward
-        self._account(end_of_backward)
+        self.last_comm_s, self.last_hidden_s = comm_overlap(self._times, end_of_backward)
         used, shadow, got = list(self._used), self._shadow, list(self._got)
         self._local = [False] * n
         self._reset()  # whatever happens below, the next forward starts afresh
@@ -423,22 +400,6 @@ class Reducer:
         if self.static_graph and self._static_unused is None and not shadow:
             self._static_unused = [i for i in range(n) if not got[i]]
         self.iterations += 1
-
-    def _account(self, end_of_backward: float) -> None:
-        """How long the reductions ran, and how much of that under backward.
-
-        Reductions on a group run one at a time, so bucket ``b`` runs from
-        its launch (or the previous bucket's end, if later) to its end; the
-        part before the last gradient came in ran under backward.
-        """
-        comm = hidden = 0.0
-        prev = 0.0
-        for start, done in self._times:
-            begin = max(start, prev)
-            comm += max(0.0, done - begin)
-            hidden += max(0.0, min(done, end_of_backward) - begin)
-            prev = done
-        self.last_comm_s, self.last_hidden_s = comm, hidden
 
     def _counts(self) -> list[int] | None:
         """On how many ranks each parameter got a gradient (None: not known)."""

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcdist.parallel._bf16 import from_bf16, to_bf16
+from rpcdist.parallel._bucket import comm_overlap
 from rpcdist.parallel._buckets import BucketPlan, ParamSpec, plan_buckets
 from rpcdist.parallel._powersgd import _orthonormalize
 from rpcdist.parallel._zero import shard_ranges
@@ -117,3 +118,11 @@ def test_orthonormalize_makes_orthonormal_columns_and_zeroes_dependent_ones():
     zero = np.zeros((5, 2))
     _orthonormalize(zero, 0.0)
     assert not zero.any()
+
+
+def test_comm_overlap_counts_sequential_reductions_up_to_the_end_of_backward():
+    # Bucket 0 runs 1..4; bucket 1 is launched at 2 but waits for it, runs 4..6.
+    assert comm_overlap([(1.0, 4.0), (2.0, 6.0)], end_of_backward=5.0) == (5.0, 4.0)
+    # The last bucket launched after the last gradient hides nothing.
+    assert comm_overlap([(1.0, 2.0), (5.0, 7.0)], end_of_backward=5.0) == (3.0, 1.0)
+    assert comm_overlap([], 1.0) == (0.0, 0.0)
