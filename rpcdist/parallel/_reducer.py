@@ -108,6 +108,14 @@ class Reducer:
         self.buckets, self._where = make_buckets(
             self.params, self.names, group, self.world, bucket_cap_bytes
         )
+        _log.debug(
+            "DDP rank %d/%d: %d parameters in %d buckets of %s elements",
+            self.rank,
+            self.world,
+            n,
+            len(self.buckets),
+            [b.plan.numel for b in self.buckets],
+        )
         self.hook: CommHook | None = None
         self.hook_state: Any = None
         self.expected = self.world  # ranks that take part (fewer while some joined)
