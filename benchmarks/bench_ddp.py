@@ -348,7 +348,10 @@ def main() -> None:
             ["p", "Adam state (MB)", "ZeRO max rank (MB)", "ZeRO min rank (MB)", "max / Adam"],
             zero_rows,
         )
-        + "\n\nGoal: rpcdist step time at most 0.6x PyTorch DDP's for both models at p=2 and p=4."
+        + "\n\nGoal: rpcdist step time at most 0.6x PyTorch DDP's for both models at p=2 and p=4. "
+        "Where p exceeds the cores, ranks share them: communication that needs a core "
+        "cannot hide under another rank's compute, and the wait after the last gradient "
+        "includes waiting for ranks that got less CPU."
     )
     print(body)
     if not args.no_write:
