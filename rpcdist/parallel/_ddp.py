@@ -84,7 +84,6 @@ class DistributedDataParallel(Module, Joinable):
         params = list(module.named_parameters())
         buffers = list(module.named_buffers())
         lines = describe(params, "parameter") + describe(buffers, "buffer")
-        lines += [f"requires_grad {n} {p.requires_grad}" for n, p in params]
         check_same_model(lines, process_group, _WHAT)
         broadcast_tensors([p for _, p in params] + [b for _, b in buffers], 0, process_group)
         self._buffer_list = [b for _, b in buffers]

@@ -23,8 +23,11 @@ __all__ = ["broadcast_tensors", "check_same_model", "describe"]
 
 
 def describe(named: Sequence[tuple[str, Tensor]], kind: str) -> list[str]:
-    """One line per tensor: ``kind name shape dtype device``."""
-    return [f"{kind} {name} {t.shape} {t.dtype} {t.device}" for name, t in named]
+    """One line per tensor: ``kind name shape dtype device requires_grad``."""
+    return [
+        f"{kind} {name} {t.shape} {t.dtype} {t.device} requires_grad={t.requires_grad}"
+        for name, t in named
+    ]
 
 
 def check_same_model(lines: list[str], group: dist.ProcessGroup | None, what: str) -> None:

@@ -332,6 +332,9 @@ def unused_and_errors(rank: int, world: int, init_method: str) -> dict[str, Any]
     out["mismatch_count"] = _error(
         lambda: DDP(mlp(1) if rank == 0 else nn.Sequential(*list(mlp(1))[:3]))
     )
+    frozen = mlp(1)
+    next(iter(frozen.parameters())).requires_grad = rank == 0
+    out["mismatch_frozen"] = _error(lambda: DDP(frozen))
     out["bad_cap"] = _error(lambda: DDP(mlp(1), bucket_cap_mb=0))
 
     # Buffers: rank 0's at every forward (or left alone).

@@ -140,6 +140,10 @@ def test_unused_parameters_misuse_and_buffers():
         assert r["mismatch"].startswith("ConfigError") and "differs across ranks" in r["mismatch"]
         assert "(16, 6)" in r["mismatch"] and "(17, 6)" in r["mismatch"]
         assert r["mismatch_count"].startswith("ConfigError")
+        assert (
+            "requires_grad=True" in r["mismatch_frozen"]
+            and "requires_grad=False" in r["mismatch_frozen"]
+        )
         assert "bucket_cap_mb" in r["bad_cap"]
     for rank, r in enumerate(results):
         np.testing.assert_array_equal(r["buffer_True"], [2.0] * 3)
