@@ -8,7 +8,14 @@ import inspect
 import pytest
 
 PUBLIC = ["rpcdist", "rpcdist.functions", "rpcdist.futures", "rpcdist.launch", "rpcdist.testing"]
-OPTIONAL = ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist.collectives"]
+OPTIONAL = [
+    "rpcdist.tensor",
+    "rpcdist.nn",
+    "rpcdist.optim",
+    "rpcdist.collectives",
+    "rpcdist.parallel",
+    "rpcdist.parallel.comm_hooks",
+]
 
 
 @pytest.mark.parametrize("modname", PUBLIC + OPTIONAL)

@@ -83,6 +83,8 @@ def backward(
 ) -> None:
     """Differentiate ``tensors`` and accumulate into the leaves.
 
+    Callbacks that hooks queued with ``queue_callback`` run before it returns.
+
     Args:
         tensors: One output or a sequence of outputs.
         grad_tensors: Gradient(s) with respect to the outputs (see
@@ -103,3 +105,4 @@ def backward(
     roots = tensor_roots(list(tensors), grad_tensors)
     task = GraphTask([n for n, _ in roots], grad_map=grad_map, retain_graph=retain_graph)
     task.execute(roots)
+    task.run_final_callbacks()

@@ -15,6 +15,11 @@ distributed autograd are both thin users of it:
    ``.grad`` is left alone.
 4. Nodes of ``callback_kinds`` (by default :class:`RecvFunction`) are not
    applied: ``callback(node, grads)`` receives their gradients instead.
+5. Code running inside a pass (a hook) may :func:`queue_callback` a function
+   to run once the pass is over: ``Tensor.backward`` runs them after the
+   walk; a caller that feeds a task in several calls runs them itself with
+   :meth:`GraphTask.run_final_callbacks` (data parallelism waits for its
+   gradient all-reduces there).
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ from ._node import AccumulateGrad, Node, RecvFunction
 if TYPE_CHECKING:
     from ._tensor import Tensor
 
-__all__ = ["GraphTask", "compute_dependencies", "run_backward"]
+__all__ = [
+    "GraphTask",
+    "compute_dependencies",
+    "current_graph_task",
+    "queue_callback",
+    "run_backward",
+]
 
 #: ``(node, grads)``: gradients for a node's outputs (a list with one entry,
 #: array or None, per output; a bare array for a single-output node).
@@ -41,6 +52,32 @@ NodeCallback = Callable[[Node, list[Any]], None]
 
 
 _GRAD_LOCK = threading.Lock()
+#: Per thread, the tasks whose nodes this thread is running (innermost last).
+_RUNNING = threading.local()
+
+
+def current_graph_task() -> GraphTask | None:
+    """The backward pass whose nodes (and hooks) this thread is running, if any."""
+    stack: list[GraphTask] | None = getattr(_RUNNING, "stack", None)
+    return stack[-1] if stack else None
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` once the backward pass this thread is running is over.
+
+    Meant for hooks: a post-accumulate-grad hook that launched work can
+    queue a callback that waits for it. Callbacks run in the order queued,
+    on the thread that finishes the pass, and only if the pass succeeded.
+
+    Raises:
+        AutogradError: no backward pass is running in this thread.
+    """
+    task = current_graph_task()
+    if task is None:
+        raise AutogradError(
+            "queue_callback() must be called while a backward pass runs (from a hook)"
+        )
+    task.queue_callback(fn)
 
 
 def compute_dependencies(start_nodes: Iterable[Node]) -> dict[Node, int]:
@@ -151,6 +188,32 @@ class GraphTask:
         self._deps = compute_dependencies(start_nodes)
         self._buffers: dict[Node, _Buffer] = {}
         self._lock = threading.Lock()
+        self._final_callbacks: list[Callable[[], None]] = []
+
+    def queue_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` when :meth:`run_final_callbacks` is called (end of the pass)."""
+        with self._lock:
+            self._final_callbacks.append(fn)
+
+    def run_final_callbacks(self) -> None:
+        """Run, in order, the callbacks queued for the end of this pass.
+
+        ``Tensor.backward`` calls it after the walk; whoever feeds a task in
+        several :meth:`execute` calls (distributed autograd) calls it once the
+        whole pass is over. Callbacks queued meanwhile run too; the first one
+        that raises stops the rest (they are dropped).
+        """
+        while True:
+            with self._lock:
+                if not self._final_callbacks:
+                    return
+                fn = self._final_callbacks.pop(0)
+            try:
+                fn()
+            except BaseException:
+                with self._lock:
+                    self._final_callbacks.clear()
+                raise
 
     def pending(self) -> list[Node]:
         """Nodes holding some gradient but still waiting for more inputs."""
@@ -188,7 +251,14 @@ class GraphTask:
                         buf.add(nr, g, False)
                 if deps == 0 and node not in ready:
                     ready.append(node)
-        self._run(ready)
+        stack: list[GraphTask] | None = getattr(_RUNNING, "stack", None)
+        if stack is None:
+            stack = _RUNNING.stack = []
+        stack.append(self)
+        try:
+            self._run(ready)
+        finally:
+            stack.pop()
 
     def _run(self, ready: list[Node]) -> None:
         deps, buffers, lock = self._deps, self._buffers, self._lock
