@@ -28,6 +28,7 @@ usual case: parameter servers, pipelines) cost no extra message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -137,8 +138,10 @@ def _task(agent: Agent, ctx: DistContext, st: PassState, unreached: set[DistSend
             "that walks a graph again"
         )
     starts = [*st.roots, *(s for s in ctx.sends.values() if s not in unreached)]
+    leaf_done = functools.partial(_leaf_done, ctx) if ctx.reducers else None
     task = GraphTask(starts, grad_map=ctx.grads, callback=_make_callback(agent, ctx, st),
-                     retain_graph=st.retain, eager_leaves=True)  # fmt: skip
+                     retain_graph=st.retain, eager_leaves=True,
+                     leaf_done=leaf_done)  # fmt: skip
     if not st.retain:
         ctx.freed_by = f"pass {st.key[1]} started by rank {st.key[0]}"
     return task
@@ -206,9 +209,31 @@ def backward_blocking(
     unreached = {s for s in overlapping if isinstance(s, DistSend) and not _ask(agent, ctx, st, s)}
     task = st.task = _task(agent, ctx, st, unreached)
     out: list[Future[Any]] = []
-    _execute(task, _merge(seeds), out)
-    for fut in out:
-        fut.wait()
+    try:
+        _execute(task, _merge(seeds), out)
+        for fut in out:
+            fut.wait()
+    finally:
+        reducers, ctx.reducers = ctx.reducers, []
+    for reducer in reducers:  # DDP inside the pass: average, into the context
+        _finish_ddp(ctx, reducer)
+
+
+def _leaf_done(ctx: DistContext, leaf: Tensor) -> None:
+    """A leaf's gradient is final: DDP reducers that hold it may reduce its bucket."""
+    for reducer in ctx.reducers:
+        if reducer.holds(leaf) and not reducer.is_ready(leaf):
+            reducer.grad_ready(leaf, ctx.grads[leaf])
+
+
+def _finish_ddp(ctx: DistContext, reducer: Any) -> None:
+    """End a DDP iteration inside a pass: hand over the gradients that only
+    became final at its end, then let the reducer average into the context."""
+    for p in reducer.params:
+        g = ctx.grads.get(p)
+        if g is not None and not reducer.is_ready(p):
+            reducer.grad_ready(p, g)
+    reducer.finalize(ctx.grads)
 
 
 def _ones(t: Tensor) -> Any:

@@ -136,6 +136,10 @@ class DistContext:
         self.released = False
         #: When its creator was found lost (``time.monotonic()``), for the lease.
         self.orphaned_at: float | None = None
+        #: DDP reducers whose forward ran in this context here: a backward
+        #: pass rooted here feeds them the parameters' gradients as they
+        #: become final and has them write the averages into ``grads``.
+        self.reducers: list[Any] = []
 
     def next_pass(self) -> int:
         return next(self._pass_numbers)

@@ -116,6 +116,7 @@ class DistributedDataParallel(Module, Joinable):
             expected, scale = self._participation(active)
             self.reducer.active = active
             self.reducer.prepare(out, expected=expected, scale=scale)
+            _join_autograd_context(self.reducer)
         elif grad_on:
             self.reducer.begin_local()
         return out
@@ -224,3 +225,17 @@ class _DDPJoinHook(JoinHook):
         broadcast_tensors(tensors, int(src[0]), ddp.process_group)
         ddp.reducer.active = None
         ddp._divide_by_initial_world_size = True
+
+
+def _join_autograd_context(reducer: Any) -> None:
+    """Inside ``rpcdist.autograd.context()``: the distributed backward rooted
+    here feeds this reducer (gradients go to the context, not ``.grad``)."""
+    from ..autograd._context import CURRENT
+
+    context_id = CURRENT.get()
+    if context_id is None:
+        return
+    from .._rpc._context import current_agent
+    from ..autograd._extension import ext
+
+    ext(current_agent()).context(context_id).reducers.append(reducer)

@@ -265,6 +265,15 @@ class Reducer:
             raise ConfigError(f"grad_ready: {param!r:.60} is not a parameter of this DDP model")
         self._grad_ready(index, grad, rebind=False)
 
+    def holds(self, param: Tensor) -> bool:
+        """Whether ``param`` is one of this model's (reduced) parameters."""
+        return id(param) in self._position
+
+    def is_ready(self, param: Tensor) -> bool:
+        """Whether ``param``'s gradient for this iteration was taken."""
+        index = self._position.get(id(param))
+        return index is not None and self._ready[index]
+
     def _grad_ready(self, index: int, grad: Any, rebind: bool) -> None:
         if self._state is not _ARMED:
             raise AutogradError(

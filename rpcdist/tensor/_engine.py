@@ -158,6 +158,9 @@ class GraphTask:
             leaf then never waits: distributed autograd uses it so that a
             parameter shared by several sent tensors gets its gradient even
             when some of them get none in a pass. Needs ``grad_map``.
+        leaf_done: With ``eager_leaves``: called with each leaf tensor once
+            every counted gradient for it has been summed into ``grad_map``
+            (its gradient is final for this task), e.g. for DDP's reducer.
 
     Each task has its own dependency counts and gradient buffers, so tasks in
     different threads never mix. After a node fails, the task is abandoned.
@@ -177,9 +180,11 @@ class GraphTask:
         callback_kinds: tuple[type[Node], ...] = (RecvFunction,),
         retain_graph: bool = False,
         eager_leaves: bool = False,
+        leaf_done: Callable[[Tensor], None] | None = None,
     ) -> None:
         if eager_leaves and grad_map is None:
             raise AutogradError("GraphTask(eager_leaves=True) needs a grad_map")
+        self.leaf_done = leaf_done
         self.grad_map = grad_map
         self.callback = callback
         self.callback_kinds = callback_kinds
@@ -300,7 +305,7 @@ class GraphTask:
                     )
             if not self.retain_graph:
                 node.release()
-            leaves: list[tuple[AccumulateGrad, Any, bool]] = []
+            leaves: list[tuple[AccumulateGrad, Any, bool, bool]] = []
             with lock:
                 for i, edge in enumerate(edges):
                     if edge is None:
@@ -308,9 +313,11 @@ class GraphTask:
                     child, nr = edge
                     g = outs[i]
                     if eager and type(child) is AccumulateGrad:
-                        if g is not None:
-                            leaves.append((child, g, _is_fresh(g, grads, outs, i)))
-                        deps[child] -= 1
+                        d = deps[child] - 1
+                        deps[child] = d
+                        if g is not None or d == 0:
+                            fresh = g is not None and _is_fresh(g, grads, outs, i)
+                            leaves.append((child, g, fresh, d == 0))
                         continue
                     if g is not None:
                         b = buffers.get(child)
@@ -325,8 +332,11 @@ class GraphTask:
                         raise AutogradError(
                             f"a gradient reached {child.name()} after it had already run"
                         )
-            for leaf, g, fresh in leaves:  # outside the lock: it takes it itself
-                self._accumulate(leaf, g, fresh)
+            for leaf, g, fresh, last in leaves:  # outside the lock: it takes it itself
+                if g is not None:
+                    self._accumulate(leaf, g, fresh)
+                if last and self.leaf_done is not None:
+                    self.leaf_done(leaf.variable)
 
     def _accumulate(self, node: AccumulateGrad, g: Any, owned: bool) -> None:
         Tensor = _tensor.Tensor
