@@ -279,17 +279,47 @@ def timed(step: Any, iters: int, warmup: int) -> list[float]:
     return out
 
 
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def footprint() -> tuple[float, int]:
+    """``(RSS MB, live autograd contexts)`` of the worker running it."""
+    import rpcdist
+
+    return rss_mb(), rpcdist.statistics()["autograd_contexts"]
+
+
 def rd_worker(rank: int, world: int, init: str, plan: list[tuple[str, int, int]], q: Any) -> None:
-    """An rpcdist worker; rank 0 runs ``plan`` and puts the timings on ``q``."""
+    """An rpcdist worker; rank 0 runs ``plan`` and puts the timings on ``q``.
+
+    A plan entry ``("leak", n, warmup)`` runs ``ps-tiny`` n times and reports
+    every worker's RSS and live contexts before and after.
+    """
+    import gc
+
     import rpcdist
 
     names = ["trainer", "ps1", "ps2"]
     rpcdist.init_rpc(names[rank], rank=rank, world_size=world, init_method=init,
                      options=rpcdist.RpcOptions(token=None))  # fmt: skip
     if rank == 0:
-        out = {}
+        out: dict[str, Any] = {}
         for name, iters, warmup in plan:
-            out[name] = timed(rd_iteration_fn(name, True), iters, warmup)
+            if name != "leak":
+                out[name] = timed(rd_iteration_fn(name, True), iters, warmup)
+                continue
+            step = rd_iteration_fn("ps-tiny", True)
+            for _ in range(warmup):
+                step()
+            gc.collect()
+            before = [rpcdist.rpc_sync(w, footprint) for w in names]
+            for _ in range(iters):
+                step()
+            gc.collect()
+            out["leak"] = (before, [rpcdist.rpc_sync(w, footprint) for w in names])
         q.put(out)
     rpcdist.shutdown()
 

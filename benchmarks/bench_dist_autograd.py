@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--leak-iters", type=int, default=10_000,
+                    help="ps-tiny iterations of the memory check (0: skip)")  # fmt: skip
     a = ap.parse_args()
     wl.single_thread_env()
     iters = {"ps-tiny": 300, "ps-mlp": 100, "rnn": 20} if not a.quick else {
@@ -88,7 +90,13 @@ def main() -> int:
         for name, xs in got.items():
             runs.setdefault(kind, {}).setdefault(name, []).append(median(xs))
 
+    leak: Any = None
     with tempfile.TemporaryDirectory() as tmp:
+        if a.leak_iters:
+            got = _run_job(
+                wl.rd_worker, lambda: f"file://{tmp}/leak", [("leak", a.leak_iters, 1000)]
+            )
+            leak = got["leak"]
         for rep in range(a.repeats):
             init = f"file://{tmp}/rdv{rep}"
             add("rpcdist", _run_job(wl.rd_worker, lambda i=init: i, plan))
@@ -111,6 +119,23 @@ def main() -> int:
                "rpcdist alone", "PyTorch alone", "rpcdist us/crossing",
                "PyTorch us/crossing"]  # fmt: skip
     body = table(headers, rows)
+    if leak is not None:
+        names = ["trainer", "ps1", "ps2"]
+        leak_rows = [[n, b[0], e[0], e[0] - b[0], e[1]] for n, b, e in zip(names, *leak)]
+        body += (
+            f"\n\nMemory after {a.leak_iters:,} more ps-tiny iterations (each opening and "
+            "releasing a context on every worker), after 1,000 to warm up:\n\n"
+            + table(
+                [
+                    "worker",
+                    "RSS before (MB)",
+                    "RSS after (MB)",
+                    "growth (MB)",
+                    "live contexts after",
+                ],
+                leak_rows,
+            )  # fmt: skip
+        )
     print(body)
     if not a.no_write:
         intro = (__doc__ or "").split("\n\n", 1)[1].rsplit("\n\nRun:", 1)[0]
