@@ -134,7 +134,7 @@ def main() -> int:
                     "live contexts after",
                 ],
                 leak_rows,
-            )  # fmt: skip
+            )
         )
     print(body)
     if not a.no_write:
