@@ -20,9 +20,16 @@ Run: ``.venv/bin/python benchmarks/bench_dist_autograd.py [--quick] [--repeats N
 
 from __future__ import annotations
 
+import os
+
+# One compute thread per process, for both frameworks, set before NumPy and
+# torch load their BLAS (an oversubscribed OpenBLAS spins: measured 100x slower
+# steps when this was set after the import).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
 import argparse
 import multiprocessing as mp
-import os
 import socket
 import sys
 import tempfile

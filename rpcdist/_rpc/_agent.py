@@ -357,6 +357,34 @@ class Agent:
         """Call ``func(*args, **kwargs)`` on ``to`` and wait; see ``rpcdist.rpc_sync``."""
         self._lt.check_not_loop_thread("rpc_sync()")
         peer, msg = self._user_call(to, func, args, kwargs, timeout)
+        return self._wait_for(peer, msg)
+
+    def call_blocking(
+        self,
+        to: str | int | WorkerInfo,
+        method: str,
+        payload: Any,
+        *,
+        deadline: float | None,
+        meta: Meta | _Auto | None = AUTO,
+        internal: bool = False,
+        label: str = "",
+        where: tuple[Any, Any] | None = None,
+    ) -> Any:
+        """:meth:`call` and wait for the reply's value, on a thread-driven link
+        when the call qualifies (see ``_sync_calls``).
+
+        Raises:
+            WrongThreadError: called on the agent's loop thread.
+            Exception: what the call raised (see :meth:`call` and ``rpc_sync``).
+        """
+        self._lt.check_not_loop_thread(f"a blocking call of {method!r}")
+        peer = self.worker(to)
+        msg = self.request(peer, method, payload, deadline=deadline, meta=meta,
+                           internal=internal, label=label, where=where)  # fmt: skip
+        return self._wait_for(peer, msg)
+
+    def _wait_for(self, peer: WorkerInfo, msg: OutMessage) -> Any:
         if self.sync.eligible(msg):
             got = self.sync.call(peer, msg)
             if got is not NOT_TAKEN:

@@ -44,10 +44,13 @@ Make = Callable[..., "RRef[Any]"]
 
 def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | None, what: str,
                args: Any = (), kwargs: Any = None, internal: bool = True,
-               meta: Any = AUTO) -> Future[Any]:  # fmt: skip
+               meta: Any = AUTO, blocking: bool = False) -> Future[Any]:  # fmt: skip
     """Send ``method`` (an internal method, or a function for ``internal=False``)
     to the owner of ``rref``, with ``deadline``; a Future of the reply.
     ``meta``: the call's named fields (default: this thread's or task's).
+    ``blocking``: the caller waits for the reply anyway: a confirmed RRef's
+    call is made on this thread (a thread-driven link when it qualifies) and
+    the Future returned is complete.
 
     The reply's transport failures become OwnerLostError; a pending ``rref``
     that fails meanwhile (remote() timed out, owner lost) fails it at once.
@@ -56,6 +59,19 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     agent = ctx.agent
     if rref._owner in ctx.lost:
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
+    confirmed = rref._confirmed
+    if blocking and (confirmed is None or confirmed.done()):
+        reply: Future[Any] = Future()
+        try:
+            value = agent.call_blocking(rref._owner, method, payload, deadline=deadline,
+                                        internal=internal, where=(args, kwargs), meta=meta)  # fmt: skip
+        except BaseException as e:
+            reply.set_exception(e)
+        else:
+            reply.set_result(value)
+        return reply.then(
+            functools.partial(_from_owner, ctx, rref._owner, f"{what} on RRef {rref._rid}", [])
+        )
     reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
                        where=(args, kwargs), meta=meta)  # fmt: skip
     # The reply's callback holds ``rref`` (so its fork) alive until the reply.

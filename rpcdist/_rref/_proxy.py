@@ -40,7 +40,7 @@ class RRefProxy:
             if self._mode == "async":
                 return rref._invoke(name, args, kwargs, self._timeout)
             rref._ctx.agent.check_not_loop_thread(f"rref.rpc_sync().{name}()")
-            return rref._invoke(name, args, kwargs, self._timeout).wait()
+            return rref._invoke(name, args, kwargs, self._timeout, blocking=True).wait()
 
         call.__name__ = call.__qualname__ = name
         return call

@@ -274,16 +274,18 @@ class RRef(Generic[T]):
         return RRefProxy(self, "remote", timeout)
 
     def _invoke(
-        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None
-    ) -> Future[Any]:
+        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None,
+        blocking: bool = False,
+    ) -> Future[Any]:  # fmt: skip
         self._check(f"proxy call {name}()")
         deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
         what = f"{name}()"
         if self._plain is not None and name in self._plain:  # the pool fast path
             call: Any = ((*self._rid, name, list(args), kwargs), {})
-            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, False)
+            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, False,
+                              blocking=blocking)  # fmt: skip
         payload = [*self._rid, name, list(args), kwargs]
-        reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs)
+        reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs, blocking=blocking)
         return reply.then(functools.partial(_invoked, self, name))
 
     def _remote_method(

@@ -6,7 +6,7 @@ from typing import Any, Generic, TypeVar
 
 from .._errors import ConfigError
 from .._futures import Future
-from .._rpc._api import rpc_async, rpc_sync
+from .._rpc._api import rpc_sync
 from .._rpc._context import current_agent
 from .._rref._rref import RRef
 from .._serialization import resolve_function
@@ -25,10 +25,6 @@ def _make(cls_name: str, args: list[Any], kwargs: dict[str, Any]) -> RRef[Module
             f"RemoteModule: {cls_name} made a {type(module).__name__}, not an rpcdist.nn.Module"
         )
     return RRef(module)
-
-
-def _forward(module: RRef[Module], args: list[Any], kwargs: dict[str, Any]) -> Any:
-    return module.local_value()(*args, **kwargs)
 
 
 def _parameters(module: RRef[Module], recurse: bool) -> list[RRef[Any]]:
@@ -66,13 +62,16 @@ class RemoteModule(Generic[M]):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result (blocking)."""
-        return rpc_sync(self.owner, _forward, args=(self.module_rref, list(args), kwargs))
+        # Through the RRef's proxy: the call names the module by its id (no
+        # RRef fork per call) and, once known to be plain, takes the fast path.
+        return self.module_rref.rpc_sync().forward(*args, **kwargs)
 
     __call__ = forward
 
     def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """:meth:`forward`, returning a Future (awaitable)."""
-        return rpc_async(self.owner, _forward, args=(self.module_rref, list(args), kwargs))
+        fut: Future[Any] = self.module_rref.rpc_async().forward(*args, **kwargs)
+        return fut
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[Any]]:
         """RRefs to the module's parameters, for a ``DistributedOptimizer``."""

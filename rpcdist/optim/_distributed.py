@@ -20,7 +20,7 @@ from typing import Any
 
 from .._errors import AutogradError, ConfigError
 from .._futures import Future
-from .._rpc._api import rpc_async, rpc_sync
+from .._rpc._api import rpc_async
 from .._rpc._context import current_agent
 from .._rref._rref import RRef
 from .._serialization import resolve_function
@@ -32,12 +32,41 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _Local:
-    """An owner's optimizer over its parameters, with a lock."""
+    """An owner's optimizer over its parameters, with a lock. Its methods are
+    called through the owner RRef's proxy (by id: no RRef fork per call)."""
 
     def __init__(self, optimizer: Any, params: list[Tensor]) -> None:
         self.optimizer = optimizer
         self.params = params
         self.lock = threading.Lock()
+
+    def step(self, context_id: int, hyper: dict[str, Any] | None, scale: float | None) -> None:
+        grads = _grads(context_id)
+        with self.lock:
+            if hyper:
+                for group in self.optimizer.param_groups:
+                    group.update(hyper)
+            if scale is not None:
+                grads = {p: g * scale for p, g in grads.items()}
+            self.optimizer.step(grads=grads)
+
+    def square_norm(self, context_id: int) -> float:
+        grads = _grads(context_id)
+        total = 0.0
+        for p in self.params:
+            g = grads.get(p)
+            if g is not None:
+                total += float((g * g).sum())
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            sd: dict[str, Any] = self.optimizer.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.optimizer.load_state_dict(state)
 
 
 def _new_local(cls_name: str, rrefs: list[RRef[Tensor]], defaults: dict[str, Any]) -> RRef[_Local]:
@@ -54,43 +83,6 @@ def _grads(context_id: int) -> Mapping[Tensor, Any]:
         return get_gradients(context_id)
     except AutogradError:  # this owner took no part in the context: nothing to step with
         return {}
-
-
-def _step(local: RRef[_Local], context_id: int, hyper: dict[str, Any] | None,
-          scale: float | None) -> None:  # fmt: skip
-    opt = local.local_value()
-    grads = _grads(context_id)
-    with opt.lock:
-        if hyper:
-            for group in opt.optimizer.param_groups:
-                group.update(hyper)
-        if scale is not None:
-            grads = {p: g * scale for p, g in grads.items()}
-        opt.optimizer.step(grads=grads)
-
-
-def _square_norm(local: RRef[_Local], context_id: int) -> float:
-    opt = local.local_value()
-    grads = _grads(context_id)
-    total = 0.0
-    for p in opt.params:
-        g = grads.get(p)
-        if g is not None:
-            total += float((g * g).sum())
-    return total
-
-
-def _state_dict(local: RRef[_Local]) -> dict[str, Any]:
-    opt = local.local_value()
-    with opt.lock:
-        sd: dict[str, Any] = opt.optimizer.state_dict()
-    return sd
-
-
-def _load_state_dict(local: RRef[_Local], state: dict[str, Any]) -> None:
-    opt = local.local_value()
-    with opt.lock:
-        opt.optimizer.load_state_dict(state)
 
 
 def _wait_all(futures: list[Future[Any]]) -> list[Any]:
@@ -166,11 +158,10 @@ class DistributedOptimizer:
         """
         hyper = self._changed()
         scale = self._scale.pop(context_id, None)
-        if len(self._owners) == 1:  # a blocking call: its cheapest path
-            rpc_sync(self._owners[0], _step, args=(self._locals[0], context_id, hyper, scale))
+        if len(self._locals) == 1:  # a blocking call: its cheapest path
+            self._locals[0].rpc_sync().step(context_id, hyper, scale)
             return
-        _wait_all([rpc_async(w, _step, args=(opt, context_id, hyper, scale))
-                   for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+        _wait_all([opt.rpc_async().step(context_id, hyper, scale) for opt in self._locals])
 
     def clip_grad_norm_(self, context_id: int, max_norm: float) -> float:
         """Clip context ``context_id``'s gradients to a total 2-norm of ``max_norm``.
@@ -187,8 +178,7 @@ class DistributedOptimizer:
         """
         if not isinstance(max_norm, int | float) or max_norm <= 0:
             raise ConfigError(f"clip_grad_norm_: max_norm must be positive, got {max_norm!r}")
-        squares = _wait_all([rpc_async(w, _square_norm, args=(opt, context_id))
-                             for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+        squares = _wait_all([opt.rpc_async().square_norm(context_id) for opt in self._locals])
         total = math.sqrt(sum(squares))
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -197,8 +187,7 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Every owner's optimizer state, gathered here (for ``rpcdist.save``)."""
-        states = _wait_all([rpc_async(w, _state_dict, args=(opt,))
-                            for w, opt in zip(self._owners, self._locals)])  # fmt: skip
+        states = _wait_all([opt.rpc_async().state_dict() for opt in self._locals])
         return {
             "optimizer": self._class_name,
             "owners": [w.name for w in self._owners],
@@ -223,8 +212,8 @@ class DistributedOptimizer:
                 f"DistributedOptimizer.load_state_dict: saved for {state_dict.get('optimizer')}, "
                 f"this one is {self._class_name}"
             )
-        _wait_all([rpc_async(w, _load_state_dict, args=(opt, st))
-                   for w, opt, st in zip(self._owners, self._locals, state_dict["states"])])  # fmt: skip
+        _wait_all([opt.rpc_async().load_state_dict(st)
+                   for opt, st in zip(self._locals, state_dict["states"])])  # fmt: skip
         self.param_groups = [dict(g) for g in state_dict["param_groups"]]
         self._sent = {}  # send every hyperparameter with the next step
 
