@@ -12,6 +12,7 @@ agent's loop unless a method says otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,6 +32,7 @@ __all__ = [
     "OnMessage",
     "Peer",
     "Transport",
+    "TransportBase",
     "Validate",
     "segment_writer",
 ]
@@ -210,6 +212,25 @@ class Transport(Protocol):
 
     async def stop(self, grace: float) -> None:
         """Stop listening and end what :meth:`serve` handed out."""
+
+
+class TransportBase:
+    """What every transport keeps: its loop, options and this worker's identity."""
+
+    name = ""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
+                 name: str) -> None:  # fmt: skip
+        self._loop = loop
+        self._options = options
+        self._rank = rank
+        self._name = name
+        self._validate: Validate | None = None
+        self._accept: Accept | None = None
+
+    def rename(self, name: str) -> None:
+        """This worker's name changed (it is presented to every peer it dials)."""
+        self._name = name
 
 
 def segment_writer(options: RpcOptions) -> SegmentWriter | None:

@@ -27,7 +27,7 @@ from .._errors import (
     WorkerLostError,
 )
 from .._options import RpcOptions
-from ._base import Accept, Hooks, Link, Peer, Validate, segment_writer
+from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
 from ._frames import pack_batch
 
 __all__ = ["GrpcLink", "GrpcTransport", "translate_rpc_error"]
@@ -164,7 +164,7 @@ class GrpcLink(Link):
                 raise exc
 
 
-class GrpcTransport:
+class GrpcTransport(TransportBase):
     """gRPC streams: one server per agent, one bidirectional stream per peer;
     TLS (mutual) when the options name certificates."""
 
@@ -172,18 +172,9 @@ class GrpcTransport:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
                  name: str) -> None:  # fmt: skip
-        self._loop = loop
-        self._options = options
-        self._rank = rank
-        self._name = name
+        super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
         self._server: grpc.aio.Server | None = None
-        self._validate: Validate | None = None
-        self._accept: Accept | None = None
-
-    def rename(self, name: str) -> None:
-        """This worker's name changed (it is presented on every stream)."""
-        self._name = name
 
     async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
         """Bind to ``listen_host`` on a port picked by the OS and start serving.

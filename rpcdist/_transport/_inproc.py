@@ -21,7 +21,7 @@ from typing import Any
 
 from .._errors import ConnectError, WorkerLostError
 from .._options import RpcOptions
-from ._base import Accept, Hooks, Link, Peer, Validate
+from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate
 from ._frames import InMessage, OutMessage
 
 __all__ = ["InprocLink", "InprocTransport"]
@@ -135,24 +135,16 @@ class InprocLink(Link):
             self._queue.clear()
 
 
-class InprocTransport:
+class InprocTransport(TransportBase):
     """Agents of one process, linked in memory (see the module docstring)."""
 
     name = "inproc"
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
                  name: str) -> None:  # fmt: skip
-        self._loop = loop
-        self._options = options
-        self._rank = rank
-        self._name = name
+        super().__init__(loop, options, rank=rank, name=name)
         self._address = ""
-        self._validate: Validate | None = None
-        self._accept: Accept | None = None
         self._tasks: set[asyncio.Future[None]] = set()
-
-    def rename(self, name: str) -> None:
-        self._name = name
 
     async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
         self._validate, self._accept = validate, accept

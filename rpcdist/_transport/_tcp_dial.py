@@ -23,7 +23,7 @@ import msgpack
 
 from .._errors import ConnectError, ProtocolError
 from .._options import RpcOptions
-from ._base import Accept, Hooks, Link, Peer, Validate, segment_writer
+from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
 from ._tcp import MAGIC, TcpLink, split_address
 
 __all__ = ["TcpServer", "TcpTransport", "Unreachable", "tcp_connect"]
@@ -255,23 +255,16 @@ class TcpServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class TcpTransport:
+class TcpTransport(TransportBase):
     """Plain sockets: TCP between hosts, abstract Unix sockets on one host."""
 
     name = "tcp"
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
                  name: str) -> None:  # fmt: skip
-        self._loop = loop
-        self._options = options
-        self._rank = rank
-        self._name = name
+        super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
         self._server = TcpServer(loop, options, self.segments)
-
-    def rename(self, name: str) -> None:
-        """This worker's name changed (it is presented in every hello)."""
-        self._name = name
 
     @property
     def unix_name(self) -> str | None:

@@ -8,9 +8,9 @@ PyTorch's parameter names, so state dicts can be exchanged with it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._publish import lazy
 from . import functional, init
 from ._layers import GELU, Dropout, Embedding, Identity, Linear, ReLU, Sequential, Sigmoid, Tanh
 from ._lstm import LSTM
@@ -39,14 +39,5 @@ if TYPE_CHECKING:
     from ._remote import RemoteModule
 
 
-def __getattr__(name: str) -> Any:
-    # RemoteModule needs the RPC stack: loaded on first use, so that
-    # ``import rpcdist.nn`` stays a local library.
-    if name == "RemoteModule":
-        from .._publish import publish
-
-        obj = importlib.import_module("._remote", __name__).RemoteModule
-        publish(__name__, [name], {name: obj})
-        globals()[name] = obj
-        return obj
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# It needs the RPC stack: loaded on first use, so ``import rpcdist.nn`` stays local.
+__getattr__ = lazy(__name__, globals(), {"RemoteModule": "._remote"})

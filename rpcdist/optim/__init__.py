@@ -9,9 +9,9 @@ the RPC stack, so it is loaded on first use).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._publish import lazy
 from ._adam import Adam, AdamW
 from ._optimizer import Optimizer
 from ._sgd import SGD
@@ -22,12 +22,5 @@ if TYPE_CHECKING:
 __all__ = ["SGD", "Adam", "AdamW", "DistributedOptimizer", "Optimizer"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DistributedOptimizer":
-        from .._publish import publish
-
-        obj = importlib.import_module("._distributed", __name__).DistributedOptimizer
-        publish(__name__, [name], {name: obj})
-        globals()[name] = obj
-        return obj
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# It needs the RPC stack: loaded on first use, so ``import rpcdist.optim`` stays local.
+__getattr__ = lazy(__name__, globals(), {"DistributedOptimizer": "._distributed"})
