@@ -20,13 +20,13 @@ plain ones in the pool, which bounds how many run at once
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import inspect
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from .._deadline import current_deadline
@@ -209,7 +209,7 @@ async def serve(
     bind_agent(agent)  # this task runs in its own copy of the context
     current_deadline.set(deadline)
     wire = WireContext(agent, peer, meta=m.meta) if decoded is None else decoded[0]
-    scopes: contextlib.ExitStack | None = None
+    scopes: AbstractContextManager[Any] | None = None
     kind = REPLY
     try:
         if m.kind == INTERNAL:
@@ -267,7 +267,7 @@ def run_handler(
     handler scopes, encode its reply and send it (or hand it to the loop)."""
     t_agent = bind_agent(agent)
     t_deadline = current_deadline.set(m.deadline)
-    scopes: contextlib.ExitStack | None = None
+    scopes: AbstractContextManager[Any] | None = None
     try:
         _check_deadline(m.deadline, m.method, wire.peer.name)
         if agent.registry.scopes:
@@ -301,7 +301,7 @@ def reply_error_threadsafe(
 # --------------------------------------------------------------- replies
 
 
-def _exit(scopes: contextlib.ExitStack | None, exc: BaseException | None) -> None:
+def _exit(scopes: AbstractContextManager[Any] | None, exc: BaseException | None) -> None:
     if scopes is not None:
         scopes.__exit__(None if exc is None else type(exc), exc, None)
 

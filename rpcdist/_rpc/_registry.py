@@ -205,25 +205,32 @@ class Registry:
                 meta = got if meta is None else {**meta, **got}
         return meta
 
-    def enter_scopes(self, call: CallInfo) -> contextlib.ExitStack | None:
+    def enter_scopes(self, call: CallInfo) -> AbstractContextManager[Any] | None:
         """Enter every handler scope for ``call``; ``None`` when none applies.
 
-        The caller exits the returned stack (with the exception, if any)
-        once the handler has run and its reply is encoded.
+        Returns what to exit (with the exception, if any) once the handler
+        has run and its reply is encoded: the one scope entered, or a stack
+        of several.
         """
         scopes = self.scopes
         if not scopes:
             return None
-        stack: contextlib.ExitStack | None = None
+        entered: list[AbstractContextManager[Any]] = []
         try:
             for scope in scopes:
                 cm = scope(call)
                 if cm is not None:
-                    if stack is None:
-                        stack = contextlib.ExitStack()
-                    stack.enter_context(cm)
-        except BaseException:
-            if stack is not None:
-                stack.close()
+                    cm.__enter__()
+                    entered.append(cm)
+        except BaseException as e:
+            for cm in reversed(entered):
+                cm.__exit__(type(e), e, e.__traceback__)
             raise
+        if not entered:
+            return None
+        if len(entered) == 1:
+            return entered[0]
+        stack = contextlib.ExitStack()
+        for cm in entered:
+            stack.push(cm)
         return stack

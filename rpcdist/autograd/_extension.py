@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AutogradError, RpcdistError
@@ -249,13 +250,21 @@ def _clear(ctx: DistContext) -> None:
         ctx.passes.clear()
 
 
-@contextlib.contextmanager
-def _bound(context_id: int) -> Iterator[None]:
-    token = CURRENT.set(context_id)
-    try:
-        yield
-    finally:
-        CURRENT.reset(token)
+class _bound:
+    """Context ``context_id`` is current inside."""
+
+    __slots__ = ("_id", "_token")
+
+    def __init__(self, context_id: int) -> None:
+        self._id = context_id
+        self._token: contextvars.Token[int | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = CURRENT.set(self._id)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            CURRENT.reset(self._token)
 
 
 # ----------------------------------------------------------------- handlers
