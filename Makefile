@@ -5,15 +5,33 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rpcdist/v1/*.proto)
 
-.PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv
+.PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv docs docs-serve
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): rpcdist and its development tools (first run, or pyproject.toml changed)..."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The documentation tools (the `docs` extra), installed on first use of `make docs`.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	@echo "Installing the documentation tools into $(VENV) (first run only)..."
+	$(BIN)/python -m pip install -q -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+# The site, built with warnings as errors (mkdocs.yml sets strict), into build/site.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@echo "docs: open build/site/index.html (or run: make docs-serve)"
+
+# The site on http://127.0.0.1:8000, rebuilt on every change.
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 # The suite runs on the default (plain-socket) transport; the RPC, RRef and security
 # tests run once more on the gRPC-stream transport.
