@@ -6,9 +6,11 @@ A Python block whose first line names a file and the command that runs it,
 
 is a complete program: the tests write it to that file and run that command.
 A ``text`` block with ``title="output"`` right after it holds lines the run
-must print (each line of the block must be a line of the output, in any
-order; a line ``...`` stands for lines left out). Every other Python block is
-a fragment: it must at least compile.
+must print: each of its lines must be a line of the output, in any order,
+where ``...`` inside a line stands for any text (a figure that changes from
+run to run) and a line ``...`` alone for lines left out. A ``text`` block
+titled ``sample output`` is not checked. Every other Python block is a
+fragment: it must at least compile.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ def programs(path: Path) -> tuple[list[Program], list[Block]]:
 
 
 def missing_lines(expected: list[str], output: str) -> list[str]:
-    """The expected lines that are not lines of ``output`` (trailing spaces ignored)."""
-    have = {ln.rstrip() for ln in output.splitlines()}
-    return [ln for ln in expected if ln not in have]
+    """The expected lines that match no line of ``output`` (trailing spaces
+    ignored; ``...`` in an expected line matches any text)."""
+    have = [ln.rstrip() for ln in output.splitlines()]
+    missing = []
+    for want in expected:
+        pattern = re.compile(".*?".join(re.escape(part) for part in want.split("...")))
+        if not any(pattern.fullmatch(line) for line in have):
+            missing.append(want)
+    return missing

@@ -104,6 +104,9 @@ def test_extraction_reads_commands_and_expected_output(tmp_path):
     assert [f.code for f in frags] == ["x = f(1)  # a fragment\n"]
     assert docs_code.missing_lines(["[rank 0] 1", "[rank 1] 1"], "[rank 1] 1\n[rank 0] 1  \n") == []
     assert docs_code.missing_lines(["[rank 0] 2"], "[rank 0] 1\n") == ["[rank 0] 2"]
+    assert docs_code.missing_lines(["loss ..., acc ...%"], "loss 0.25, acc 91.5%\n") == []
+    assert docs_code.missing_lines(["loss ..., acc ...%"], "loss 0.25, acc 91.5\n") != []
+    assert docs_code.missing_lines(["a(1)"], "a(1) and more\n") == ["a(1)"]
 
 
 def test_a_command_that_does_not_run_its_file_is_refused(tmp_path):
