@@ -58,6 +58,11 @@ class Program:
     def id(self) -> str:
         return f"{self.block.id}({self.file})"
 
+    @property
+    def uses_torch(self) -> bool:
+        """A PyTorch program (the other side of a comparison): needs torch."""
+        return bool(re.search(r"^\s*(import|from) torch\b", self.block.code, re.MULTILINE))
+
 
 def blocks(path: Path) -> list[Block]:
     """The fenced code blocks of a Markdown file, in order."""
