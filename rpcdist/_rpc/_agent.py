@@ -262,6 +262,7 @@ class Agent:
         internal: bool = False,
         label: str = "",
         where: tuple[Any, Any] | None = None,
+        control: bool = False,
     ) -> OutMessage:
         """Encode a request for ``peer``: ``method`` with ``payload``.
 
@@ -289,7 +290,7 @@ class Agent:
             raise
         return OutMessage(
             INTERNAL if internal else CALL, method, header, buffers, deadline=deadline,
-            meta=wire.meta, label=label, undo=wire.abort,
+            meta=wire.meta, label=label, undo=wire.abort, ordered=not control,
         )  # fmt: skip
 
     def call(
@@ -303,11 +304,13 @@ class Agent:
         internal: bool = False,
         label: str = "",
         where: tuple[Any, Any] | None = None,
+        control: bool = False,
     ) -> Future[Any]:
         """Send a request (any thread); a Future of the reply's value.
 
         ``method`` is a function name (``internal=False``: a user call) or
-        an internal method; see :meth:`request` for the rest.
+        an internal method; ``control``: an idempotent control message, not
+        ordered with this agent's calls; see :meth:`request` for the rest.
 
         Raises:
             ConfigError: unknown worker.
@@ -316,7 +319,8 @@ class Agent:
         """
         peer = self.worker(to)
         msg = self.request(peer, method, payload, deadline=deadline, meta=meta,
-                           internal=internal, label=label, where=where)  # fmt: skip
+                           internal=internal, label=label, where=where,
+                           control=control)  # fmt: skip
         return self.calls.submit(peer.id, msg)
 
     def _user_call(
@@ -410,7 +414,13 @@ class Agent:
                 deadline = time.monotonic() + min(interval, max(left, 1e-3))
                 try:
                     return await self.call(
-                        dst, method, payload, deadline=deadline, meta=None, internal=True
+                        dst,
+                        method,
+                        payload,
+                        deadline=deadline,
+                        meta=None,
+                        internal=True,
+                        control=True,
                     )
                 except (RpcTimeoutError, TransportError) as e:
                     if time.monotonic() >= end or self.closed:

@@ -52,6 +52,7 @@ class _Pending:
     deadline: float | None
     timer: asyncio.TimerHandle | None
     started: float
+    ordered: bool = True
 
 
 class Calls:
@@ -62,6 +63,9 @@ class Calls:
         self._loop = agent.loop
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        #: Pending control messages (``OutMessage.ordered`` false): they hold
+        #: no user call back from a direct or thread-driven send.
+        self._unordered = 0
         #: Message ids, unique per sender (calls, p2p messages, blocking calls).
         self.ids = itertools.count(1)
         #: Calls user threads handed to the loop that it has not sent yet.
@@ -75,8 +79,21 @@ class Calls:
         return len(self._pending)
 
     def busy(self) -> bool:
-        """Whether calls are pending or queued for the loop (any thread; a hint)."""
-        return bool(self._pending or self._queued)
+        """Whether user calls are pending or queued for the loop (any thread; a hint)."""
+        return len(self._pending) > self._unordered or bool(self._queued)
+
+    def _add(self, call_id: int, p: _Pending) -> None:
+        with self._lock:
+            self._pending[call_id] = p
+            if not p.ordered:
+                self._unordered += 1
+
+    def _pop(self, call_id: int) -> _Pending | None:
+        with self._lock:
+            p = self._pending.pop(call_id, None)
+            if p is not None and not p.ordered:
+                self._unordered -= 1
+            return p
 
     def start(self) -> None:
         """Start arming sweeps (on the loop)."""
@@ -117,15 +134,14 @@ class Calls:
         if (
             link is None
             or self._queued
-            or self._pending  # calls in flight: the loop's writes coalesce them
+            or len(self._pending) > self._unordered  # in flight: the loop coalesces them
             or agent.closed
             or len(msg.header) + msg.payload_bytes > _DIRECT_CALL_BYTES
         ):
             return False
         call_id = msg.id = next(self.ids)
         now = time.monotonic()
-        with self._lock:
-            self._pending[call_id] = _Pending(fut, dst, _label(msg), msg.deadline, None, now)
+        self._add(call_id, _Pending(fut, dst, _label(msg), msg.deadline, None, now, msg.ordered))
         try:
             sent = link.try_send_now(msg)
         except RpcdistError as e:  # an injected failure
@@ -134,8 +150,7 @@ class Calls:
         if not sent:
             # Not sent; True if the link failed meanwhile and the loop has
             # already failed the call (its Future holds the error).
-            with self._lock:
-                return self._pending.pop(call_id, None) is None
+            return self._pop(call_id) is None
         agent.activity.sent_one()
         if msg.deadline is None:
             pass  # no timer to arm
@@ -146,11 +161,9 @@ class Calls:
                 self._loop.call_soon_threadsafe(self._arm, call_id)
             except RuntimeError:
                 pass  # the loop is gone: handled just below
-        if agent.closed:  # shut down meanwhile: fail_all may have missed this call
-            with self._lock:
-                p = self._pending.pop(call_id, None)
-            if p is not None:
-                fut.set_exception(ClosedError(f"agent {agent.name!r} shut down"))
+        # Shut down meanwhile: fail_all may have missed this call.
+        if agent.closed and self._pop(call_id) is not None:
+            fut.set_exception(ClosedError(f"agent {agent.name!r} shut down"))
         return True
 
     def _arm(self, call_id: int) -> None:
@@ -182,10 +195,10 @@ class Calls:
         timer = None
         if msg.deadline is not None:
             timer = self._loop.call_at(msg.deadline, self._expire, call_id)
-        with self._lock:
-            self._pending[call_id] = _Pending(
-                fut, dst, _label(msg), msg.deadline, timer, time.monotonic()
-            )
+        self._add(
+            call_id,
+            _Pending(fut, dst, _label(msg), msg.deadline, timer, time.monotonic(), msg.ordered),
+        )
         agent.activity.idle.clear()
         agent.activity.sent_one()
         try:
@@ -217,8 +230,7 @@ class Calls:
         link: Link | None = None,
     ) -> None:
         """Complete call ``call_id`` (on the loop); ``link``: its reply came in on it."""
-        with self._lock:
-            p = self._pending.pop(call_id, None)
+        p = self._pop(call_id)
         if p is None:
             return
         if p.timer is not None:

@@ -71,6 +71,9 @@ class OutMessage:
     meta: Meta | None = None
     #: What fault injection matches a call by (default: its method).
     label: str = ""
+    #: A call that keeps its order among this agent's calls (user calls);
+    #: idempotent control messages need not, so they never hold others back.
+    ordered: bool = True
     #: Called once the last byte has been copied into a stream message, after
     #: which the caller may reuse its buffers.
     on_packed: Callable[[], None] | None = None
