@@ -1,7 +1,7 @@
 """Helpers to run several workers for tests, examples and benchmarks.
 
 * :func:`local_agents` starts N agents inside this process (each with its own
-  event-loop thread), over loopback gRPC.
+  event-loop thread), linked over loopback sockets.
 * :func:`run_workers` runs a function on N worker processes (``spawn``), with
   a hard timeout; every process is killed on exit, even on failure.
 
