@@ -5,7 +5,8 @@
   navigation instead of built but linked from nowhere.
 * Docstrings use Sphinx roles in places (``:class:`Future```); in the API
   reference these render as ``:class:`` before the name, which the site
-  drops (the name stays, in code style).
+  drops (the name stays, in code style). Likewise a paragraph ending in
+  ``::`` (reST's "a literal block follows") ends in one colon.
 """
 
 from __future__ import annotations
@@ -51,4 +52,4 @@ _ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):(<code>)")
 
 
 def on_page_content(html: str, **kwargs: Any) -> str:
-    return _ROLE.sub(r"\1", html)
+    return _ROLE.sub(r"\1", html).replace("::</p>", ":</p>")

@@ -12,23 +12,17 @@ Usage::
 Each node runs one launcher, which starts ``N`` children as
 ``sys.executable script.py args`` with, in their environment:
 
-===========================  ==================================================
-``RANK``                     ``node_rank * N + local_rank``
-``LOCAL_RANK``               ``0 .. N-1``
-``WORLD_SIZE``               ``nodes * N`` (nodes of the current attempt)
-``LOCAL_WORLD_SIZE``         ``N``
-``MASTER_ADDR``              ``--master-addr`` (default ``127.0.0.1``)
-``MASTER_PORT``              the workers' store port: on one node
-                             ``--master-port`` or a free one; with several
-                             nodes a free one node 0 picks; fresh for every
-                             attempt unless given
-``RPCDIST_TOKEN``            the job token: on one node ``--token``, else
-                             ``RPCDIST_TOKEN`` from the launcher's environment,
-                             else a fresh random one; with several nodes a
-                             random one node 0 makes for the job
-``RPCDIST_RESTART_COUNT``    restarts of the job so far (0 on the first run)
-``RPCDIST_MAX_RESTARTS``     ``--max-restarts``
-===========================  ==================================================
+| variable | value |
+| --- | --- |
+| ``RANK`` | ``node_rank * N + local_rank`` |
+| ``LOCAL_RANK`` | ``0 .. N-1`` |
+| ``WORLD_SIZE`` | ``nodes * N`` (nodes of the current attempt) |
+| ``LOCAL_WORLD_SIZE`` | ``N`` |
+| ``MASTER_ADDR`` | ``--master-addr`` (default ``127.0.0.1``) |
+| ``MASTER_PORT`` | the workers' store port: on one node ``--master-port`` or a free one; with several nodes a free one node 0 picks; fresh for every attempt unless given |
+| ``RPCDIST_TOKEN`` | the job token: on one node ``--token``, else ``RPCDIST_TOKEN`` from the launcher's environment, else a fresh random one; with several nodes a random one node 0 makes for the job |
+| ``RPCDIST_RESTART_COUNT`` | restarts of the job so far (0 on the first run) |
+| ``RPCDIST_MAX_RESTARTS`` | ``--max-restarts`` |
 
 so ``rpcdist.init_rpc(name)`` with the default ``env://`` needs no rank,
 world size or address. Every line a child prints is shown with its rank in
