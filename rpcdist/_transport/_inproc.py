@@ -196,6 +196,7 @@ class InprocTransport(TransportBase):
         task: asyncio.Future[None] = asyncio.ensure_future(self._accept(rank, name, False, make))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_retrieve)
         for _ in range(3):  # accept() makes its link before it first waits
             if made:
                 break
@@ -215,3 +216,9 @@ class InprocTransport(TransportBase):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """A served link's end was dealt with by the agent: mark it retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from .._errors import ConnectError, ProtocolError
+from .._errors import ConnectError, ProtocolError, RpcdistError
 from .._options import RpcOptions
 from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
 from ._tcp import MAGIC, TcpLink, split_address
@@ -227,7 +227,10 @@ class TcpServer:
             return link
 
         assert self._accept is not None
-        await self._accept(rank, name, hello.get("sync") is True, make)
+        try:
+            await self._accept(rank, name, hello.get("sync") is True, make)
+        except RpcdistError as e:  # the link broke: the agent has dealt with it
+            _log.debug("connection from worker %r ended: %s", name, e)
 
     def _check(self, hello: dict[str, Any]) -> str | None:
         expected = self._options.token
