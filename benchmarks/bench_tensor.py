@@ -50,6 +50,16 @@ LSTM_CASES = ((64, 128), (256, 256))  # (input, hidden): the rnn workload's, the
 LM_VOCAB, LM_EMB, LM_HIDDEN, LM_SEQ, LM_BATCH = 1000, 64, 128, 35, 20
 KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 28), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+AVX512_KERNELS = {"OPENBLAS_CORETYPE": "SkylakeX"}
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 (so OpenBLAS's SkylakeX kernels can be forced)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
 
 
 def interleaved(
@@ -250,8 +260,8 @@ def lstm_pair(torch: Any, n_in: int, hidden: int) -> dict[str, Callable[[], None
 # ---------------------------------------------------------------- LM step
 
 
-def lm_pair(torch: Any) -> dict[str, Callable[[], None]]:
-    """One training step of the LM, both frameworks, same weights and data."""
+def lm_pair(torch: Any, ours_too: bool = True) -> dict[str, Callable[[], None]]:
+    """One training step of the LM, both frameworks (or PyTorch's only), same weights and data."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, LM_VOCAB, (LM_SEQ, LM_BATCH))
     target = rng.integers(0, LM_VOCAB, LM_SEQ * LM_BATCH)
@@ -270,7 +280,7 @@ def lm_pair(torch: Any) -> dict[str, Callable[[], None]]:
         loss.backward()
         opt.step()
 
-    fns = {"rpcdist": step}
+    fns = {"rpcdist": step} if ours_too else {}
     if torch is not None:
         theirs = [
             torch.nn.Embedding(LM_VOCAB, LM_EMB),
@@ -304,11 +314,11 @@ def faults_per_call(fn: Callable[[], Any], calls: int = 20) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
-def lm_child(repeats: int) -> None:
+def lm_child(repeats: int, torch_only: bool) -> None:
     """Measure the LM step in this process; print the result as JSON."""
     threads, blas = blas_threads()
     torch = import_torch(threads)
-    fns = lm_pair(torch)
+    fns = lm_pair(torch, ours_too=not torch_only)
     faults = {k: faults_per_call(f) for k, f in fns.items()}
     times = interleaved(fns, repeats, rounds=8, pause=0.3)
     out = {
@@ -321,9 +331,11 @@ def lm_child(repeats: int) -> None:
     print(json.dumps(out))
 
 
-def lm_measure(env: dict[str, str], repeats: int) -> dict[str, Any]:
+def lm_measure(env: dict[str, str], repeats: int, torch_only: bool = False) -> dict[str, Any]:
     """Run :func:`lm_child` in a fresh process with ``env`` added."""
     cmd = [sys.executable, __file__, "--lm-child", "--lm-repeats", str(repeats)]
+    if torch_only:
+        cmd.append("--torch-only")
     done = subprocess.run(
         cmd, env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=900
     )
@@ -402,42 +414,45 @@ one GEMM per weight gradient (`rpcdist/nn/_lstm_core.py`).
 """
 
 
-def lm_section(repeats: int) -> str:
-    runs = [
-        ("default", "as it comes", {}),
-        ("default", "keeps freed memory", KEEP_FREED),
-        ("1", "as it comes", ONE_THREAD),
-        ("1", "keeps freed memory", {**ONE_THREAD, **KEEP_FREED}),
+def lm_section(repeats: int, have_torch: bool) -> str:
+    as_is, kept = "as it comes", "keeps freed memory"
+    runs: list[tuple[str, str, dict[str, str]]] = [
+        (as_is, "detected", {}),
+        (kept, "detected", KEEP_FREED),
+        (as_is, "detected", ONE_THREAD),
+        (kept, "detected", {**ONE_THREAD, **KEEP_FREED}),
     ]
+    _, detected = blas_threads()
+    if has_avx512() and "SkylakeX" not in detected and "Cooperlake" not in detected:
+        runs += [
+            (kept, "SkylakeX, forced", {**KEEP_FREED, **AVX512_KERNELS}),
+            (kept, "SkylakeX, forced", {**ONE_THREAD, **KEEP_FREED, **AVX512_KERNELS}),
+        ]
+    nan = float("nan")
     rows: list[list[object]] = []
-    blas = ""
-    for label, malloc, env in runs:
+    for malloc, kernels, env in runs:
         got = lm_measure(env, repeats)
-        blas = got["blas"] if label == "default" else blas
+        alone = lm_measure(env, repeats, torch_only=True) if have_torch else None
         ours = got["times"]["rpcdist"]
-        theirs = got["times"].get("torch", [float("nan"), float("nan")])
+        theirs = got["times"].get("torch", [nan, nan])
+        solo = alone["times"]["torch"][0] if alone else nan
         f_ours = got["faults"]["rpcdist"]
-        f_theirs = got["faults"].get("torch", float("nan"))
+        f_theirs = got["faults"].get("torch", nan)
         threads = f"{got['threads']} / {got['torch_threads']}"
-        rows.append(
-            [
-                threads,
-                malloc,
-                *ours,
-                *theirs,
-                ours[0] / theirs[0],
-                f"{f_ours:,.0f} / {f_theirs:,.0f}",
-            ]
-        )
+        faults = f"{f_ours:,.0f} / {f_theirs:,.0f}"
+        row = [threads, malloc, kernels, *ours, *theirs, ours[0] / theirs[0], solo, faults]
+        rows.append(row)
     lm_table = table(
         [
             "BLAS / torch threads",
             "glibc malloc",
+            "OpenBLAS kernels",
             "rpcdist median (ms)",
             "rpcdist best",
             "PyTorch median",
             "PyTorch best",
             "median vs PyTorch",
+            "PyTorch median, own process",
             "page faults per step (rpcdist / PyTorch)",
         ],
         rows,
@@ -449,12 +464,18 @@ The local half of bench_dist_autograd's "rnn" workload: embedding
 ({LM_VOCAB} x {LM_EMB}) + 2-layer LSTM (hidden {LM_HIDDEN}) + decoder
 Linear({LM_HIDDEN}, {LM_VOCAB}) + cross-entropy, sequence {LM_SEQ}, batch
 {LM_BATCH}, float32; zero_grad + forward + backward + SGD step. Each row is a
-fresh process, {repeats} steps per contender in alternating blocks. NumPy's
-BLAS: {blas}. "keeps freed memory" sets `MALLOC_MMAP_THRESHOLD_` and
-`MALLOC_TRIM_THRESHOLD_` so that glibc stops handing freed blocks back to
-the kernel: with malloc as it comes, PyTorch's step faults in its
-temporaries afresh every step (last column), while rpcdist's fused layers
-reuse their large buffers (`rpcdist/nn/_buffers.py`).
+fresh process, {repeats} steps per contender in alternating blocks; "own
+process" is PyTorch measured again in a process where rpcdist does not run.
+"keeps freed memory" sets `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_`
+so that glibc stops handing freed blocks back to the kernel. With malloc as
+it comes, PyTorch's step faults its temporaries in afresh every step (last
+column), and how many depends on what else the process allocates; rpcdist's
+fused layers reuse their large buffers (`rpcdist/nn/_buffers.py`). The rows
+that keep freed memory compare the arithmetic alone. NumPy's BLAS here is
+{detected}: on this CPU OpenBLAS's detection falls back to its AVX2
+kernels, while PyTorch's LSTM runs oneDNN's AVX-512 code; the last rows
+force OpenBLAS's AVX-512 kernels (`OPENBLAS_CORETYPE=SkylakeX`, a process
+setting that PyTorch ignores) to show what that costs.
 
 {lm_table}
 """
@@ -468,11 +489,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few repeats, to check it runs")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the report")
     parser.add_argument("--lm-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.lstm_repeats, args.lm_repeats = 20, 8, 16
     if args.lm_child:
-        lm_child(args.lm_repeats)
+        lm_child(args.lm_repeats, args.torch_only)
         return
     n_threads, _ = blas_threads()
     torch = import_torch(n_threads)
@@ -481,7 +503,7 @@ def main() -> None:
     )
     body = mlp_section(torch, args.repeats, threads)
     body += lstm_section(torch, args.lstm_repeats)
-    body += lm_section(args.lm_repeats)
+    body += lm_section(args.lm_repeats, torch is not None)
     body += """
 Figures from a 2-core VM shared with other work while they were taken; they
 are to be re-measured in a quiet window.
