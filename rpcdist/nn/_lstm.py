@@ -1,9 +1,11 @@
 """``LSTM``: multi-layer long short-term memory with full BPTT.
 
-Each layer is two graph nodes: one matmul of the whole input sequence with
-``weight_ih`` (all four gates and all time steps at once), then
-:class:`LSTMLayerFn`, which runs the recurrence with one fused
-``h @ weight_hh.T`` per step and backpropagates through every step.
+All layers of a sequence are one graph node, :class:`LSTMFn`, whose arithmetic
+is in :mod:`._lstm_core`: per layer, one GEMM projects every step's input,
+then each step does one ``W_hh @ h`` GEMM and a handful of in-place array
+calls on feature-major blocks; backward runs the steps in reverse and
+finishes with one GEMM per weight gradient and one for the input's. With dropout between layers
+(training only) each layer is its own node, with the dropout between them.
 Gate order and parameter names follow PyTorch (``i, f, g, o``;
 ``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``, ``bias_hh_l0``).
 """
@@ -16,116 +18,119 @@ from typing import Any
 import numpy as np
 
 from .._errors import ConfigError
-from ..tensor import Function, Generator, Tensor, dropout, stack, zeros
+from ..tensor import Function, Generator, Tensor, cat, dropout, zeros
 from ..tensor._device import array_module
-from ._fused import LinearFn
+from ._lstm_core import Saved, layer_backward, layer_forward
 from ._module import Module, Parameter
 from .init import uniform_
 
-__all__ = ["LSTM", "LSTMLayerFn"]
+__all__ = ["LSTM", "LSTMFn"]
 
 
-class LSTMLayerFn(Function):
-    """The recurrence of one LSTM layer over a whole sequence.
+class LSTMFn(Function):
+    """A stack of LSTM layers over a whole sequence, in one node.
 
-    Inputs: ``xw`` (T, B, 4H) = input projection incl. ``bias_ih``; ``h0``,
-    ``c0`` (B, H); ``w_hh`` (4H, H); ``b_hh`` (4H). Outputs: the hidden
-    sequence (T, B, H), ``h_T`` and ``c_T`` (B, H).
+    Inputs: ``x`` (T, B, n); ``h0``, ``c0`` (L, B, H) or None (zeros); then per
+    layer ``w_ih``, ``w_hh`` and, with ``bias=True``, ``b_ih``, ``b_hh``.
+    Outputs: the last layer's hidden sequence (T, B, H), ``h_n`` and ``c_n``
+    (L, B, H).
     """
 
-    __slots__ = ("acts", "cs", "hs", "tcs", "w_hh")
+    __slots__ = ("bias", "layers", "saved", "weights", "x")
     op = "lstm"
 
-    def forward(self, xw: Any, h0: Any, c0: Any, w_hh: Any, b_hh: Any) -> Any:
-        xp = array_module(xw)
-        steps, batch, four_h = xw.shape
-        hidden = four_h // 4
-        if h0.shape != (batch, hidden) or c0.shape != (batch, hidden):
-            raise ValueError(
-                f"initial state shapes {tuple(h0.shape)}, {tuple(c0.shape)} != {(batch, hidden)}"
+    def _weights(self, weights: tuple[Any, ...], layer: int) -> tuple[Any, Any, Any, Any]:
+        per = 4 if self.bias else 2
+        w = weights[layer * per : (layer + 1) * per]
+        return (w[0], w[1], w[2], w[3]) if self.bias else (w[0], w[1], None, None)
+
+    def forward(self, x: Any, h0: Any, c0: Any, *weights: Any, num_layers: int, bias: bool) -> Any:
+        self.layers, self.bias = num_layers, bias
+        if len(weights) != num_layers * (4 if bias else 2):
+            raise ValueError(f"{len(weights)} weight arrays for {num_layers} layers (bias={bias})")
+        xp = array_module(x)
+        steps, batch, _ = x.shape
+        hidden = weights[1].shape[1]
+        for w in weights:
+            if w.dtype != x.dtype:
+                raise TypeError(f"input dtype {x.dtype} differs from weight dtype {w.dtype}")
+        want = (num_layers, batch, hidden)
+        for name, s in (("h0", h0), ("c0", c0)):
+            if s is not None and s.shape != want:
+                raise ValueError(f"{name} of shape {tuple(s.shape)} != {want}")
+        saved: list[Saved] = []
+        h_n = xp.empty(want, dtype=x.dtype)
+        c_n = xp.empty(want, dtype=x.dtype)
+        inp = x
+        for layer in range(num_layers):
+            w_ih, w_hh, b_ih, b_hh = self._weights(weights, layer)
+            if w_ih.shape != (4 * hidden, inp.shape[2]) or w_hh.shape != (4 * hidden, hidden):
+                raise ValueError(
+                    f"layer {layer}: weights {tuple(w_ih.shape)}, {tuple(w_hh.shape)} do not "
+                    f"match input size {inp.shape[2]} and hidden size {hidden}"
+                )
+            s = layer_forward(
+                xp,
+                inp,
+                None if h0 is None else h0[layer],
+                None if c0 is None else c0[layer],
+                w_ih,
+                w_hh,
+                b_ih,
+                b_hh,
             )
-        dtype = xw.dtype
-        h2, h3 = 2 * hidden, 3 * hidden
-        # sigmoid(x) = (1 + tanh(x / 2)) / 2: halving the i, f, o rows of the
-        # pre-activation up front lets one tanh per step serve all four gates.
-        scale = xp.full(four_h, 0.5, dtype=dtype)
-        scale[h2:h3] = 1
-        acts = xp.add(xw, b_hh, out=xp.empty((steps, batch, four_h), dtype=dtype))
-        acts *= scale
-        w_t = xp.ascontiguousarray((w_hh * scale[:, None]).T)
-        hs = xp.empty((steps + 1, batch, hidden), dtype=dtype)
-        cs = xp.empty((steps + 1, batch, hidden), dtype=dtype)
-        tcs = xp.empty((steps, batch, hidden), dtype=dtype)
-        tmp = xp.empty((batch, hidden), dtype=dtype)
-        hs[0] = h0
-        cs[0] = c0
-        for t in range(steps):
-            a = acts[t]
-            a += hs[t] @ w_t
-            xp.tanh(a, out=a)
-            for gate in (a[:, :h2], a[:, h3:]):
-                gate += 1
-                gate *= 0.5
-            c = cs[t + 1]
-            xp.multiply(a[:, hidden:h2], cs[t], out=c)
-            xp.multiply(a[:, :hidden], a[:, h2:h3], out=tmp)
-            c += tmp
-            tc = tcs[t]
-            xp.tanh(c, out=tc)
-            xp.multiply(a[:, h3:], tc, out=hs[t + 1])
-        self.acts, self.hs, self.cs, self.tcs, self.w_hh = acts, hs, cs, tcs, w_hh
-        return hs[1:], hs[steps], cs[steps]
+            saved.append(s)
+            h_n[layer] = s.hsb[steps]
+            c_n[layer] = s.acts[steps, 4 * hidden :].T
+            inp = s.hsb[1:]
+        self.saved, self.x, self.weights = saved, x, weights
+        return inp, h_n, c_n
 
     def backward(self, g_out: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-        acts, hs, cs, tcs, w_hh = self.acts, self.hs, self.cs, self.tcs, self.w_hh
-        xp = array_module(acts)
-        steps, batch, four_h = acts.shape
-        hidden = four_h // 4
-        h2, h3 = 2 * hidden, 3 * hidden
-        dtype = acts.dtype
-        # Local derivatives for the whole sequence at once; they become the
-        # gate gradients in place. Per step, d(pre) = dc * [g i', c_prev f',
-        # i g'] for i, f, g and dh * tanh(c) o' for o, with s' = s (1 - s) and
-        # g' = 1 - g^2.
-        d_gates = xp.subtract(1, acts, out=xp.empty_like(acts))
-        d_gates *= acts
-        gates = acts[..., h2:h3]
-        d_cand = d_gates[..., h2:h3]
-        xp.multiply(gates, gates, out=d_cand)
-        xp.subtract(1, d_cand, out=d_cand)
-        d_gates[..., :hidden] *= gates
-        d_gates[..., hidden:h2] *= cs[:-1]
-        d_cand *= acts[..., :hidden]
-        d_gates[..., h3:] *= tcs
-        # d(c)/d(h) through the output: o * (1 - tanh(c)^2)
-        dc_dh = xp.multiply(tcs, tcs)
-        xp.subtract(1, dc_dh, out=dc_dh)
-        dc_dh *= acts[..., h3:]
-        by_gate = d_gates.reshape(steps, batch, 4, hidden)
-        dh = xp.zeros((batch, hidden), dtype=dtype) if g_h is None else g_h.astype(dtype, copy=True)
-        dc = xp.zeros((batch, hidden), dtype=dtype) if g_c is None else g_c.astype(dtype, copy=True)
-        tmp = xp.empty((batch, hidden), dtype=dtype)
-        for t in range(steps - 1, -1, -1):
-            if g_out is not None:
-                dh += g_out[t]
-            xp.multiply(dh, dc_dh[t], out=tmp)
-            dc += tmp
-            step = by_gate[t]
-            step[:, 3] *= dh
-            step[:, :3] *= dc[:, None, :]
-            dc *= acts[t, :, hidden:h2]
-            dh = d_gates[t] @ w_hh
         needs = self.needs_input_grad
-        flat = d_gates.reshape(-1, four_h)
-        g_w = flat.T @ hs[:-1].reshape(-1, hidden) if needs[3] else None
-        g_b = flat.sum(axis=0) if needs[4] else None
-        return (
-            d_gates if needs[0] else None,
-            dh if needs[1] else None,
-            dc if needs[2] else None,
-            g_w,
-            g_b,
-        )
+        saved, weights, layers = self.saved, self.weights, self.layers
+        xp = array_module(saved[0].acts)
+        per = 4 if self.bias else 2
+        grads: list[Any] = [None] * (3 + len(weights))
+        dh0: list[Any] = []
+        dc0: list[Any] = []
+        g_seq = g_out
+        for layer in range(layers - 1, -1, -1):
+            w_ih, w_hh, _, _ = self._weights(weights, layer)
+            base = 3 + layer * per
+            want_b = self.bias and (needs[base + 2] or needs[base + 3])
+            wants = (
+                layer > 0 or needs[0],
+                needs[1],
+                needs[2],
+                needs[base],
+                needs[base + 1],
+                want_b,
+            )
+            x = self.x if layer == 0 else saved[layer - 1].hsb[1:]
+            dx, dh, dc, dw_ih, dw_hh, db = layer_backward(
+                xp,
+                saved[layer],
+                x,
+                w_ih,
+                w_hh,
+                g_seq,
+                None if g_h is None else g_h[layer],
+                None if g_c is None else g_c[layer],
+                wants,
+            )
+            grads[base], grads[base + 1] = dw_ih, dw_hh
+            if want_b:
+                grads[base + 2], grads[base + 3] = db, db
+            dh0.append(dh)
+            dc0.append(dc)
+            g_seq = dx
+        grads[0] = g_seq if needs[0] else None
+        if needs[1]:
+            grads[1] = xp.stack(dh0[::-1])
+        if needs[2]:
+            grads[2] = xp.stack(dc0[::-1])
+        return tuple(grads)
 
 
 class LSTM(Module):
@@ -209,30 +214,40 @@ class LSTM(Module):
                 f"LSTM: input has {feats} features per step, expected {self.input_size}"
             )
         want = (self.num_layers, batch, self.hidden_size)
-        if state is None:
-            h0 = c0 = zeros(*want, dtype=x.dtype, device=x.device)
-        else:
+        h0: Tensor | None = None
+        c0: Tensor | None = None
+        if state is not None:
             h0, c0 = state
             if h0.shape != want or c0.shape != want:
                 raise ConfigError(
                     f"LSTM: initial state shapes {h0.shape}, {c0.shape}, expected {want}"
                 )
-        h_n, c_n = [], []
-        out = x
+        weights: list[Tensor] = []
         for layer in range(self.num_layers):
-            w_ih = getattr(self, f"weight_ih_l{layer}")
-            w_hh = getattr(self, f"weight_hh_l{layer}")
-            if self.bias:
-                xw = LinearFn.call(out, w_ih, getattr(self, f"bias_ih_l{layer}"))
-                b_hh = getattr(self, f"bias_hh_l{layer}")
-            else:
-                xw = LinearFn.call(out, w_ih)
-                b_hh = zeros(4 * self.hidden_size, dtype=x.dtype, device=x.device)
-            out, h, c = LSTMLayerFn.call(xw, h0[layer], c0[layer], w_hh, b_hh)
-            h_n.append(h)
-            c_n.append(c)
-            if self.dropout and self.training and layer < self.num_layers - 1:
-                out = dropout(out, self.dropout, generator=self.generator)
+            names = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
+            weights.extend(getattr(self, f"{n}_l{layer}") for n in names)
+        if not (self.dropout and self.training and self.num_layers > 1):
+            out, h_n, c_n = LSTMFn.call(
+                x, h0, c0, *weights, num_layers=self.num_layers, bias=self.bias
+            )
+        else:
+            per = len(weights) // self.num_layers
+            hs, cs = [], []
+            out = x
+            for layer in range(self.num_layers):
+                if layer:
+                    out = dropout(out, self.dropout, generator=self.generator)
+                out, h, c = LSTMFn.call(
+                    out,
+                    None if h0 is None else h0[layer : layer + 1],
+                    None if c0 is None else c0[layer : layer + 1],
+                    *weights[layer * per : (layer + 1) * per],
+                    num_layers=1,
+                    bias=self.bias,
+                )
+                hs.append(h)
+                cs.append(c)
+            h_n, c_n = cat(hs), cat(cs)
         if self.batch_first:
             out = out.transpose(0, 1)
-        return out, (stack(h_n), stack(c_n))
+        return out, (h_n, c_n)

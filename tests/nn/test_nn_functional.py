@@ -110,3 +110,18 @@ def test_loss_input_errors() -> None:
         F.mse_loss(x, rt.ones(4, 3))
     with pytest.raises(ConfigError, match=r"linear.*\(3, 4\).*\(2, 5\)"):
         F.linear(x, rt.ones(2, 5))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.int64])
+def test_embedding_gradient_sums_repeated_rows(dtype: type) -> None:
+    rng = np.random.default_rng(5)
+    table = rt.tensor(rng.normal(size=(200, 70)).astype(np.float32), requires_grad=True)
+    idx = rng.integers(0, 200, size=(40, 30)).astype(dtype)  # many repeats; rows past 255 * 70
+    g = rng.normal(size=(40, 30, 70)).astype(np.float32)
+    out = F.embedding(idx, table)
+    np.testing.assert_array_equal(out.numpy(), table.numpy()[idx])
+    (out * rt.tensor(g)).sum().backward()
+    want = np.zeros((200, 70), np.float32)
+    np.add.at(want, idx.reshape(-1), g.reshape(-1, 70))
+    assert table.grad is not None
+    np.testing.assert_array_equal(table.grad.numpy(), want)

@@ -7,6 +7,7 @@ import pytest
 
 import rpcdist.tensor as rt
 from rpcdist import ConfigError, nn
+from rpcdist.nn import _buffers
 from rpcdist.tensor import gradcheck
 
 
@@ -85,3 +86,77 @@ def test_bad_inputs() -> None:
         lstm(rt.ones(2, 2, 5))
     with pytest.raises(ConfigError, match=r"initial state shapes"):
         lstm(rt.ones(2, 2, 3), (rt.zeros(1, 3, 4), rt.zeros(1, 3, 4)))
+
+
+@pytest.fixture
+def pool_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route every buffer of the fused layers, however small, through the pool."""
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 0)
+    _buffers.clear()
+
+
+def test_gradcheck_with_every_buffer_pooled(pool_everything: None) -> None:
+    lstm = make("cpu", num_layers=3)
+    x = leaf((4, 3, 3), "cpu", 6)
+    h0, c0 = leaf((3, 3, 4), "cpu", 7), leaf((3, 3, 4), "cpu", 8)
+
+    def run(*args: rt.Tensor) -> tuple[rt.Tensor, ...]:
+        out, (h, c) = lstm(args[0], (args[1], args[2]))
+        return out, h, c
+
+    assert gradcheck(run, [x, h0, c0, *lstm.parameters()], atol=1e-7, rtol=1e-5)
+    assert _buffers.statistics()["hits"] > 0
+
+
+def grads_of(lstm: nn.LSTM, xs: list[np.ndarray], retain: bool) -> list[np.ndarray]:
+    """Two graphs alive at once, then backward through each (twice with ``retain``)."""
+    lstm.zero_grad()
+    losses = []
+    for k, arr in enumerate(xs):
+        out, (h, c) = lstm(rt.tensor(arr))
+        losses.append((out * out).sum() * (k + 1) + h.sum() - c.sum())
+    for loss in losses:
+        loss.backward(retain_graph=retain)
+        if retain:
+            loss.backward()
+    return [p.grad.numpy().copy() for p in lstm.parameters() if p.grad is not None]
+
+
+def test_pooled_buffers_are_not_shared_between_live_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lstm = make("cpu", num_layers=2)
+    rng = np.random.default_rng(9)
+    xs = [rng.normal(size=(6, 2, 3)) for _ in range(2)]
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 1 << 40)  # pool off: the reference
+    want = [grads_of(lstm, xs, retain) for retain in (False, True)]
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 0)
+    _buffers.clear()
+    for _ in range(2):  # the second round runs on buffers the first gave back
+        got = [grads_of(lstm, xs, retain) for retain in (False, True)]
+        for g_want, g_got in zip(want, got):
+            assert len(g_want) == len(g_got) == 8
+            for a, b in zip(g_want, g_got):
+                np.testing.assert_array_equal(a, b)
+    assert _buffers.statistics()["hits"] > 0
+
+
+def test_dropout_between_layers_composes_single_layers() -> None:
+    lstm = nn.LSTM(3, 5, num_layers=2, dropout=0.4, generator=rt.Generator(5))
+    x = rt.randn(6, 2, 3, generator=rt.Generator(6))
+    h0, c0 = (
+        rt.randn(2, 2, 5, generator=rt.Generator(7)),
+        rt.randn(2, 2, 5, generator=rt.Generator(8)),
+    )
+    lstm.generator = rt.Generator(11)
+    out, (h, c) = lstm(x, (h0, c0))
+    layers = [nn.LSTM(3, 5), nn.LSTM(5, 5)]
+    for k, single in enumerate(layers):
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(single, f"{name}_l0").data[...] = getattr(lstm, f"{name}_l{k}").data
+    gen = rt.Generator(11)
+    mid, (h1, c1) = layers[0](x, (h0[0:1], c0[0:1]))
+    want, (h2, c2) = layers[1](rt.dropout(mid, 0.4, generator=gen), (h0[1:2], c0[1:2]))
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(h.numpy(), np.concatenate([h1.numpy(), h2.numpy()]), rtol=1e-6)
+    np.testing.assert_allclose(c.numpy(), np.concatenate([c1.numpy(), c2.numpy()]), rtol=1e-6)

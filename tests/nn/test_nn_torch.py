@@ -101,3 +101,90 @@ def test_float32_linear_matches_torch_float32(torch: Any) -> None:
     yt = theirs(torch.from_numpy(x))
     assert yo.dtype == np.float32
     np.testing.assert_allclose(yo.numpy(), yt.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def lm_pair(torch: Any, dtype: Any, vocab: int, emb: int, hidden: int) -> tuple[Any, Any]:
+    """Embedding + 2-layer LSTM + Linear decoder, ours and PyTorch's, equal weights."""
+    gen = rt.Generator(7)
+    ours = [
+        nn.Embedding(vocab, emb, dtype=dtype, generator=gen),
+        nn.LSTM(emb, hidden, num_layers=2, dtype=dtype, generator=gen),
+        nn.Linear(hidden, vocab, dtype=dtype, generator=gen),
+    ]
+    theirs = [
+        torch.nn.Embedding(vocab, emb),
+        torch.nn.LSTM(emb, hidden, num_layers=2),
+        torch.nn.Linear(hidden, vocab),
+    ]
+    for a, b in zip(ours, theirs):
+        b.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in a.state_dict().items()})
+        b.to({np.float32: torch.float32, np.float64: torch.float64}[dtype])
+    return ours, theirs
+
+
+def lm_loss(mods: list[Any], tokens: Any, target: Any, F_ce: Any) -> Any:
+    out, (h, c) = mods[1](mods[0](tokens))
+    logits = mods[2](out.reshape(-1, out.shape[-1]))
+    return F_ce(logits, target, ignore_index=-100) + (h * h).sum() * 0.1 + c.sum() * 0.1
+
+
+def test_language_model_training_steps_match_torch(
+    torch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rpcdist.nn import _buffers
+    from rpcdist.optim import SGD
+
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 0)  # every buffer pooled and reused
+    _buffers.clear()
+    ours, theirs = lm_pair(torch, np.float64, vocab=30, emb=6, hidden=8)
+    opt = SGD([p for m in ours for p in m.parameters()], lr=0.1, momentum=0.9)
+    topt = torch.optim.SGD([p for m in theirs for p in m.parameters()], lr=0.1, momentum=0.9)
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        tokens = rng.integers(0, 30, size=(7, 3))
+        target = rng.integers(0, 30, size=21)
+        target[::5] = -100
+        opt.zero_grad()
+        topt.zero_grad()
+        loss = lm_loss(ours, tokens, target, F.cross_entropy)
+        tloss = lm_loss(
+            theirs,
+            torch.from_numpy(tokens),
+            torch.from_numpy(target),
+            torch.nn.functional.cross_entropy,
+        )
+        np.testing.assert_allclose(loss.item(), tloss.item(), rtol=1e-12)
+        loss.backward()
+        tloss.backward()
+        for a, b in zip(ours, theirs):
+            grads_equal(torch, a, b, rtol=1e-9)
+        opt.step()
+        topt.step()
+    assert _buffers.statistics()["hits"] > 0
+
+
+def test_language_model_float32_at_benchmark_sizes(torch: Any) -> None:
+    ours, theirs = lm_pair(torch, np.float32, vocab=1000, emb=64, hidden=128)
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 1000, size=(35, 20))
+    target = rng.integers(0, 1000, size=700)
+    for _ in range(2):  # the second pass runs on pooled buffers
+        for m in (*ours, *theirs):
+            m.zero_grad()
+        loss = lm_loss(ours, tokens, target, F.cross_entropy)
+        tloss = lm_loss(
+            theirs,
+            torch.from_numpy(tokens),
+            torch.from_numpy(target),
+            torch.nn.functional.cross_entropy,
+        )
+        assert loss.dtype == np.float32
+        np.testing.assert_allclose(loss.item(), tloss.item(), rtol=1e-5)
+        loss.backward()
+        tloss.backward()
+        for a, b in zip(ours, theirs):
+            mine = dict(a.named_parameters())
+            for name, p in b.named_parameters():
+                want = p.grad.numpy()
+                got = mine[name].grad.numpy()  # type: ignore[union-attr]
+                np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5 * np.abs(want).max())
