@@ -31,15 +31,10 @@ class Activity:
         self.sent = 0
         self.handled = 0
         self.quiescing = False
-        self._idle: asyncio.Event | None = None
-
-    @property
-    def idle(self) -> asyncio.Event:
-        """Set while nothing runs and nothing is pending (on the loop)."""
-        if self._idle is None:
-            self._idle = asyncio.Event()
-            self._idle.set()
-        return self._idle
+        #: Set while nothing runs and nothing is pending (used on the loop;
+        #: an asyncio.Event binds to a loop only when first waited on).
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def sent_one(self) -> None:
         with self.lock:

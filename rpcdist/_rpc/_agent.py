@@ -464,7 +464,10 @@ class Agent:
         """Every whole incoming message (on the loop)."""
         kind = m.kind
         if kind in (CALL, INTERNAL):
-            self.activity.handler_started()
+            activity = self.activity  # (inlined handler_started: every call comes here)
+            with activity.lock:
+                activity.inflight += 1
+            activity.idle.clear()
             _dispatch.dispatch(self, link, m)
         elif kind in (REPLY, ERROR_REPLY):
             self.calls.on_reply(link, m)

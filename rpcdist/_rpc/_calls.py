@@ -195,12 +195,16 @@ class Calls:
         timer = None
         if msg.deadline is not None:
             timer = self._loop.call_at(msg.deadline, self._expire, call_id)
-        self._add(
-            call_id,
-            _Pending(fut, dst, _label(msg), msg.deadline, timer, time.monotonic(), msg.ordered),
-        )
-        agent.activity.idle.clear()
-        agent.activity.sent_one()
+        p = _Pending(fut, dst, msg.label or msg.method, msg.deadline, timer, time.monotonic(),
+                     msg.ordered)  # fmt: skip
+        with self._lock:  # (inlined _add: this is the loop's path of every call)
+            self._pending[call_id] = p
+            if not p.ordered:
+                self._unordered += 1
+        activity = agent.activity
+        activity.idle.clear()
+        with activity.lock:
+            activity.sent += 1
         try:
             agent.links.send(dst, msg)
         except RpcdistError as e:
@@ -230,9 +234,12 @@ class Calls:
         link: Link | None = None,
     ) -> None:
         """Complete call ``call_id`` (on the loop); ``link``: its reply came in on it."""
-        p = self._pop(call_id)
-        if p is None:
-            return
+        with self._lock:  # (inlined _pop)
+            p = self._pending.pop(call_id, None)
+            if p is None:
+                return
+            if not p.ordered:
+                self._unordered -= 1
         if p.timer is not None:
             p.timer.cancel()
         agent = self._agent

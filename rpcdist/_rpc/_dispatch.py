@@ -270,7 +270,7 @@ def run_handler(
     scopes: AbstractContextManager[Any] | None = None
     try:
         _check_deadline(m.deadline, m.method, wire.peer.name)
-        if agent.registry.scopes:
+        if agent.registry.wants_scopes(m.meta):
             info = CallInfo(agent, wire.peer, m.method, m.meta, m.deadline)
             scopes = agent.registry.enter_scopes(info)
         result = call(fn, m.method, args, kwargs)

@@ -88,7 +88,10 @@ class Links:
             RpcdistError: the link is closed, the agent is shutting down, or a
                 fault rule failed the message.
         """
-        self.link(dst).send(msg)
+        link = self._out.get(dst)
+        if link is None or link.closed is not None:
+            link = self.link(dst)
+        link.send(msg)
 
     def link(self, dst: int) -> Link:
         """The link to ``dst``, opened on first use (on the loop).

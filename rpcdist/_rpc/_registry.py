@@ -143,6 +143,9 @@ class Registry:
         self.handlers: dict[str, InternalHandler] = {}
         #: Tuples, replaced whole, so readers on other threads need no lock.
         self.scopes: tuple[HandlerScope, ...] = ()
+        #: Scopes for every call, and scopes only for calls with named fields.
+        self.any_scopes: tuple[HandlerScope, ...] = ()
+        self.meta_scopes: tuple[HandlerScope, ...] = ()
         self.sources: tuple[MetaSource, ...] = ()
         self.extensions: dict[str, Extension] = {}
 
@@ -157,9 +160,16 @@ class Registry:
                 raise ConfigError(f"internal method {method!r} is already registered")
             self.handlers[method] = handler
 
-    def add_scope(self, scope: HandlerScope) -> None:
+    def add_scope(self, scope: HandlerScope, *, with_meta_only: bool = False) -> None:
+        """Enter ``scope`` around every incoming call's handler; with
+        ``with_meta_only``, only around calls that carry named fields (a
+        call with none then pays nothing for it)."""
         with self._lock:
-            self.scopes = (*self.scopes, scope)
+            if with_meta_only:
+                self.meta_scopes = (*self.meta_scopes, scope)
+            else:
+                self.any_scopes = (*self.any_scopes, scope)
+            self.scopes = (*self.any_scopes, *self.meta_scopes)
 
     def add_source(self, source: MetaSource) -> None:
         with self._lock:
@@ -196,6 +206,8 @@ class Registry:
     def meta(self) -> Meta | None:
         """The named fields this thread or task's next call or reply carries."""
         sources = self.sources
+        if len(sources) == 1:  # the usual case (distributed autograd): no merging
+            return sources[0]()
         if not sources:
             return None
         meta: Meta | None = None
@@ -205,6 +217,10 @@ class Registry:
                 meta = got if meta is None else {**meta, **got}
         return meta
 
+    def wants_scopes(self, meta: Meta | None) -> bool:
+        """Whether a call with ``meta`` has any scope to enter (cheap)."""
+        return bool(self.any_scopes) or (meta is not None and bool(self.meta_scopes))
+
     def enter_scopes(self, call: CallInfo) -> AbstractContextManager[Any] | None:
         """Enter every handler scope for ``call``; ``None`` when none applies.
 
@@ -212,7 +228,7 @@ class Registry:
         has run and its reply is encoded: the one scope entered, or a stack
         of several.
         """
-        scopes = self.scopes
+        scopes = self.scopes if call.meta is not None else self.any_scopes
         if not scopes:
             return None
         entered: list[AbstractContextManager[Any]] = []

@@ -313,7 +313,7 @@ def install(agent: Agent) -> AutogradExtension:
         registry.add_handler(RELEASE, _on_release)
         registry.add_handler(RREF_BACKWARD, _on_rref_backward)
         registry.add_handler(PING, _on_ping)
-        registry.add_scope(e.scope)
+        registry.add_scope(e.scope, with_meta_only=True)
         registry.add_source(e.source)
         return e
 
