@@ -84,12 +84,12 @@ def rpcdist_worker(
 ) -> Any:
     from rpcdist import collectives as dist
 
-    # "grpc": the forced network path over loopback TCP, as between hosts;
-    # "unix": the same path over the same-host Unix sockets the agent uses
+    # "tcp": the ring backend forced onto loopback TCP, as between hosts;
+    # "unix": the same ring over the same-host Unix sockets the agent uses
     # by default between workers on one machine.
-    if backend in ("grpc", "unix"):
+    if backend in ("tcp", "unix"):
         os.environ["RPCDIST_LOCAL_SOCKETS"] = "1" if backend == "unix" else "0"
-    backend = "grpc" if backend == "unix" else backend
+        backend = "ring"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=120)
     try:
         got = _measure(
@@ -151,12 +151,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="p=2 only, fewer sizes")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
-    ap.add_argument("--impl", default="shm,grpc,unix,gloo")
+    ap.add_argument(
+        "--impl", default="shm,tcp,unix,gloo", help="shm, tcp, unix, gloo ('grpc': tcp's old name)"
+    )
     ap.add_argument("--p", default="2,4")
     args = ap.parse_args()
     sizes = [KB4, 1 << 20, 16 << 20] if args.quick else SIZES
     worlds = [2] if args.quick else [int(x) for x in args.p.split(",")]
-    impls = [i for i in args.impl.split(",") if i != "gloo" or _have_torch()]
+    names = ["tcp" if i == "grpc" else i for i in args.impl.split(",")]
+    impls = [i for i in names if i != "gloo" or _have_torch()]
     reps = 5
     results: dict[tuple[str, int], dict[str, float]] = {}
     for p in worlds:
@@ -204,7 +207,7 @@ def main() -> None:
     if not args.no_write:
         write_section(
             "collectives",
-            "Collectives: rpcdist shared memory and gRPC against Gloo",
+            "Collectives: rpcdist's shared memory and ring (TCP, Unix sockets) against Gloo",
             body,
             "python benchmarks/bench_collectives.py",
         )
