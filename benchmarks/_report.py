@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,23 @@ def machine() -> str:
     except ImportError:
         parts.append("torch not installed")
     return ", ".join(parts)
+
+
+def free_port() -> int:
+    """A loopback port the OS has just handed out (for a baseline's own rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def have_torch_distributed() -> bool:
+    """Whether PyTorch with ``torch.distributed`` is installed (the baselines)."""
+    try:
+        import torch.distributed as tdist
+
+        return bool(tdist.is_available())
+    except Exception:
+        return False
 
 
 def median(xs: Sequence[float]) -> float:

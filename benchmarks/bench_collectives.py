@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import median, table, write_section
+from _report import free_port, have_torch_distributed, median, table, write_section
 
 from rpcdist.testing import run_workers
 
@@ -128,21 +127,6 @@ def gloo_worker(rank: int, world: int, _init: str, port: int, sizes: list[int], 
         tdist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _have_torch() -> bool:
-    try:
-        import torch.distributed as tdist
-
-        return bool(tdist.is_available())
-    except Exception:
-        return False
-
-
 def _label(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
@@ -159,14 +143,14 @@ def main() -> None:
     sizes = [KB4, 1 << 20, 16 << 20] if args.quick else SIZES
     worlds = [2] if args.quick else [int(x) for x in args.p.split(",")]
     names = ["tcp" if i == "grpc" else i for i in args.impl.split(",")]
-    impls = [i for i in names if i != "gloo" or _have_torch()]
+    impls = [i for i in names if i != "gloo" or have_torch_distributed()]
     reps = 5
     results: dict[tuple[str, int], dict[str, float]] = {}
     for p in worlds:
         for impl in impls:
             t0 = time.perf_counter()
             if impl == "gloo":
-                got = run_workers(gloo_worker, p, args=(_free_port(), sizes, reps), timeout=600)
+                got = run_workers(gloo_worker, p, args=(free_port(), sizes, reps), timeout=600)
             else:
                 got = run_workers(rpcdist_worker, p, args=(impl, sizes, reps), timeout=600)
             results[(impl, p)] = got[0]

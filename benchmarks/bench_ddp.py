@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -38,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import median, table, write_section
+from _report import free_port, have_torch_distributed, median, table, write_section
 
 from rpcdist.testing import run_workers
 
@@ -249,21 +248,6 @@ def torch_alone(sizes: tuple[int, ...], warmup: int, steps: int) -> float:
     return median(_time_steps(step, warmup, steps))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _have_torch() -> bool:
-    try:
-        import torch.distributed as tdist
-
-        return bool(tdist.is_available())
-    except Exception:
-        return False
-
-
 # --------------------------------------------------------------------- main
 
 
@@ -276,7 +260,7 @@ def main() -> None:
     worlds = [2] if args.quick else [int(x) for x in args.p.split(",")]
     reps = 1 if args.quick else 3
     warmup, steps = (3, 10) if args.quick else (5, 40)
-    torch_ok = _have_torch()
+    torch_ok = have_torch_distributed()
     rows, overlap_rows = [], []
     for name, sizes in MODELS.items():
         alone = rpcdist_alone(sizes, warmup, steps) * 1e3
@@ -291,7 +275,7 @@ def main() -> None:
                 extra.append(got[0])
                 if torch_ok:
                     t = run_workers(
-                        torch_worker, p, args=(_free_port(), sizes, warmup, steps), timeout=600
+                        torch_worker, p, args=(free_port(), sizes, warmup, steps), timeout=600
                     )
                     theirs.append(t[0]["step"] * 1e3)
             ms = median(ours)

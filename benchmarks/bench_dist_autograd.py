@@ -30,23 +30,16 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse
 import multiprocessing as mp
-import socket
 import sys
 import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _ad_workloads as wl
-from _report import median, table, write_section
+from _report import free_port, median, table, write_section
 
 CROSSINGS = {"ps-tiny": 1, "ps-mlp": 1, "rnn": 2}
 GOALS = {"ps-tiny": 0.4, "ps-mlp": 0.7, "rnn": 1.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_job(
@@ -109,7 +102,7 @@ def main() -> int:
             add("rpcdist", _run_job(wl.rd_worker, lambda i=init: i, plan))
             add("rpcdist alone", _alone(wl.rd_iteration_fn, plan))
             if have_torch:
-                add("PyTorch", _run_job(wl.th_worker, _free_port, plan))
+                add("PyTorch", _run_job(wl.th_worker, free_port, plan))
                 add("PyTorch alone", _alone(wl.th_iteration_fn, plan))
     rows = []
     for name in wl.WORKLOADS:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,16 +27,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_funcs as bf
-from _report import median, percentile, table, write_section
+from _report import free_port, median, percentile, table, write_section
 
 SIZES_MB = [1, 16, 64, 256]
 WINDOW = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ workloads
@@ -329,7 +322,7 @@ def main() -> None:
             srv.join(10)
         if with_torch:
             try:
-                runs["torch"].append(_run_pair(_torch_worker, (_free_port(), a.quick)))
+                runs["torch"].append(_run_pair(_torch_worker, (free_port(), a.quick)))
             except Exception as e:  # report, don't fail the whole benchmark
                 print(f"PyTorch RPC run {i} failed: {e}", file=sys.stderr)
         print(f"run {i + 1}/{a.repeats} done", file=sys.stderr)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _rref_funcs as rb
-from _report import median, percentile, table, write_section
+from _report import free_port, median, percentile, table, write_section
 
 from rpcdist.testing import WorkerFailed, run_workers
 
@@ -118,12 +117,6 @@ def _rpcdist_sharing(rank: int, world_size: int, init: str, n: int) -> Any:
 # ---------------------------------------------------------------- PyTorch RPC
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torch_latency(rank: int, world_size: int, init: str, port: int, n: int) -> Any:
     import torch.distributed.rpc as rpc
 
@@ -154,7 +147,7 @@ def _torch(n: int) -> dict[str, list[float]] | None:
         print(f"PyTorch RPC unavailable ({type(e).__name__}: {e}); skipped", file=sys.stderr)
         return None
     try:
-        return run_workers(_torch_latency, 2, args=(_free_port(), n), timeout=300)[0]  # type: ignore[no-any-return]
+        return run_workers(_torch_latency, 2, args=(free_port(), n), timeout=300)[0]  # type: ignore[no-any-return]
     except WorkerFailed as e:
         print(f"PyTorch RPC failed; skipped:\n{e}", file=sys.stderr)
         return None

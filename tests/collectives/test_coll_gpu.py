@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_support import cuda_devices, needs_gpu
 
 from rpcdist.testing import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
-
-def _cuda_devices() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-needs_gpu = pytest.mark.skipif(_cuda_devices() < 1, reason="needs CuPy and a CUDA device")
 
 
 def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -> None:
@@ -73,7 +63,7 @@ def test_cupy_buffers_on_the_cpu_engines(backend):
     run_workers(cupy_worker, 2, args=(backend, False), timeout=150)
 
 
-@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices for NCCL")
+@pytest.mark.skipif(cuda_devices() < 2, reason="needs two CUDA devices for NCCL")
 @pytest.mark.timeout(180)
 def test_cupy_buffers_through_nccl():
     run_workers(cupy_worker, 2, args=("nccl", True), timeout=150)

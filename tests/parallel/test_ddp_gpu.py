@@ -12,23 +12,13 @@ from typing import Any
 import ddp_workers as dw
 import numpy as np
 import pytest
+from gpu_support import cuda_devices, needs_gpu
 
 from rpcdist import optim
 from rpcdist.testing import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
-
-def _cuda_devices() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-needs_gpu = pytest.mark.skipif(_cuda_devices() < 1, reason="needs CuPy and a CUDA device")
 
 
 def gpu_cases(rank: int, world: int, init_method: str, own_gpu: bool) -> dict[str, Any]:
@@ -79,7 +69,7 @@ def gpu_cases(rank: int, world: int, init_method: str, own_gpu: bool) -> dict[st
 @pytest.mark.parametrize("own_gpu", [False, True], ids=["shared-gpu", "gpu-per-rank"])
 def test_ddp_on_cupy_parameters(own_gpu):
     world = 2
-    if own_gpu and _cuda_devices() < world:
+    if own_gpu and cuda_devices() < world:
         pytest.skip(f"needs {world} CUDA devices")
     results = run_workers(gpu_cases, world, args=(own_gpu,), timeout=280)
     want = dw.oracle(3, world)[0].state_dict()
