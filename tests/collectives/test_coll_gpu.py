@@ -14,7 +14,6 @@ from rpcdist.testing import run_workers
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 
-
 def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -> None:
     import cupy
 

@@ -20,7 +20,6 @@ from rpcdist.testing import run_workers
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 
-
 def gpu_cases(rank: int, world: int, init_method: str, own_gpu: bool) -> dict[str, Any]:
     import cupy
 
