@@ -21,6 +21,7 @@ from . import functions, futures
 from ._deadline import UNSET
 from ._errors import (
     AutogradError,
+    CallPolicyError,
     ClosedError,
     CollectiveError,
     ConfigError,
@@ -46,6 +47,7 @@ from ._worker import WorkerInfo
 
 if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` stays light
     from ._rpc._api import (
+        debug_info,
         get_rpc_timeout,
         get_worker_info,
         init_rpc,
@@ -64,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = [
     "UNSET",
     "AutogradError",
+    "CallPolicyError",
     "ClosedError",
     "CollectiveError",
     "ConfigError",
@@ -85,6 +88,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerLostError",
     "WrongThreadError",
+    "debug_info",
     "functions",
     "futures",
     "get_rpc_timeout",
@@ -106,6 +110,7 @@ __all__ = [
 _LAZY = {
     **dict.fromkeys(
         [
+            "debug_info",
             "get_rpc_timeout",
             "get_worker_info",
             "init_rpc",

@@ -18,6 +18,7 @@ Every exception rpcdist raises on purpose derives from :class:`RpcdistError`::
     ├── AutogradError             tensor engine or distributed autograd misuse
     ├── CollectiveError           a collective could not complete consistently
     ├── ConfigError               (also ValueError) bad options or arguments
+    ├── CallPolicyError           (also PermissionError) the callee refused the function
     ├── NotInitializedError       no agent (init_rpc not called, or shut down)
     └── WrongThreadError          a blocking call made on the agent's loop thread
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 __all__ = [
     "AutogradError",
+    "CallPolicyError",
     "ClosedError",
     "CollectiveError",
     "ConfigError",
@@ -80,9 +82,21 @@ class RemoteError(RpcError):
 
 
 class RpcTimeoutError(RpcError, TimeoutError):
-    """A call's deadline passed before a reply arrived."""
+    """A call's deadline passed before a reply arrived.
+
+    Attributes:
+        snapshot: What this worker had outstanding when the deadline passed
+            (pending calls per peer, collectives, RRefs, autograd contexts,
+            lost peers), as ``rpcdist.debug_info()`` returns it; ``None``
+            where no agent was at hand (for example, a timeout raised on a
+            remote worker).
+    """
 
     __module__ = "rpcdist"
+
+    def __init__(self, message: str = "", *, snapshot: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.snapshot = snapshot
 
 
 class TransportError(RpcError):
@@ -153,6 +167,15 @@ class CollectiveError(RpcdistError):
 
 class ConfigError(RpcdistError, ValueError):
     """An option, argument or environment setting is invalid."""
+
+    __module__ = "rpcdist"
+
+
+class CallPolicyError(RpcdistError, PermissionError):
+    """The callee's callable policy refused the function a call named.
+
+    See ``RpcOptions.callable_policy`` and ``RpcOptions.allowed_callables``.
+    """
 
     __module__ = "rpcdist"
 

@@ -3,20 +3,69 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import socket
 import sys
+import types
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
     from ._transport._faulty import FaultInjector
 
-__all__ = ["RpcOptions"]
+__all__ = ["CALLABLE_POLICIES", "RpcOptions", "callable_entry", "is_loopback"]
 
 _MiB = 1 << 20
+_GiB = 1 << 30
+
+#: ``RpcOptions.callable_policy`` values.
+CALLABLE_POLICIES = ("denylist", "allowlist", "any")
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def callable_entry(entry: Any) -> str:
+    """An ``allowed_callables`` entry as a string: ``"module"`` (every function
+    in it and its submodules) or ``"module:qualname"`` (one function or class).
+
+    Raises:
+        ConfigError: ``entry`` is neither a string, a module nor a named callable.
+    """
+    if isinstance(entry, str):
+        module, _, qualname = entry.partition(":")
+        if (
+            module
+            and all(p.isidentifier() for p in module.split("."))
+            and (not qualname or all(p.isidentifier() for p in qualname.split(".")))
+        ):
+            return entry
+    elif isinstance(entry, types.ModuleType):
+        return entry.__name__
+    else:
+        mod = getattr(entry, "__module__", None)
+        qual = getattr(entry, "__qualname__", None)
+        if isinstance(mod, str) and isinstance(qual, str) and "<" not in qual:
+            return f"{mod}:{qual}"
+    raise ConfigError(
+        "RpcOptions.allowed_callables entries must be modules, module-level functions or "
+        f"classes, or strings 'module' / 'module:qualname'; got {entry!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -36,8 +85,12 @@ class RpcOptions:
         advertise_host: Address peers use to reach this worker; defaults to
             ``listen_host`` (or ``127.0.0.1`` when that is a wildcard).
         tls_cert_file: PEM certificate chain for this worker (TLS on when set).
-        tls_key_file: PEM private key for ``tls_cert_file``.
-        tls_ca_file: PEM root certificates used to verify peers.
+            Defaults to ``RPCDIST_TLS_CERT``.
+        tls_key_file: PEM private key for ``tls_cert_file``; defaults to
+            ``RPCDIST_TLS_KEY``.
+        tls_ca_file: PEM root certificates used to verify peers; defaults to
+            ``RPCDIST_TLS_CA``. Peers are dialled by address, so their
+            certificates must name it (an IP or DNS subject alternative name).
         chunk_bytes: Largest piece of array data in one frame.
         batch_bytes: Largest payload coalesced into one gRPC message.
         init_timeout: Seconds to wait for rendezvous with every worker.
@@ -67,22 +120,56 @@ class RpcOptions:
             the most such connections a worker serves per peer. ``0`` turns
             this off. Defaults to ``RPCDIST_SYNC_CHANNELS`` or 4.
         transport: How frames move: ``"tcp"`` (plain sockets, the default
-            path), ``"grpc"`` (gRPC streams; TLS), ``"inproc"`` (agents of one
-            process linked in memory, for tests) or ``"auto"`` (the default:
-            ``"grpc"`` when TLS is configured, else ``"tcp"``). Defaults to
-            ``RPCDIST_TRANSPORT``.
+            path, with or without TLS), ``"grpc"`` (gRPC streams), ``"inproc"``
+            (agents of one process linked in memory, for tests) or ``"auto"``
+            (the default: ``"tcp"``). Defaults to ``RPCDIST_TRANSPORT``.
         ignore_rref_leaks: Let a graceful shutdown succeed even when RRef values
             owned here are still referenced by forks that were never deleted
             (by default it raises ``RRefError`` naming them).
+        allow_insecure: Let a worker without a job token or TLS listen beyond
+            loopback (``listen_host``, or rank 0's store address). Off by
+            default: such a worker would run calls from anyone who can reach
+            it, so it is refused with ``ConfigError``. Turn it on only on a
+            network you trust completely.
+        tls_mutual: With TLS, also require and verify a certificate from every
+            connecting worker (mutual TLS; the default). Off: only servers
+            are verified, and peers are authenticated by the job token.
+        max_message_bytes: Largest message (its arrays' bytes together) a
+            worker accepts or sends. A peer announcing a larger one is refused
+            with ``ProtocolError`` before anything is allocated and its
+            connection is dropped; sending one raises ``SerializationError``.
+            Default 2 GiB.
+        heartbeat_interval: Seconds of silence on a link after which this
+            worker sends a heartbeat on it (only idle links carry them).
+        peer_timeout: Seconds without a byte from a linked peer (heartbeats
+            included) after which it is declared lost: calls, RRefs,
+            collectives and autograd contexts involving it fail with
+            ``WorkerLostError``, and it is never dialled again. ``None`` turns
+            the failure detector off (hangs are then found only by deadlines).
+            Default 3 s: a hung peer is declared lost 3 to 4 s after it
+            stops (docs/failure-model.md).
+        callable_policy: Which functions peers may call here by name:
+            ``"denylist"`` (the default) refuses functions of modules that run
+            programs or code or touch files and processes (``os``,
+            ``subprocess``, ``builtins.eval``/``exec``/``open``, ``importlib``,
+            ``ctypes``, ``pickle``, ``shutil``, ...); ``"allowlist"`` accepts
+            only ``allowed_callables`` (and rpcdist's own functions);
+            ``"any"`` accepts every importable callable (trusted clusters only).
+            A refused call raises ``CallPolicyError`` at the caller.
+        allowed_callables: Functions, classes or modules (or their names,
+            ``"module"`` / ``"module:qualname"``) peers may call even where
+            the policy would refuse them; with ``"allowlist"``, the only ones.
     """
 
     token: str | None = field(default_factory=lambda: os.environ.get("RPCDIST_TOKEN") or None)
     allow_pickle: bool = False
     listen_host: str = field(default_factory=lambda: os.environ.get("RPCDIST_HOST", "127.0.0.1"))
     advertise_host: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_ca_file: str | None = None
+    tls_cert_file: str | None = field(default_factory=lambda: _env("RPCDIST_TLS_CERT"))
+    tls_key_file: str | None = field(default_factory=lambda: _env("RPCDIST_TLS_KEY"))
+    tls_ca_file: str | None = field(default_factory=lambda: _env("RPCDIST_TLS_CA"))
+    tls_mutual: bool = True
+    allow_insecure: bool = False
     chunk_bytes: int = 4 * _MiB
     batch_bytes: int = 4 * _MiB
     init_timeout: float = 60.0
@@ -98,6 +185,11 @@ class RpcOptions:
     sync_channels: int | str = field(
         default_factory=lambda: os.environ.get("RPCDIST_SYNC_CHANNELS", "4")
     )
+    max_message_bytes: int = 2 * _GiB
+    heartbeat_interval: float = 0.5
+    peer_timeout: float | None = 3.0
+    callable_policy: str = "denylist"
+    allowed_callables: tuple[Any, ...] = ()
 
     __module__ = "rpcdist"
 
@@ -144,11 +236,60 @@ class RpcOptions:
                 "RpcOptions.transport must be 'auto', 'tcp', 'grpc' or 'inproc', "
                 f"got {self.transport!r}"
             )
-        if self.transport == "tcp" and self.tls:
+        if self.transport == "inproc" and self.tls:
+            raise ConfigError("RpcOptions.transport='inproc' moves no bytes and does no TLS")
+        m = self.max_message_bytes
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1 << 16:
+            raise ConfigError(f"RpcOptions.max_message_bytes must be an int >= 65536, got {m!r}")
+        hb = self.heartbeat_interval
+        if not isinstance(hb, int | float) or isinstance(hb, bool) or hb <= 0:
             raise ConfigError(
-                "RpcOptions.transport='tcp' does not do TLS: use 'grpc' (or 'auto') with TLS"
+                f"RpcOptions.heartbeat_interval must be a positive number, got {hb!r}"
             )
-        return dataclasses.replace(self, sync_channels=n)
+        pt = self.peer_timeout
+        if pt is not None and (not isinstance(pt, int | float) or isinstance(pt, bool) or pt < hb):
+            raise ConfigError(
+                "RpcOptions.peer_timeout must be None or a number of seconds >= "
+                f"heartbeat_interval ({hb}), got {pt!r}"
+            )
+        if self.callable_policy not in CALLABLE_POLICIES:
+            raise ConfigError(
+                f"RpcOptions.callable_policy must be one of {CALLABLE_POLICIES}, "
+                f"got {self.callable_policy!r}"
+            )
+        if not isinstance(self.allowed_callables, tuple | list | frozenset | set):
+            raise ConfigError(
+                "RpcOptions.allowed_callables must be a tuple of functions, modules or names, "
+                f"got {type(self.allowed_callables).__name__}"
+            )
+        allowed = tuple(sorted({callable_entry(e) for e in self.allowed_callables}))
+        if self.token == "":
+            raise ConfigError("RpcOptions.token must not be empty (use None for no token)")
+        if not self.token and not self.tls and not self.allow_insecure:
+            host = self.listen_host.strip("[]")
+            if not is_loopback(host or "0.0.0.0"):
+                raise ConfigError(
+                    f"RpcOptions.listen_host={self.listen_host!r} (or RPCDIST_HOST) would accept "
+                    "calls from beyond this host with no job token and no TLS: set a token "
+                    "(RpcOptions.token or RPCDIST_TOKEN; rpcdist-run sets one), configure TLS, "
+                    "or pass RpcOptions(allow_insecure=True) on a network you trust"
+                )
+        return dataclasses.replace(self, sync_channels=n, allowed_callables=allowed)
+
+    def check_store_host(self, host: str) -> None:
+        """Refuse to serve the rendezvous store beyond loopback without a token.
+
+        Raises:
+            ConfigError: ``host`` is not a loopback address and neither a token
+                nor ``allow_insecure`` is set.
+        """
+        if self.token or self.allow_insecure or is_loopback(host or "0.0.0.0"):
+            return
+        raise ConfigError(
+            f"rank 0 would serve the rendezvous store on {host!r} (MASTER_ADDR or the "
+            "init_method) with no job token: set a token (RpcOptions.token or RPCDIST_TOKEN; "
+            "rpcdist-run sets one) or pass RpcOptions(allow_insecure=True) on a network you trust"
+        )
 
     @property
     def tls(self) -> bool:
@@ -158,7 +299,7 @@ class RpcOptions:
     def data_transport(self) -> str:
         """The transport ``transport`` resolves to: ``"tcp"``, ``"grpc"`` or ``"inproc"``."""
         if self.transport == "auto":
-            return "grpc" if self.tls else "tcp"
+            return "tcp"
         return self.transport
 
     @property

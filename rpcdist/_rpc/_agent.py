@@ -9,28 +9,28 @@ object. The agent composes the pieces of this package:
 * :mod:`._dispatch`: the one path incoming calls take to their handlers;
 * :class:`~._sync_calls.SyncCalls`: blocking calls on thread-driven links;
 * :class:`~._registry.Registry`: what the layers above plug in;
-* :class:`~._activity.Activity`: what is in flight, for graceful shutdown.
+* :class:`~._activity.Activity`: what is in flight, for graceful shutdown;
+* :class:`~._liveness.Liveness`: the failure detector and the lost workers.
 
-Graceful shutdown is in :mod:`._shutdown`.
+Graceful shutdown is in :mod:`._shutdown`; the job secret, the workers table
+and the init checks in :mod:`._join`; snapshots for hang diagnosis in
+:mod:`._doctor`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
-from .._deadline import UNSET, Unset, current_deadline, deadline_for
+from .._deadline import UNSET, Unset, deadline_for
 from .._errors import (
     ConfigError,
     NotInitializedError,
     ProtocolError,
     RpcdistError,
-    RpcTimeoutError,
     SerializationError,
-    TransportError,
     WorkerLostError,
 )
 from .._futures import Future
@@ -38,17 +38,28 @@ from .._loop import LoopThread
 from .._options import RpcOptions
 from .._pool import WorkerPool
 from .._serialization import encode, function_name
-from .._store import open_store, parse_init_method
+from .._serialization._functions import CallablePolicy
+from .._store import parse_init_method
 from .._transport import Link
-from .._transport._frames import CALL, ERROR_REPLY, INTERNAL, P2P, REPLY, InMessage, OutMessage
+from .._transport._frames import (
+    CALL,
+    ERROR_REPLY,
+    HEARTBEAT,
+    INTERNAL,
+    P2P,
+    REPLY,
+    InMessage,
+    OutMessage,
+)
 from .._transport._frames import Meta as Meta
 from .._worker import WorkerInfo, check_worker_name
-from . import _dispatch, _join, _shutdown
+from . import _dispatch, _doctor, _join, _shutdown
 from ._activity import Activity
-from ._calls import Calls
+from ._calls import Calls, send_control
 from ._context import WireContext
 from ._links import Links
-from ._p2p import Mailbox
+from ._liveness import PING, Liveness, on_ping
+from ._p2p import Mailbox, send_one_way
 from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
 from ._sync_calls import NOT_TAKEN, SyncCalls
 
@@ -93,6 +104,12 @@ class Agent:
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
         self._spec = parse_init_method(init_method, rank, world_size)
+        if self._spec.rank == 0:
+            self.options.check_store_host(self._spec.host)
+        #: What peers may call here by name (see ``RpcOptions.callable_policy``).
+        self.policy = CallablePolicy(
+            self.options.callable_policy, frozenset(self.options.allowed_callables)
+        )
         self.rank = self._spec.rank
         self.world_size = self._spec.world_size
         self.closed = False
@@ -121,6 +138,8 @@ class Agent:
             self.activity = Activity(self.loop, self._no_calls)
             self.links = Links(self)
             self.sync = SyncCalls(self)
+            self.liveness = Liveness(self)
+            self.registry.add_handler(PING, on_ping)
             for path in BUILTIN_EXTENSIONS:
                 module, _, factory = path.partition(":")
                 getattr(importlib.import_module(module), factory)(self)
@@ -147,17 +166,18 @@ class Agent:
 
     async def _start(self) -> None:
         self.calls.start()
-        self._store, self._store_server = await open_store(
-            self._spec, token=self.options.token, timeout=self.options.init_timeout
-        )
+        self._store, self._store_server = await _join.open_job_store(self, self._spec)
+        if self.options.token is None:  # a secret of the job's own, made at rendezvous
+            self.links.transport.set_token(await _join.job_secret(self))
         infos = await _join.join(self, await self.links.serve())
         self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
         self._by_name = {w.name: w for w in self.workers}
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
         # Only with its tables filled in may a worker pass this: peers call at once.
-        await self._store.barrier("rpc/init", self.world_size, self.options.init_timeout)
+        await _join.barrier(self, "rpc/init")
         await _join.check(self, infos)
+        self.liveness.start()
 
     async def rename(self, name: str, timeout: float) -> None:
         """Change this worker's name, collectively (every worker calls it).
@@ -281,6 +301,8 @@ class Agent:
         pickle = self.options.allow_pickle
         try:
             header, buffers = encode(payload, allow_pickle=pickle, context=wire)
+            if buffers:
+                self.check_size(header, buffers, f"the call {label or method!r}")
         except BaseException as exc:
             wire.abort()  # extensions undo their side effects (RRef forks)
             if isinstance(exc, SerializationError) and where is not None:
@@ -292,6 +314,16 @@ class Agent:
             INTERNAL if internal else CALL, method, header, buffers, deadline=deadline,
             meta=wire.meta, label=label, undo=wire.abort, ordered=not control,
         )  # fmt: skip
+
+    def check_size(self, header: bytes, buffers: list[memoryview], what: str) -> None:
+        """Raises: SerializationError: the message is larger than ``max_message_bytes``."""
+        size = len(header) + sum(b.nbytes for b in buffers)
+        if size > self.options.max_message_bytes:
+            raise SerializationError(
+                f"{what} would send a message of {size} bytes, more than "
+                f"RpcOptions.max_message_bytes ({self.options.max_message_bytes}): the "
+                "receiver would refuse it"
+            )
 
     def call(
         self,
@@ -398,37 +430,9 @@ class Agent:
     async def send_control(
         self, dst: int, method: str, payload: Any, *, give_up_after: float | None = None
     ) -> Any:
-        """Send an idempotent internal message, retrying until acknowledged (on the loop).
-
-        Retries after ``control_retry_interval`` without a reply and after
-        transport errors, until ``give_up_after`` seconds (default: the agent's
-        rpc timeout, else 60 s) have passed; then raises the last error.
-        """
-        limit = give_up_after if give_up_after is not None else (self._rpc_timeout or 60.0)
-        end = time.monotonic() + limit
-        interval = self.options.control_retry_interval
-        token = current_deadline.set(None)
-        try:
-            while True:
-                left = end - time.monotonic()
-                deadline = time.monotonic() + min(interval, max(left, 1e-3))
-                try:
-                    return await self.call(
-                        dst,
-                        method,
-                        payload,
-                        deadline=deadline,
-                        meta=None,
-                        internal=True,
-                        control=True,
-                    )
-                except (RpcTimeoutError, TransportError) as e:
-                    if time.monotonic() >= end or self.closed:
-                        raise
-                    if not isinstance(e, RpcTimeoutError):
-                        await asyncio.sleep(min(interval, max(end - time.monotonic(), 0)))
-        finally:
-            current_deadline.reset(token)
+        """Send an idempotent internal message, retrying until acknowledged
+        (on the loop); see :func:`._calls.send_control`."""
+        return await send_control(self, dst, method, payload, give_up_after)
 
     # ------------------------------------------------------------ one-way
 
@@ -437,21 +441,7 @@ class Agent:
     ) -> None:
         """Send a one-way message; returns once its bytes are copied out (on the loop)."""
         self.check_open()
-        done: asyncio.Future[None] = self.loop.create_future()
-
-        def packed() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        msg = OutMessage(P2P, key, header, buffers, on_packed=packed)
-        msg.id = next(self.calls.ids)
-        link = self.links.link(dst)
-        link.send(msg)
-        # Fail the wait if the link dies before our bytes went out.
-        while not done.done():
-            if link.closed is not None:
-                raise link.closed
-            await asyncio.wait([done], timeout=0.5)
+        await send_one_way(self.links.link(dst), next(self.calls.ids), key, buffers, header)
 
     async def p2p_recv(self, src: int, key: str, out: memoryview | None = None) -> InMessage:
         """Receive the next one-way message ``key`` from ``src`` (on the loop)."""
@@ -472,7 +462,8 @@ class Agent:
         elif kind in (REPLY, ERROR_REPLY):
             self.calls.on_reply(link, m)
         elif kind == P2P:
-            self.mailbox.deliver(link.peer_rank, m)
+            if m.method != HEARTBEAT:  # a heartbeat only shows the peer is alive
+                self.mailbox.deliver(link.peer_rank, m)
         else:
             raise ProtocolError(f"unexpected frame kind {kind} from {link.label}")
 
@@ -502,14 +493,16 @@ class Agent:
                     _shutdown.log.exception("error waking a thread for %r", fn)
 
     def peer_failed(self, dst: int, exc: RpcdistError) -> None:
-        """The link to ``dst`` ended: fail what waits on it (on the loop)."""
+        """The link to ``dst`` ended: fail what waits on it (on the loop); a
+        link that ended under us makes us probe ``dst`` (:mod:`._liveness`)."""
         self.calls.fail_peer(dst, exc)
         self.mailbox.fail_all(dst, type(exc)(str(exc)))
-        if isinstance(exc, WorkerLostError) and not self.closed:
-            self.peer_lost(dst)
+        if isinstance(exc, WorkerLostError):
+            self.liveness.probe(dst, str(exc))
 
     def peer_lost(self, rank: int) -> None:
-        """Worker ``rank`` is gone (a link with it broke): tell the extensions (on the loop)."""
+        """Worker ``rank`` was declared lost (:mod:`._liveness`): tell the
+        extensions, once (on the loop)."""
         for ext in list(self.registry.extensions.values()):
             try:
                 ext.peer_lost(rank)
@@ -565,26 +558,33 @@ class Agent:
         }
         stats.update(self.links.statistics())
         stats.update(self.mailbox.statistics())
+        stats.update(self.liveness.statistics())
         for ext in list(self.registry.extensions.values()):
             stats.update(ext.statistics())
         return stats
 
     # --------------------------------------------------------------- shutdown
 
-    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
-        """Shut this agent down; see ``rpcdist.shutdown``.
+    def debug_info(self) -> dict[str, Any]:
+        """What this worker has outstanding now; see ``rpcdist.debug_info``."""
+        return _doctor.snapshot(self)
+
+    def shutdown(self, graceful: bool = True, timeout: float | None = None) -> list[WorkerInfo]:
+        """Shut this agent down; see ``rpcdist.shutdown``. Returns the workers a
+        graceful shutdown went on without (lost before or during it).
 
         Raises:
             RpcTimeoutError: a graceful shutdown did not finish within ``timeout``.
             WrongThreadError: called on the agent's loop thread.
         """
         if self.closed:
-            return
+            return []
         self._lt.check_not_loop_thread("shutdown()")
         clean = False
         try:
-            self._lt.run(_shutdown.shutdown(self, graceful, timeout), "shutdown()")
+            skipped = self._lt.run(_shutdown.shutdown(self, graceful, timeout), "shutdown()")
             clean = graceful
+            return skipped
         finally:
             # After a timeout, do not wait for handlers still running user code
             # (they cannot be interrupted); the caller asked for a bound.

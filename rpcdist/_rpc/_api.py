@@ -16,6 +16,7 @@ from ._agent import Agent
 from ._context import current_agent, default_agent, set_default_agent
 
 __all__ = [
+    "debug_info",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
@@ -55,9 +56,15 @@ def init_rpc(
         num_worker_threads: Size of the pool running plain-function handlers.
         options: Further :class:`RpcOptions`.
 
+    Without a job token (``RpcOptions.token``, ``RPCDIST_TOKEN``) the job
+    still authenticates its links with a secret rank 0 makes at rendezvous,
+    and its workers listen on loopback only (docs/failure-model.md).
+
     Raises:
-        ConfigError: bad arguments, duplicate names, or already initialised.
-        ConnectError: the rendezvous store could not be reached in time.
+        ConfigError: bad arguments, duplicate names, already initialised, or
+            listening beyond loopback without a token or TLS.
+        ConnectError: the rendezvous store could not be reached in time, or
+            a rank's job token was refused (on every rank, naming it).
     """
     with _init_lock:
         existing = default_agent()
@@ -135,36 +142,65 @@ def start_agent_for(
 
 def release_agent(
     agent: Agent, role: str, *, graceful: bool = True, timeout: float | None = None
-) -> None:
-    """Drop ``role``; shut the agent down when no role is left."""
+) -> list[WorkerInfo]:
+    """Drop ``role``; shut the agent down when no role is left. Returns the
+    lost workers a graceful shutdown went on without."""
     with _init_lock:
         agent.roles.discard(role)
         if agent.roles:
-            return
+            return []
         try:
-            agent.shutdown(graceful, timeout)
+            return agent.shutdown(graceful, timeout)
         finally:
             if default_agent() is agent:
                 set_default_agent(None)
 
 
-def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+def shutdown(graceful: bool = True, timeout: float | None = None) -> list[WorkerInfo]:
     """Shut down this process's agent.
 
-    A graceful shutdown is collective: it waits until every worker has called
-    ``shutdown`` and no worker has calls in flight (fire-and-forget nested
-    chains included), then closes. A non-graceful one fails pending calls
-    with ``ClosedError`` and closes at once.
+    A graceful shutdown is collective: it waits until every live worker has
+    called ``shutdown`` and no worker has calls in flight (fire-and-forget
+    nested chains included), then closes. Workers lost before or during it
+    (dead, hung or cut off; see ``docs/failure-model.md``) are not waited
+    for: it finishes on the survivors within about a second of the loss
+    being detected, logs a warning naming them, and returns them. A
+    non-graceful one fails pending calls with ``ClosedError`` and closes at
+    once.
+
+    Returns:
+        The :class:`WorkerInfo` of each lost worker a graceful shutdown went
+        on without (empty when none was lost, and after a non-graceful one).
 
     Raises:
         NotInitializedError: ``init_rpc`` was not called.
         RpcTimeoutError: a graceful shutdown did not finish within ``timeout``
-            (the agent is closed anyway).
+            (the agent is closed anyway); its ``snapshot`` says what was
+            outstanding.
     """
     agent = default_agent()
     if agent is None or agent.closed or "rpc" not in agent.roles:
         raise NotInitializedError("rpcdist.shutdown() called but rpcdist is not initialised")
-    release_agent(agent, "rpc", graceful=graceful, timeout=timeout)
+    return release_agent(agent, "rpc", graceful=graceful, timeout=timeout)
+
+
+def debug_info() -> dict[str, Any]:
+    """What this process's agent has outstanding now, for diagnosing a hang.
+
+    Plain data: ``pending_calls`` (per peer: how many, and the oldest with
+    their age and remaining deadline), ``blocking_calls``,
+    ``handlers_running``, ``calls_sent`` and ``calls_handled``,
+    ``lost_workers`` (name -> why), ``links``, and one entry per layer:
+    ``collectives`` (each group's issued sequence number, running op and
+    counts), ``rref`` (owned and held RRefs) and ``autograd`` (live
+    contexts). Every ``RpcTimeoutError`` the agent raises carries the same
+    snapshot as ``.snapshot``. Compare the snapshots of two workers to see
+    who waits for whom.
+
+    Raises:
+        NotInitializedError: no agent is running in this process.
+    """
+    return current_agent().debug_info()
 
 
 def rpc_async(
@@ -249,8 +285,10 @@ def statistics() -> dict[str, int]:
     (forks waiting for the owner's confirmation), ``rref_outbox``;
     collectives (when a process group is up): ``collectives_queued`` and
     ``collectives_inflight``; distributed autograd: ``autograd_contexts``.
+    ``lost_workers``: workers declared lost (it stays up after a loss).
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
-    ``collectives_completed``, ``collectives_failed`` and others.
+    ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``
+    and others. ``debug_info()`` says more about what is outstanding.
 
     Raises:
         NotInitializedError: no agent is running in this process.

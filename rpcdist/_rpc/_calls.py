@@ -17,23 +17,26 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._deadline import current_deadline
 from .._errors import (
     ClosedError,
     NotInitializedError,
     RpcdistError,
     RpcTimeoutError,
     SerializationError,
+    TransportError,
 )
 from .._futures import Future
 from .._serialization import decode, exception_from_wire
 from .._transport import Link
 from .._transport._frames import REPLY, InMessage, OutMessage
+from . import _doctor
 from ._context import WireContext
 
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["Calls"]
+__all__ = ["Calls", "send_control"]
 
 #: Calls up to this size may be sent from the calling thread (``_send_now``).
 _DIRECT_CALL_BYTES = 64 << 10
@@ -77,6 +80,11 @@ class Calls:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def outstanding(self) -> list[tuple[int, str, float, float | None]]:
+        """``(peer, label, started, deadline)`` of each pending call (any thread)."""
+        with self._lock:
+            return [(p.dst, p.label, p.started, p.deadline) for p in self._pending.values()]
 
     def busy(self) -> bool:
         """Whether user calls are pending or queued for the loop (any thread; a hint)."""
@@ -218,10 +226,13 @@ class Calls:
         if p is not None:
             waited = time.monotonic() - p.started
             name = self._agent.workers[p.dst].name
+            info = _doctor.snapshot(self._agent)
             self.finish(
                 call_id,
                 exc=RpcTimeoutError(
-                    f"call {p.label!r} to worker {name!r} timed out after {waited:.3g} s"
+                    f"call {p.label!r} to worker {name!r} timed out after {waited:.3g} s; "
+                    f"{_doctor.summary(info)}",
+                    snapshot=info,
                 ),
             )
 
@@ -290,3 +301,37 @@ class Calls:
 
 def _label(msg: OutMessage) -> str:
     return msg.label or msg.method
+
+
+async def send_control(
+    agent: Agent, dst: int, method: str, payload: Any, give_up_after: float | None
+) -> Any:
+    """``agent.send_control``: an idempotent internal message, retried until
+    acknowledged (on the loop).
+
+    Retries after ``control_retry_interval`` without a reply and after
+    transport errors, until ``give_up_after`` seconds (default: the agent's
+    rpc timeout, else 60 s) have passed, then raises the last error; no
+    retry once ``dst`` is lost.
+    """
+    limit = give_up_after if give_up_after is not None else (agent.rpc_timeout or 60.0)
+    end = time.monotonic() + limit
+    interval = agent.options.control_retry_interval
+    token = current_deadline.set(None)
+    try:
+        while True:
+            if agent.liveness.is_lost(dst):  # no retry will reach it
+                raise agent.liveness.error(dst, f"control message {method!r}")
+            left = end - time.monotonic()
+            deadline = time.monotonic() + min(interval, max(left, 1e-3))
+            try:
+                return await agent.call(
+                    dst, method, payload, deadline=deadline, meta=None, internal=True
+                )
+            except (RpcTimeoutError, TransportError) as e:
+                if time.monotonic() >= end or agent.closed:
+                    raise
+                if not isinstance(e, RpcTimeoutError):
+                    await asyncio.sleep(min(interval, max(end - time.monotonic(), 0)))
+    finally:
+        current_deadline.reset(token)

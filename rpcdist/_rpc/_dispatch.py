@@ -33,10 +33,11 @@ from .._deadline import current_deadline
 from .._errors import ProtocolError, RpcdistError, RpcTimeoutError, SerializationError
 from .._futures import Future
 from .._serialization import decode, encode, exception_to_wire, resolve_function
+from .._serialization._functions import DEFAULT_POLICY, CallablePolicy
 from .._transport import Link
 from .._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
 from ..functions import ASYNC_EXECUTION_ATTR
-from ._context import WireContext, bind_agent, reset_agent
+from ._context import WireContext, _current, bind_agent, reset_agent
 from ._registry import CallInfo
 
 if TYPE_CHECKING:
@@ -66,13 +67,22 @@ def is_async_execution(fn: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def resolve(name: str) -> Callable[..., Any]:
-    """The function a call names (cached).
+def _resolve(name: str, policy: CallablePolicy) -> Callable[..., Any]:
+    return resolve_function(name, policy)
+
+
+def resolve(name: str, policy: CallablePolicy | None = None) -> Callable[..., Any]:
+    """The function a call names, under ``policy`` (default: the current
+    agent's callable policy); cached, refusals included in the check.
 
     Raises:
         SerializationError: it cannot be imported or is not a function.
+        CallPolicyError: the policy refuses it.
     """
-    return resolve_function(name)
+    if policy is None:
+        agent = _current.get()
+        policy = agent.policy if agent is not None else DEFAULT_POLICY
+    return _resolve(name, policy)
 
 
 def _kind_of(fn: Callable[..., Any]) -> int:
@@ -88,10 +98,10 @@ def _kind_of(fn: Callable[..., Any]) -> int:
 _kind = functools.lru_cache(maxsize=4096)(_kind_of)
 
 
-def plain_function(m: InMessage) -> Callable[..., Any] | None:
-    """The plain (not ``async``) function a CALL names, else None."""
+def plain_function(m: InMessage, policy: CallablePolicy) -> Callable[..., Any] | None:
+    """The plain (not ``async``) function a CALL names, if ``policy`` allows it, else None."""
     try:
-        fn = resolve(m.method)
+        fn = _resolve(m.method, policy)
     except Exception:
         return None  # serve() reports it
     return fn if _kind(fn) == _PLAIN else None
@@ -160,7 +170,7 @@ def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
     the loop): no task, one hop each way. Everything else runs as a
     :func:`serve` task.
     """
-    if m.kind != INTERNAL and (fn := plain_function(m)) is not None:
+    if m.kind != INTERNAL and (fn := plain_function(m, agent.policy)) is not None:
         wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta)
         try:
             args, kwargs = decode_call(agent, m, wire)
@@ -224,7 +234,7 @@ async def serve(
             scopes = agent.registry.enter_scopes(CallInfo(agent, peer, m.method, m.meta, deadline))
             result = await handler(agent, peer, payload)
         else:
-            fn = resolve(m.method)
+            fn = _resolve(m.method, agent.policy)
             if decoded is None:
                 args, kwargs = decode_call(agent, m, wire)
             else:
@@ -237,6 +247,8 @@ async def serve(
         header, buffers = encode(
             result, allow_pickle=agent.options.allow_pickle, context=wire, where="result"
         )
+        if buffers:
+            agent.check_size(header, buffers, f"the reply to {m.method!r}")
     except asyncio.CancelledError:
         _exit(scopes, None)
         agent.activity.handler_done()
@@ -279,6 +291,8 @@ def run_handler(
         header, buffers = encode(
             result, allow_pickle=agent.options.allow_pickle, context=wire, where="result"
         )
+        if buffers:
+            agent.check_size(header, buffers, f"the reply to {m.method!r}")
         _exit(scopes, None)
     except BaseException as e:  # the caller gets every error, typed
         _exit(scopes, e)

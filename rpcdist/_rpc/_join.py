@@ -1,19 +1,106 @@
-"""Joining a job: every worker publishes itself in the store and reads the others."""
+"""Joining a job: the store, the job secret, and every worker publishing
+itself in the store and reading the others.
+
+**The job secret.** Every job authenticates its links, even when the user
+set no token: rank 0 then makes a random secret at rendezvous and the other
+ranks read it from the store, so a process of another job (or any process
+that does not speak to this job's store) cannot call in. Without a user
+token the listeners stay on loopback (``RpcOptions.validated``), so the
+store is reachable only from this host. A user token (``RPCDIST_TOKEN``; the
+launcher always sets one) guards the store too.
+
+**Refusals are reported on both sides.** A rank whose token the store
+refuses is told so at once (``ConnectError``), and the store publishes the
+refusal (naming the rank), which every rank waiting at rendezvous watches,
+so rank 0 fails within milliseconds instead of timing out.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-from .._errors import ConfigError
+from .._errors import ConfigError, ConnectError
+from .._store import open_store
+from .._store._common import REFUSED_KEY
 
 if TYPE_CHECKING:
+    from .._store import RendezvousSpec, StoreClient, StoreServer
     from ._agent import Agent
 
-__all__ = ["agree_names", "check", "host_id", "join"]
+__all__ = [
+    "agree_names",
+    "barrier",
+    "check",
+    "host_id",
+    "job_secret",
+    "join",
+    "open_job_store",
+    "watching_refusals",
+]
+
+T = TypeVar("T")
+_SECRET_KEY = "rpc/secret"
+
+
+async def open_job_store(
+    agent: Agent, spec: RendezvousSpec
+) -> tuple[StoreClient, StoreServer | None]:
+    """Connect to (rank 0: serve) the job's store.
+
+    Raises:
+        ConnectError: unreachable in time, or this rank's token was refused.
+    """
+    opts = agent.options
+    return await open_store(spec, token=opts.token, timeout=opts.init_timeout)
+
+
+async def watching_refusals(agent: Agent, step: Awaitable[T]) -> T:
+    """Await ``step``, failing at once if the store refuses some rank's token.
+
+    Raises:
+        ConnectError: a rank was refused (the message names it).
+    """
+    store = agent.store
+    work = asyncio.ensure_future(step)
+    watch = asyncio.ensure_future(store.get(REFUSED_KEY, agent.options.init_timeout))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.done() and not watch.cancelled() and not watch.exception():
+            raise ConnectError(
+                f"{agent.name!r} (rank {agent.rank}) cannot join the job: "
+                f"{watch.result().decode(errors='replace')}"
+            )
+        return await work
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+async def job_secret(agent: Agent) -> str:
+    """The job's secret when the user set no token: made by rank 0, read by
+    the others from the store (collective)."""
+    store = agent.store
+    if agent.rank == 0:
+        secret = secrets.token_hex(16)
+        await store.set(_SECRET_KEY, secret.encode())
+        return secret
+    got = await watching_refusals(agent, store.get(_SECRET_KEY, agent.options.init_timeout))
+    return bytes(got).decode()
+
+
+async def barrier(agent: Agent, name: str) -> None:
+    """A store barrier of every worker, bounded by ``init_timeout``, failing
+    at once if the store refuses a rank."""
+    store, n = agent.store, agent.world_size
+    await watching_refusals(agent, store.barrier(name, n, agent.options.init_timeout))
 
 
 def host_id() -> str:
@@ -43,8 +130,9 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
         "link": published,
     }
     await store.set(f"rpc/worker/{agent.rank}", msgpack.packb(me))
-    entries = await asyncio.gather(
-        *(store.get(f"rpc/worker/{r}", timeout) for r in range(agent.world_size))
+    entries = await watching_refusals(
+        agent,
+        asyncio.gather(*(store.get(f"rpc/worker/{r}", timeout) for r in range(agent.world_size))),
     )
     return [msgpack.unpackb(e) for e in entries]
 

@@ -5,6 +5,12 @@ An outgoing link is made on first use and queues at once while the
 transport dials; when it ends, every call pending on that peer and every
 point-to-point receive from it fail with the reason. Incoming links are
 accepted from the transport once the peer's hello and token check out.
+
+A link ending under us (the peer closed it or the connection broke), or a
+peer that cannot be dialled once the job is up, means the peer is lost
+(:mod:`._liveness`), except for links a peer's blocking calls drive, which
+it closes at will (a timed-out call): their end only makes us watch the peer.
+A link closed for a protocol error loses only that link.
 """
 
 from __future__ import annotations
@@ -14,7 +20,14 @@ import contextvars
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ClosedError, RpcdistError, TransportError, WorkerLostError
+from .._errors import (
+    ClosedError,
+    ConnectError,
+    ProtocolError,
+    RpcdistError,
+    TransportError,
+    WorkerLostError,
+)
 from .._transport import Hooks, Link, LinkFactory, Peer, Transport, make_transport
 from .._transport._frames import P2P, OutMessage
 
@@ -38,6 +51,9 @@ class Links:
         self._out: dict[int, Link] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._in: set[Link] = set()
+        #: Incoming links of a peer's blocking calls that the loop serves (not
+        #: watched: the peer's thread reads only replies on them).
+        self._in_sync: set[Link] = set()
         self._late: set[asyncio.Task[None]] = set()
         #: What each peer's transport published at rendezvous, and its host.
         self._info: dict[int, dict[str, Any]] = {}
@@ -69,10 +85,27 @@ class Links:
         return f"worker {self._agent.workers[rank].name!r} at {self.address(rank)}"
 
     def _refusal(self, rank: int, name: str) -> str | None:
-        workers = self._agent.workers
+        agent = self._agent
+        workers = agent.workers
         if not 0 <= rank < len(workers) or workers[rank].name != name:
             return f"worker {name!r} (rank {rank}) is not part of this job"
+        why = agent.liveness.lost.get(rank)
+        if why is not None:
+            return f"worker {name!r} (rank {rank}) was declared lost by {agent.name!r}: {why}"
         return None
+
+    def watched(self) -> list[Link]:
+        """The links the failure detector watches (on the loop)."""
+        return [*self._out.values(), *(link for link in self._in if link not in self._in_sync)]
+
+    def drop(self, rank: int, exc: RpcdistError) -> None:
+        """End every link with worker ``rank`` now, with ``exc`` (on the loop)."""
+        for link in [self._out.get(rank), *self._in]:
+            if link is not None and link.peer_rank == rank and link.closed is None:
+                try:
+                    link.abort(exc)
+                except NotImplementedError:
+                    pass
 
     # --------------------------------------------------------- outgoing
 
@@ -105,6 +138,8 @@ class Links:
         agent = self._agent
         if agent.closed:
             raise ClosedError(f"agent {agent.name!r} is shutting down")
+        if dst in agent.liveness.lost:
+            raise agent.liveness.error(dst)
         hooks = Hooks(on_message=agent.on_message, after_read=agent.flush_wakeups)
         link, run = self.transport.link(self.peer(dst), hooks)
         self._out[dst] = link
@@ -119,15 +154,29 @@ class Links:
         cancelled = False
         try:
             await run
-            exc = WorkerLostError(f"{link.label} ended its stream (it shut down)")
+            exc = WorkerLostError(
+                f"{link.label} closed the connection (its process exited, was killed or shut down)"
+            )
         except asyncio.CancelledError:
             cancelled = True
             exc = ClosedError(f"agent {self._agent.name!r} shut down")
+        except ConnectError as e:
+            # Every worker listened before the job started: one that cannot be
+            # reached or refuses us now is gone for us.
+            exc = WorkerLostError(f"cannot reach {link.label} any more: {e}")
+            link.closed = exc
+            if self._out.get(dst) is link:
+                del self._out[dst]
+                self._tasks.pop(dst, None)
+            self._agent.calls.fail_peer(dst, exc)
+            self._agent.liveness.declare(dst, str(exc))
+            return
         except RpcdistError as e:
             exc = e
         except Exception as e:
             exc = TransportError(f"link to {link.label} failed: {type(e).__name__}: {e}")
-        link.closed = exc
+        if link.closed is None or not isinstance(link.closed, WorkerLostError):
+            link.closed = exc
         if self._out.get(dst) is link:
             del self._out[dst]
             self._tasks.pop(dst, None)
@@ -151,15 +200,22 @@ class Links:
         hooks = Hooks(on_message=agent.on_message, alloc=alloc, after_read=agent.flush_wakeups)
         link = make(hooks, same_host=same_host)
         self._in.add(link)
+        if sync:
+            self._in_sync.add(link)
+        broken = False
         try:
             await link.run()
+        except ProtocolError:
+            broken = True  # only this link: the peer sent something malformed
+            raise
         finally:
             link.closed = link.closed or WorkerLostError(f"stream from {link.label} ended")
             self._in.discard(link)
-            # A killed process's sockets close cleanly too: any end of a peer's
-            # link (while we run) means it is gone or going.
-            if not agent.closed:
-                agent.peer_lost(rank)
+            self._in_sync.discard(link)
+            # A killed process's sockets close cleanly too: the end of a
+            # peer's own link (while we run) means it is gone or going.
+            if not agent.closed and not broken:
+                agent.liveness.probe(rank, str(link.closed))
 
     def adopt_late(self, link: Link) -> None:
         """On the loop: serve a thread-driven link whose call timed out.

@@ -11,9 +11,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from .._errors import CollectiveError, ProtocolError
-from .._transport._frames import InMessage
+from .._transport import Link
+from .._transport._frames import P2P, InMessage, OutMessage
 
-__all__ = ["Mailbox", "Message"]
+__all__ = ["Mailbox", "Message", "send_one_way"]
 
 #: A received point-to-point message (``.method`` is its key, ``.header`` and
 #: ``.buffers`` what was sent).
@@ -136,3 +137,27 @@ def _copy_into(msg: InMessage, out: memoryview) -> None:
         off += b.nbytes
     if off != out.nbytes:
         raise ProtocolError("short point-to-point message")
+
+
+async def send_one_way(
+    link: Link, msg_id: int, key: str, buffers: list[memoryview], header: bytes
+) -> None:
+    """Send one-way message ``key`` on ``link``; return once its bytes are
+    copied out (on the loop).
+
+    Raises:
+        RpcdistError: the link died before the bytes went out.
+    """
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def packed() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    msg = OutMessage(P2P, key, header, buffers, on_packed=packed)
+    msg.id = msg_id
+    link.send(msg)
+    while not done.done():  # fail the wait if the link dies first
+        if link.closed is not None:
+            raise link.closed
+        await asyncio.wait([done], timeout=0.5)

@@ -109,9 +109,10 @@ class Extension(Protocol):
         """The agent closed, gracefully or not (any thread)."""
 
     def peer_lost(self, rank: int) -> None:
-        """A link with worker ``rank`` ended while this agent runs: it shut
-        down, died or its host did (a killed process's sockets close cleanly,
-        so these look alike). On the loop."""
+        """Worker ``rank`` was declared lost (``_liveness``): it died, shut
+        down without us, hung, or the network to it failed. Called once per
+        worker, on the loop; the agent has already failed its pending calls
+        and it stays lost."""
 
 
 class BaseExtension:

@@ -38,9 +38,18 @@ from .._errors import (
 )
 from .._serialization import decode, exception_from_wire
 from .._transport import Hooks, Link, LinkFactory
-from .._transport._frames import CALL, ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
+from .._transport._frames import (
+    CALL,
+    ERROR_REPLY,
+    HEARTBEAT,
+    INTERNAL,
+    P2P,
+    REPLY,
+    InMessage,
+    OutMessage,
+)
 from .._worker import WorkerInfo
-from . import _dispatch
+from . import _dispatch, _doctor
 from ._context import WireContext
 
 if TYPE_CHECKING:
@@ -73,6 +82,8 @@ class _Channel:
 def _keeper(replies: list[InMessage]) -> Hooks:
     def keep(link: Link, m: InMessage) -> None:
         if m.kind not in (REPLY, ERROR_REPLY):
+            if m.kind == P2P and m.method == HEARTBEAT:
+                return
             raise ProtocolError(f"unexpected frame kind {m.kind} from {link.label}")
         replies.append(m)
 
@@ -108,6 +119,31 @@ class SyncCalls:
         #: (both under ``agent.activity.lock``).
         self.inflight = 0
         self.calls = 0
+        #: The calls in flight: id -> (peer, label, started); for snapshots.
+        self._active: dict[int, tuple[int, str, float]] = {}
+        #: How long a thread waits for a reply before looking whether the peer
+        #: was lost (a call without a deadline still ends when it is).
+        self._slice = agent.options.heartbeat_interval
+
+    def outstanding(self) -> list[tuple[int, str, float]]:
+        """``(peer, label, started)`` of each call in flight here (any thread)."""
+        with self._agent.activity.lock:
+            return list(self._active.values())
+
+    def drop_peer(self, rank: int) -> None:
+        """Worker ``rank`` was lost (any thread): wake the threads waiting on
+        it, close its idle connections and the ones it drives here."""
+        with self._lock:
+            idle = self._free.pop(rank, [])
+            self._count[rank] = self._count.get(rank, 0) - len(idle)
+            for chan in self._busy:
+                if chan.link.peer_rank == rank:
+                    chan.link.interrupt()
+            for served in self._served:
+                if served.peer_rank == rank:
+                    served.interrupt()
+        for chan in idle:
+            chan.link.close_threaded()
 
     def connections(self, dst: int) -> int:
         """Thread-driven connections open to worker ``dst`` now."""
@@ -139,15 +175,18 @@ class SyncCalls:
         msg.id = next(agent.calls.ids)
         label = msg.label or msg.method
         activity = agent.activity
+        started = time.monotonic()
         with activity.lock:
             activity.sent += 1
             self.calls += 1
             self.inflight += 1
+            self._active[msg.id] = (peer.id, label, started)
         try:
-            reply = self._round_trip(chan, msg, label)
+            reply = self._round_trip(chan, msg, label, started)
         finally:
             with activity.lock:
                 self.inflight -= 1
+                del self._active[msg.id]
             activity.woke_threadsafe()
         wire = WireContext(agent, peer, off_loop=True, meta=reply.meta)
         value = decode(
@@ -157,22 +196,38 @@ class SyncCalls:
             raise exception_from_wire(value)
         return value
 
-    def _round_trip(self, chan: _Channel, msg: OutMessage, label: str) -> InMessage:
-        started = time.monotonic()
+    def _round_trip(self, chan: _Channel, msg: OutMessage, label: str, started: float) -> InMessage:
         link = chan.link
+        liveness = self._agent.liveness
+        dst = link.peer_rank
+        lost = False
         try:
             sent = link.send_blocking(msg, msg.deadline)
+            watched = False
             while sent and not chan.replies and link.closed is None:
-                if not link.read_blocking(msg.deadline):
+                if link.read_blocking(self._until(msg.deadline)):
+                    continue
+                if liveness.is_lost(dst):
+                    lost = True
                     break
+                if msg.deadline is not None and time.monotonic() >= msg.deadline:
+                    break
+                if not watched:  # a slow reply: make sure the detector watches the callee
+                    watched = True
+                    liveness.watch_threadsafe(dst)
         except OSError as e:  # (no RpcTimeoutError, also an OSError, is raised in here)
             self._drop(chan)
             why = WorkerLostError(f"lost the connection to {link.label}: {e}")
+            if liveness.is_lost(dst):
+                why = liveness.error(dst)
             raise self._lost(label, why) from e
         except RpcdistError:  # a fault rule failed the call: nothing was sent
             self._give_back(chan)
             msg.dropped()
             raise
+        if lost or (link.closed is not None and not chan.replies and liveness.is_lost(dst)):
+            self._drop(chan)
+            raise self._lost(label, liveness.error(dst))
         if not sent:
             self._drop(chan)  # cut mid-message: nothing will answer it
             raise self._timeout(chan, label, started)
@@ -192,6 +247,11 @@ class SyncCalls:
             self._give_back(chan)
         return reply
 
+    def _until(self, deadline: float | None) -> float:
+        """The end of the next wait for a reply: a slice, or the deadline if sooner."""
+        end = time.monotonic() + self._slice
+        return end if deadline is None else min(end, deadline)
+
     def _lost(self, label: str, why: RpcdistError) -> RpcdistError:
         agent = self._agent
         if agent.closed:
@@ -200,15 +260,18 @@ class SyncCalls:
 
     def _timeout(self, chan: _Channel, label: str, started: float) -> RpcTimeoutError:
         name = self._agent.workers[chan.link.peer_rank].name
+        info = _doctor.snapshot(self._agent)
         return RpcTimeoutError(
-            f"call {label!r} to worker {name!r} timed out after {time.monotonic() - started:.3g} s"
+            f"call {label!r} to worker {name!r} timed out after "
+            f"{time.monotonic() - started:.3g} s; {_doctor.summary(info)}",
+            snapshot=info,
         )
 
     # ------------------------------------------------------------ channels
 
     def _take(self, dst: int, deadline: float | None) -> _Channel | None:
         with self._lock:
-            if self._closed:
+            if self._closed or self._agent.liveness.is_lost(dst):
                 return None
             free = self._free.get(dst)
             while free:
@@ -341,11 +404,8 @@ class SyncCalls:
                 self._served_per_peer[link.peer_rank] -= 1
             link.close_threaded()
             agent = self._agent
-            if not agent.closed:  # as for any link a peer ended (see Links._accept)
-                try:
-                    agent.loop.call_soon_threadsafe(agent.peer_lost, link.peer_rank)
-                except RuntimeError:  # the loop is gone
-                    pass
+            if not agent.closed:  # the caller may have closed it at will: probe it
+                agent.liveness.probe_threadsafe(link.peer_rank, f"{link.label} closed a connection")
 
     def _run(self, link: Any, m: InMessage) -> None:
         """Handle one call on the serving thread: a plain function runs right
@@ -353,7 +413,7 @@ class SyncCalls:
         still bounds running handlers); anything else goes where it would
         have gone from the loop."""
         agent = self._agent
-        fn = _dispatch.plain_function(m) if m.kind == CALL else None
+        fn = _dispatch.plain_function(m, agent.policy) if m.kind == CALL else None
         if fn is None:  # internal, async def, @async_execution, unknown
             try:
                 agent.loop.call_soon_threadsafe(agent.on_message, link, m)

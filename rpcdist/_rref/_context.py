@@ -34,7 +34,9 @@ from .._errors import (
     WorkerLostError,
 )
 from .._futures import Future
+from .._rpc._doctor import summary
 from .._rpc._registry import BaseExtension
+from .._rpc._shutdown import barrier_live
 from .._worker import WorkerInfo
 from ._protocol import Ids, OwnerTable, UserTable
 
@@ -184,10 +186,16 @@ class RRefContext(BaseExtension):
             except RuntimeError:  # the other side finished it first
                 pass
 
+        def expire() -> None:
+            if not out.done():
+                info = self.agent.debug_info()
+                finish(None, RpcTimeoutError(
+                    f"{what} did not finish before its deadline; {summary(info)}", snapshot=info
+                ))  # fmt: skip
+
         def arm() -> None:
             if not out.done():
-                err = RpcTimeoutError(f"{what} did not finish before its deadline")
-                timer.append(loop.call_at(deadline, finish, None, err))  # type: ignore[arg-type]
+                timer.append(loop.call_at(deadline, expire))  # type: ignore[arg-type]
 
         if deadline is not None:
             try:
@@ -321,6 +329,10 @@ class RRefContext(BaseExtension):
         """Graceful shutdown, RRef part (``docs/rref.md``, flow 6)."""
         await _drain(self)
 
+    def peer_lost(self, rank: int) -> None:
+        """Worker ``rank`` was declared lost: RRefs it owns fail at once."""
+        self.mark_lost(rank)
+
     def check(self) -> None:
         """Raises: RRefError: the drain found leaked RRefs."""
         if self.leak_error is not None:
@@ -400,13 +412,13 @@ async def _drain(ctx: RRefContext) -> None:
     agent = ctx.agent
     limit = agent.options.shutdown_timeout
     many = agent.world_size > 1 and agent.store is not None
-    if many:  # every worker has stopped making new RRefs
-        await agent.store.barrier("rpcdist/rref/shutdown", agent.world_size, limit)
+    if many:  # every live worker has stopped making new RRefs
+        await barrier_live(agent, "rpcdist/rref/shutdown", limit)
     await ctx.wait_until(lambda: not ctx.users.busy() and ctx.idle(), limit / 4)
     ctx.release_users()
     await ctx.wait_until(ctx.idle, limit / 4)
-    if many:  # every worker's deletes are acknowledged: owners have drained
-        await agent.store.barrier("rpcdist/rref/released", agent.world_size, limit)
+    if many:  # every live worker's deletes are acknowledged: owners have drained
+        await barrier_live(agent, "rpcdist/rref/released", limit)
     ctx.closed = True
     if agent.options.ignore_rref_leaks:
         return

@@ -20,6 +20,7 @@ from .._errors import (
 )
 from .._futures import Future
 from .._rpc._context import WireContext, current_agent
+from .._rpc._doctor import summary
 from .._serialization import register_extension
 from .._worker import WorkerInfo
 from ._calls import call_owner, create, to_here_after_creation
@@ -195,9 +196,11 @@ class RRef(Generic[T]):
             try:
                 rec.ready.wait(agent.rpc_timeout)
             except RpcTimeoutError:
+                info = agent.debug_info()
                 raise RpcTimeoutError(
                     f"local_value() on {self!r}: the value was not created within "
-                    f"{agent.rpc_timeout} s"
+                    f"{agent.rpc_timeout} s; {summary(info)}",
+                    snapshot=info,
                 ) from None
         return rec.get()  # type: ignore[no-any-return]
 

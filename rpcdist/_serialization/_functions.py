@@ -1,16 +1,155 @@
-"""Functions travel by name: ``"module:qualname"``, resolved on the receiver."""
+"""Functions travel by name: ``"module:qualname"``, resolved on the receiver,
+under a :class:`CallablePolicy`.
+
+Not pickling code keeps arbitrary code off the wire, but any importable
+function can still be named: ``os:system`` would run a shell command. So
+every resolution passes a policy. The default (``"denylist"``) refuses what
+runs programs or code, loads code or native libraries, unpickles, or reaches
+files, processes and the network (:data:`DENIED_MODULES`,
+:data:`DENIED_NAMES`), judged on the module the name gives, every module
+the name's path walks through, and the module the resolved object says it
+comes from (so ``mymodule:os.system`` and a re-export are refused too).
+``"allowlist"`` accepts only the application's entries (and rpcdist's own
+functions, which its protocols call); ``"any"`` turns the check off. An
+explicit entry in ``allowed`` overrides the deny list.
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .._errors import SerializationError
+from .._errors import CallPolicyError, SerializationError
 
-__all__ = ["function_name", "resolve_function"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "DENIED_MODULES",
+    "DENIED_NAMES",
+    "CallablePolicy",
+    "function_name",
+    "resolve_function",
+]
+
+#: Modules (and their submodules) whose callables peers may not call by
+#: default: they run programs or code, load code or native libraries,
+#: unpickle, or reach files, processes, signals and the network.
+DENIED_MODULES = frozenset(
+    {
+        # processes, the OS, signals, threads
+        "os", "posix", "nt", "subprocess", "_posixsubprocess", "pty", "signal", "_signal",
+        "multiprocessing", "_multiprocessing", "concurrent", "threading", "_thread", "sys",
+        "resource", "atexit", "faulthandler", "gc",
+        # code: import, compile, evaluate, native libraries, serialised objects
+        "importlib", "_imp", "imp", "zipimport", "pkgutil", "runpy", "code", "codeop",
+        "ctypes", "_ctypes", "cffi", "pickle", "_pickle", "cPickle", "copyreg", "marshal",
+        "shelve", "dill", "cloudpickle", "joblib", "types", "inspect", "pdb", "bdb",
+        "cProfile", "profile", "timeit", "trace", "doctest", "pydoc", "unittest",
+        "ensurepip", "pip", "venv", "setuptools", "distutils", "site", "sysconfig",
+        # files and the network
+        "io", "_io", "pathlib", "shutil", "tempfile", "fileinput", "glob", "zipfile",
+        "tarfile", "socket", "_socket", "ssl", "select", "selectors", "asyncio",
+        "socketserver", "http", "urllib", "ftplib", "smtplib", "poplib", "imaplib",
+        "telnetlib", "xmlrpc", "webbrowser", "sqlite3", "dbm", "mmap", "logging.config",
+        # modules whose import alone acts (opens a browser, a window, prints)
+        "antigravity", "this", "turtle", "turtledemo", "idlelib", "tkinter",
+        # rpcdist's own process launchers
+        "rpcdist.launch", "rpcdist.testing",
+        # NumPy's native-code and build helpers
+        "numpy.ctypeslib", "numpy.f2py", "numpy.distutils", "numpy.testing",
+    }
+)  # fmt: skip
+#: Single callables refused by default: ``(module, name)``, matched against
+#: the name on the wire and against the resolved object's own module/name.
+DENIED_NAMES = frozenset(
+    {
+        *(("builtins", n) for n in (
+            "eval", "exec", "compile", "__import__", "open", "breakpoint", "input", "getattr",
+            "setattr", "delattr", "globals", "locals", "vars", "exit", "quit", "help",
+            "memoryview", "__build_class__",
+        )),
+        *(("numpy", n) for n in (
+            "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt", "genfromtxt",
+            "fromfile", "fromregex", "memmap", "DataSource", "tofile",
+        )),
+    }
+)  # fmt: skip
+#: Modules every policy accepts unless denied: rpcdist's own protocols call them.
+_OWN = "rpcdist"
+POLICY_MODES = ("denylist", "allowlist", "any")
+
+
+def _under(module: str, prefixes: frozenset[str]) -> bool:
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts) + 1))
+
+
+@dataclass(frozen=True, eq=False)
+class CallablePolicy:
+    """What a worker lets peers call by name (see the module docstring).
+
+    Attributes:
+        mode: ``"denylist"``, ``"allowlist"`` or ``"any"``.
+        allowed: Entries ``"module"`` (its functions and its submodules') or
+            ``"module:qualname"`` (one function or class, and its methods).
+
+    Compared and hashed by identity (it keys a cache of resolutions).
+    """
+
+    mode: str = "denylist"
+    allowed: frozenset[str] = frozenset()
+
+    def _allowed(self, module: str, qualname: str) -> bool:
+        if not self.allowed:
+            return False
+        if _under(module, frozenset(a for a in self.allowed if ":" not in a)):
+            return True
+        parts = qualname.split(".")
+        return any(
+            f"{module}:{'.'.join(parts[:i])}" in self.allowed for i in range(1, len(parts) + 1)
+        )
+
+    def refusal(self, name: str, target: object, modules: list[str]) -> str | None:
+        """Why calling ``target`` (resolved from ``name``, walking through
+        ``modules``) is refused, or ``None`` if it is not (pure)."""
+        if self.mode == "any":
+            return None
+        module, _, qualname = name.partition(":")
+        if self._allowed(module, qualname):
+            return None
+        origins = _origins(target)
+        for m in [module, *modules, *(o[0] for o in origins)]:
+            if _under(m, DENIED_MODULES):
+                return f"functions of module {m!r} run programs or code or reach the system"
+        for key in [(module, qualname), *origins]:
+            if key in DENIED_NAMES:
+                return f"'{key[0]}.{key[1]}' can run code or reach files"
+        if self.mode == "allowlist" and not _under(module, frozenset({_OWN})):
+            return "this worker accepts only the functions it allows (callable_policy='allowlist')"
+        return None
+
+
+#: The policy where none is given: refuse the deny lists.
+DEFAULT_POLICY = CallablePolicy()
+
+
+def _origins(target: object, depth: int = 0) -> list[tuple[str, str]]:
+    """``(module, name)`` pairs a callable says it comes from (through partials)."""
+    out: list[tuple[str, str]] = []
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if isinstance(module, str):
+        out.append((module, name if isinstance(name, str) else ""))
+    self_ = getattr(target, "__self__", None)  # builtin methods: their module object
+    if isinstance(self_, types.ModuleType):
+        out.append((self_.__name__, name if isinstance(name, str) else ""))
+    if isinstance(target, functools.partial) and depth < 8:
+        out.extend(_origins(target.func, depth + 1))
+    return out
 
 
 def _label(fn: object) -> str:
@@ -73,11 +212,15 @@ def function_name(fn: Callable[..., Any]) -> str:
     return name
 
 
-def resolve_function(name: str) -> Callable[..., Any]:
-    """Find the function called ``name`` (``"module:qualname"``), importing its module.
+def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Callable[..., Any]:
+    """Find the function called ``name`` (``"module:qualname"``), importing its
+    module, and check it against ``policy``.
+
+    A module the policy refuses by name is not even imported.
 
     Args:
         name: A name made by :func:`function_name`.
+        policy: What may be called (default: the deny lists).
 
     Returns:
         The callable.
@@ -85,11 +228,17 @@ def resolve_function(name: str) -> Callable[..., Any]:
     Raises:
         SerializationError: the module cannot be imported, the attribute path
             does not exist, or it is not callable.
+        CallPolicyError: ``policy`` refuses it.
     """
     module_name, _, qualname = name.partition(":")
     prefix = f"function '{name}' not found on this worker"
     if not module_name or not qualname:
         raise SerializationError(f"{prefix}: expected 'module:qualname'")
+    if not all(p.isidentifier() for p in (*module_name.split("."), *qualname.split("."))):
+        raise SerializationError(f"{prefix}: not a dotted Python name")
+    early = policy.refusal(name, None, [])
+    if early is not None:
+        raise _refused(name, early)
     target: object = sys.modules.get(module_name)
     if target is None:
         try:
@@ -98,11 +247,24 @@ def resolve_function(name: str) -> Callable[..., Any]:
             raise SerializationError(
                 f"{prefix}: cannot import module '{module_name}': {exc}"
             ) from exc
+    walked: list[str] = []
     for part in qualname.split("."):
+        if isinstance(target, types.ModuleType):
+            walked.append(target.__name__)
         try:
             target = getattr(target, part)
         except AttributeError as exc:
             raise SerializationError(f"{prefix}: {exc}") from exc
     if not callable(target):
         raise SerializationError(f"{prefix}: {type(target).__qualname__} object is not callable")
+    why = policy.refusal(name, target, walked)
+    if why is not None:
+        raise _refused(name, why)
     return target
+
+
+def _refused(name: str, why: str) -> CallPolicyError:
+    return CallPolicyError(
+        f"this worker refuses to call '{name}': {why}; allow it with "
+        f"RpcOptions(allowed_callables=('{name}',)) if it is meant to be called"
+    )

@@ -35,8 +35,8 @@ from .._proto import store_pb2 as pb
 from ._common import BARRIER_PREFIX as _BARRIER_PREFIX
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
+from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY
 from ._common import SERVICE as _SERVICE
-from ._common import TOKEN_METADATA_KEY
 
 __all__ = ["StoreClient"]
 
@@ -95,9 +95,16 @@ class StoreClient:
     :class:`WorkerLostError` as soon as the server goes away.
     """
 
-    def __init__(self, address: str, *, token: str | None, timeout: float = 60.0) -> None:
+    def __init__(
+        self, address: str, *, token: str | None, timeout: float = 60.0, rank: int | None = None
+    ) -> None:
         self._address = address
-        self._metadata = None if token is None else ((TOKEN_METADATA_KEY, token),)
+        metadata: list[tuple[str, str]] = []
+        if token is not None:
+            metadata.append((TOKEN_METADATA_KEY, token))
+        if rank is not None:  # named in the server's report if it refuses us
+            metadata.append((RANK_METADATA_KEY, str(rank)))
+        self._metadata = tuple(metadata) or None
         deadline_for(timeout, None)  # validates it
         self._timeout = timeout
         self._channel: Any = None
@@ -367,8 +374,8 @@ class StoreClient:
         where = f"{what} on the store at {self._address}"
         if code is grpc.StatusCode.UNAUTHENTICATED:
             return ConnectError(
-                f"{where}: the store rejected this process's token ({TOKEN_METADATA_KEY!r}); "
-                "every rank must use the same job token"
+                f"{where}: the store rejected this process's token ({TOKEN_METADATA_KEY!r}): "
+                f"{exc.details()}"
             )
         if self._closed and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
             return ClosedError(f"{where}: the client was closed")

@@ -7,6 +7,8 @@ __all__ = [
     "BARRIER_PREFIX",
     "INT64",
     "MESSAGE_OPTIONS",
+    "RANK_METADATA_KEY",
+    "REFUSED_KEY",
     "SERVICE",
     "TOKEN_METADATA_KEY",
     "format_address",
@@ -14,6 +16,11 @@ __all__ = [
 
 #: gRPC metadata key that carries the job token on every store call.
 TOKEN_METADATA_KEY = "rpcdist-token"
+#: gRPC metadata key naming the caller's rank (for the server's refusal report).
+RANK_METADATA_KEY = "rpcdist-rank"
+#: A key ``get`` can wait on: set to a description of the first caller the
+#: server refused for its token (it is not counted among the keys stored).
+REFUSED_KEY = "rpcdist/refused"
 
 SERVICE = "rpcdist.v1.Store"
 BARRIER_PREFIX = "rpcdist/barrier/"

@@ -233,7 +233,7 @@ async def open_store(
             raise ConfigError(f"file:// rendezvous without a path: {spec!r}")
         if spec.rank == 0:
             return await _serve_file(spec, spec.path, token, timeout)
-        return await _join_file(spec.path, token, timeout), None
+        return await _join_file(spec.path, token, timeout, spec.rank), None
     server = None
     address = spec.address
     if spec.rank == 0:
@@ -242,7 +242,7 @@ async def open_store(
         address = format_address(_WILDCARDS.get(spec.host, spec.host), port)
     elif spec.port == 0:
         raise ConfigError(f"rank {spec.rank} cannot find a store on port 0 ({spec!r})")
-    store = StoreClient(address, token=token, timeout=timeout)
+    store = StoreClient(address, token=token, timeout=timeout, rank=spec.rank)
     try:
         await store.connect()
     except BaseException:
@@ -288,7 +288,10 @@ async def _serve_file(
     port = await server.start(spec.host, 0)
     advertised = socket.gethostname() if spec.host in _WILDCARDS else spec.host
     store = StoreClient(
-        format_address(_WILDCARDS.get(spec.host, spec.host), port), token=token, timeout=timeout
+        format_address(_WILDCARDS.get(spec.host, spec.host), port),
+        token=token,
+        timeout=timeout,
+        rank=spec.rank,
     )
     try:
         temporary = f"{path}.{server.server_id}.tmp"
@@ -326,7 +329,9 @@ def _read_file(path: str) -> tuple[str, str] | str:
     return lines[0], lines[1]
 
 
-async def _join_file(path: str, token: str | None, timeout: float) -> StoreClient:
+async def _join_file(
+    path: str, token: str | None, timeout: float, rank: int | None = None
+) -> StoreClient:
     """Connect to the store whose address rank 0 wrote to ``path``.
 
     The file may be stale (left by an earlier run) until rank 0 replaces it,
@@ -342,7 +347,7 @@ async def _join_file(path: str, token: str | None, timeout: float) -> StoreClien
             problem = found
         else:
             address, server_id = found
-            store = StoreClient(address, token=token, timeout=timeout)
+            store = StoreClient(address, token=token, timeout=timeout, rank=rank)
             left = remaining(deadline)
             try:
                 attempt = (
@@ -350,6 +355,9 @@ async def _join_file(path: str, token: str | None, timeout: float) -> StoreClien
                 )
                 await store.connect(timeout=attempt)
             except ConnectError as exc:
+                if f"[store {server_id}]" in str(exc):  # the file's own store refused us
+                    await store.close()
+                    raise
                 problem = f"the file names {address}, which failed: {exc}"
             except BaseException:
                 await store.close()

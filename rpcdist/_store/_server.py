@@ -1,7 +1,12 @@
 """The rendezvous store's server, run by rank 0 (gRPC service ``rpcdist.v1.Store``).
 
 Waiting reads (``get``, ``wait``, barriers) wait on the server, not by
-polling; every request must carry the job token when one is set.
+polling; every request must carry the job token when one is set, and none
+may carry one when none is set (a rank started with a token while rank 0
+has none is as misconfigured as one with a wrong token). A refused caller
+is told so at once; the first refusal is also logged and published under
+:data:`~._common.REFUSED_KEY`, naming the caller's rank, so that the ranks
+waiting at rendezvous learn of it within milliseconds instead of timing out.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from .._errors import (
 from .._proto import store_pb2 as pb
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
+from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, format_address
 from ._common import SERVICE as _SERVICE
-from ._common import TOKEN_METADATA_KEY, format_address
 
 __all__ = ["StoreServer"]
 
@@ -78,6 +83,8 @@ class StoreServer:
         self._server: Any = None
         self._closing = False
         self._changed = asyncio.Event()
+        #: What the first refused caller was told (published as REFUSED_KEY).
+        self.refused: bytes | None = None
         #: Random per instance; clients learn it from Ping, rendezvous files record it.
         self.server_id = secrets.token_hex(16)
 
@@ -154,19 +161,42 @@ class StoreServer:
             },
         )
 
+    def _refusal(self, metadata: dict[str, Any]) -> str | None:
+        offered = metadata.get(TOKEN_METADATA_KEY)
+        if self._token is None:
+            if offered is not None:
+                return (
+                    f"the caller presented a job token ({TOKEN_METADATA_KEY!r}) but this store "
+                    "has none: every rank must use the same RPCDIST_TOKEN (or none)"
+                )
+            return None
+        if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self._token):
+            what = "no" if offered is None else "a wrong"
+            return (
+                f"the caller presented {what} job token ({TOKEN_METADATA_KEY!r} metadata): "
+                "every rank must use the same RPCDIST_TOKEN"
+            )
+        return None
+
+    def _refuse(self, metadata: dict[str, Any], why: str) -> None:
+        if self.refused is not None:
+            return
+        rank = metadata.get(RANK_METADATA_KEY)
+        who = f"rank {rank}" if isinstance(rank, str) and rank.isdigit() else "a process"
+        text = f"{who} was refused by the rendezvous store: {why}"
+        logger.warning("store %s: %s", self.server_id, text)
+        self.refused = text.encode()
+        self._wake(REFUSED_KEY)
+
     def _guarded(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         async def guarded(request: Any, context: Any) -> Any:
-            if self._token is not None:
-                metadata = dict(context.invocation_metadata() or ())
-                offered = metadata.get(TOKEN_METADATA_KEY)
-                if not isinstance(offered, str) or not hmac.compare_digest(
-                    offered.encode(), self._token
-                ):
-                    await _abort(
-                        context,
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        f"missing or wrong {TOKEN_METADATA_KEY!r} metadata",
-                    )
+            metadata = dict(context.invocation_metadata() or ())
+            why = self._refusal(metadata)
+            if why is not None:
+                self._refuse(metadata, why)
+                await _abort(
+                    context, grpc.StatusCode.UNAUTHENTICATED, f"{why} [store {self.server_id}]"
+                )
             if self._closing:
                 await _abort(context, grpc.StatusCode.UNAVAILABLE, "store server is shutting down")
             return await handler(request, context)
@@ -183,9 +213,12 @@ class StoreServer:
                 waiter.set_result(None)
         self._changed.set()
 
+    def _has(self, key: str) -> bool:
+        return key in self._data or (key == REFUSED_KEY and self.refused is not None)
+
     async def _until_set(self, key: str, context: Any) -> None:
         """Wait until ``key`` is stored; abort the call if the server stops first."""
-        while key not in self._data:
+        while not self._has(key):
             if self._closing:
                 await _abort(
                     context,
@@ -213,10 +246,11 @@ class StoreServer:
 
     async def _get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:
         await self._until_set(request.key, context)
-        return pb.GetResponse(value=self._data[request.key])
+        value = self._data.get(request.key)
+        return pb.GetResponse(value=(self.refused or b"") if value is None else value)
 
     async def _wait(self, request: pb.WaitRequest, context: Any) -> pb.WaitResponse:
-        while missing := [key for key in request.keys if key not in self._data]:
+        while missing := [key for key in request.keys if not self._has(key)]:
             await self._until_set(missing[0], context)
         return pb.WaitResponse()
 

@@ -13,6 +13,7 @@ agent's loop unless a method says otherwise.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -103,12 +104,15 @@ class Link:
         self._batch_bytes = options.batch_bytes
         self._chunk_bytes = options.chunk_bytes
         self._queue: deque[OutMessage] = deque()
-        self._reasm = Reassembler(hooks.alloc)
+        self._reasm = Reassembler(hooks.alloc, options.max_message_bytes)
         #: Why the link ended (set once; later sends raise it).
         self.closed: RpcdistError | None = None
         self.received_any = False
         self.messages_out = 0
         self.messages_in = 0
+        #: Receives into large payloads (progress the failure detector sees
+        #: while one long message arrives, between envelopes).
+        self.bulk_reads = 0
 
     def rebind(self, hooks: Hooks) -> None:
         """Deliver to other callbacks from now on (a link changing hands)."""
@@ -152,6 +156,11 @@ class Link:
 
     def close_write(self) -> None:
         """Half-close: the peer sees the end once everything queued is out."""
+
+    def abort(self, exc: RpcdistError) -> None:
+        """End the link at once with ``exc`` (on the loop): :meth:`run` raises it
+        and queued messages are dropped (the peer was declared lost)."""
+        raise NotImplementedError
 
     async def aclose_write(self) -> None:
         """:meth:`close_write`, returning once the transport has done it."""
@@ -213,6 +222,12 @@ class Transport(Protocol):
     async def stop(self, grace: float) -> None:
         """Stop listening and end what :meth:`serve` handed out."""
 
+    def rename(self, name: str) -> None:
+        """This worker's name changed (it is presented to every peer it dials)."""
+
+    def set_token(self, token: str) -> None:
+        """Present and require ``token`` from now on (the job secret)."""
+
 
 class TransportBase:
     """What every transport keeps: its loop, options and this worker's identity."""
@@ -231,6 +246,11 @@ class TransportBase:
     def rename(self, name: str) -> None:
         """This worker's name changed (it is presented to every peer it dials)."""
         self._name = name
+
+    def set_token(self, token: str) -> None:
+        """Present and require ``token`` from now on (the job secret made at
+        rendezvous when the user set none)."""
+        self._options = dataclasses.replace(self._options, token=token)
 
 
 def segment_writer(options: RpcOptions) -> SegmentWriter | None:

@@ -183,6 +183,9 @@ class FaultyLink(Link):
     def close_write(self) -> None:
         self._inner.close_write()
 
+    def abort(self, exc: Any) -> None:
+        self._inner.abort(exc)
+
     async def aclose_write(self) -> None:
         await self._inner.aclose_write()
 

@@ -27,6 +27,7 @@ from .._proto import rpc_pb2
 __all__ = [
     "CALL",
     "ERROR_REPLY",
+    "HEARTBEAT",
     "INTERNAL",
     "P2P",
     "REPLY",
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<I")
+#: Most messages one link may be receiving at once (started, not finished).
+MAX_PARTIAL = 1024
 #: Most frames coalesced into one stream message.
 MAX_FRAMES_PER_BATCH = 512
 
@@ -52,6 +55,9 @@ CALL, INTERNAL, REPLY, ERROR_REPLY, P2P = (
     rpc_pb2.P2P,
 )
 KIND_NAMES = {CALL: "call", INTERNAL: "internal", REPLY: "reply", ERROR_REPLY: "error", P2P: "p2p"}
+#: The key of a heartbeat: an empty one-way (P2P) message on an idle link,
+#: which the receiver drops (it only shows that the sender is alive).
+HEARTBEAT = "\x00hb"
 
 #: Named extension fields of a message (``Frame.meta``): msgpack-able values.
 Meta = dict[str, object]
@@ -103,9 +109,10 @@ class OutMessage:
 
 def fault_label(msg: OutMessage) -> str:
     """The kind fault injection matches ``msg`` by: its label (or method) for
-    calls, ``"reply:"`` or ``"error:"`` and the request's for replies, ``"p2p"``."""
+    calls, ``"reply:"`` or ``"error:"`` and the request's for replies, ``"p2p"``
+    (``"heartbeat"`` for the failure detector's)."""
     if msg.kind == P2P:
-        return "p2p"
+        return "heartbeat" if msg.method == HEARTBEAT else "p2p"
     label = msg.label or msg.method
     if msg.kind == REPLY:
         return "reply:" + label
@@ -258,15 +265,21 @@ class Reassembler:
     otherwise a ``bytearray`` is allocated. Arrays decoded from it are
     writable.
 
+    Memory is bounded: a message whose buffers add up to more than
+    ``max_message_bytes`` is refused before anything is allocated, and so is
+    one that would take the messages being received at once past twice that,
+    or past :data:`MAX_PARTIAL` of them.
+
     Raises:
         ProtocolError: from :meth:`feed`, on a malformed or inconsistent
             stream message; the stream should then be closed.
     """
 
-    def __init__(self, alloc: Allocator | None = None, max_message_bytes: int = 1 << 40) -> None:
+    def __init__(self, alloc: Allocator | None = None, max_message_bytes: int = 2 << 30) -> None:
         self._partial: dict[tuple[int, int], _Partial] = {}
         self._alloc = alloc
         self._max = max_message_bytes
+        self._held = 0  # payload bytes of the messages in _partial
 
     def pending(self) -> int:
         return len(self._partial)
@@ -344,10 +357,24 @@ class Reassembler:
                 return memoryview(b"")
             total = sum(sizes)
             if total > self._max:
-                raise ProtocolError(f"message of {total} bytes exceeds the limit {self._max}")
+                raise ProtocolError(
+                    f"message {key} announces {total} bytes, more than the limit of "
+                    f"{self._max} (RpcOptions.max_message_bytes)"
+                )
+            if self._held + total > 2 * self._max or len(self._partial) >= MAX_PARTIAL:
+                raise ProtocolError(
+                    f"message {key} of {total} bytes would take the messages being received "
+                    f"at once to {len(self._partial) + 1} and {self._held + total} bytes "
+                    f"(limits {MAX_PARTIAL} and {2 * self._max})"
+                )
             dest = self._alloc(f.kind, f.method, total) if (self._alloc and total) else None
             if dest is None:
-                dest = _fresh(total)
+                try:
+                    dest = _fresh(total)
+                except MemoryError as e:
+                    raise ProtocolError(
+                        f"no memory for message {key} of {total} bytes: {e}"
+                    ) from None
             elif dest.nbytes != total:
                 raise ProtocolError(
                     f"posted receive buffer has {dest.nbytes} bytes, message has {total}"
@@ -359,6 +386,7 @@ class Reassembler:
             msg = InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us, meta=_meta(f))
             p = _Partial(msg, dest, total)
             self._partial[key] = p
+            self._held += total
         else:
             got = self._partial.get(key)
             if got is None:
@@ -378,6 +406,7 @@ class Reassembler:
             return None
         key = (f.kind, f.id)
         p = self._partial.pop(key)
+        self._held -= p.total
         if p.filled != p.total:
             raise ProtocolError(f"message {key} ended with {p.filled} of {p.total} payload bytes")
         return p.msg

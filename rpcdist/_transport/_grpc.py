@@ -67,15 +67,22 @@ def translate_rpc_error(e: BaseException, what: str, *, reached: bool) -> Rpcdis
         code, details = e.code(), e.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return ConnectError(f"{what} rejected this worker's job token: {details}")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            if reached:
-                return WorkerLostError(f"lost the connection to {what}: {details}")
-            return ConnectError(f"could not connect to {what}: {details}")
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return ConnectError(f"{what} refused the connection: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RpcTimeoutError(f"deadline exceeded talking to {what}: {details}")
-        if code == grpc.StatusCode.CANCELLED:
-            return WorkerLostError(f"the stream to {what} was cancelled: {details}")
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ProtocolError(f"{what} reported a protocol error ({code.name}): {details}")
+        if reached or code == grpc.StatusCode.CANCELLED:
+            # The stream was up: its end means the peer went away ("Stream
+            # removed" when its process was killed), as on sockets.
+            return WorkerLostError(
+                f"lost the connection to {what} ({code.name}: {details}); its process "
+                "exited, was killed or shut down"
+            )
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ConnectError(f"could not connect to {what}: {details}")
+        if code == grpc.StatusCode.INTERNAL:
             return ProtocolError(f"{what} reported a protocol error ({code.name}): {details}")
         return TransportError(f"stream to {what} failed ({code.name}): {details}")
     if isinstance(e, asyncio.CancelledError):
@@ -100,9 +107,23 @@ class GrpcLink(Link):
         self._done_writing = done_writing
         self._wake = asyncio.Event()
         self._closing = False
+        self._aborted: asyncio.Future[None] | None = None
 
     def _kick(self) -> None:
         self._wake.set()
+
+    def abort(self, exc: RpcdistError) -> None:
+        """End the link now with ``exc`` (on the loop)."""
+        if self.closed is None:
+            self.closed = exc
+        for msg in self._queue:
+            msg.dropped()
+        self._queue.clear()
+        if self._aborted is None:
+            self._aborted = asyncio.get_running_loop().create_future()
+        if not self._aborted.done():
+            self._aborted.set_exception(exc)
+            self._aborted.exception()  # retrieved by run()
 
     def close_write(self) -> None:
         """Half-close the client side once the queue is out (servers end with the call)."""
@@ -150,15 +171,20 @@ class GrpcLink(Link):
         """
         reader = asyncio.ensure_future(self._reader())
         writer = asyncio.ensure_future(self._writer())
+        if self._aborted is None:
+            self._aborted = asyncio.get_running_loop().create_future()
+        aborted = self._aborted
         try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if writer.done() and not reader.done():
+            await asyncio.wait({reader, writer, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if writer.done() and not reader.done() and not aborted.done():
                 await asyncio.wait({reader}, timeout=1.0)
         finally:
             for t in (reader, writer):
                 if not t.done():
                     t.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+        if aborted.done():
+            raise aborted.exception()  # type: ignore[misc]
         for t in (reader, writer):
             if not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
@@ -197,7 +223,7 @@ class GrpcTransport(TransportBase):
                 creds = grpc.ssl_server_credentials(
                     [(_read_file(opts.tls_key_file or ""), _read_file(opts.tls_cert_file or ""))],
                     root_certificates=_read_file(opts.tls_ca_file or ""),
-                    require_client_auth=True,
+                    require_client_auth=opts.tls_mutual,
                 )
                 port = server.add_secure_port(addr, creds)
             else:
@@ -259,16 +285,20 @@ class GrpcTransport(TransportBase):
         return link, self._run(link, call, channel, peer.label)
 
     async def _run(self, link: GrpcLink, call: Any, channel: grpc.aio.Channel, label: str) -> None:
+        accepted = False
         try:
             try:
                 # Nothing is written before the server accepted the stream, so a
                 # refusal reaches us as the server's own status.
                 await call.initial_metadata()
+                accepted = True
                 await link.run()
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                raise translate_rpc_error(e, label, reached=link.received_any) from e
+                # Once the peer accepted the stream, its end is a lost worker
+                # (e.g. "Stream removed" when it was killed), as on sockets.
+                raise translate_rpc_error(e, label, reached=accepted or link.received_any) from e
         finally:
             try:
                 await channel.close()

@@ -112,6 +112,9 @@ class InprocLink(Link):
         if peer is not None:
             peer._loop.call_soon_threadsafe(peer._end, None)
 
+    def abort(self, exc: WorkerLostError) -> None:  # type: ignore[override]
+        self._end(exc)
+
     def _end(self, exc: WorkerLostError | None) -> None:
         if self.closed is None:
             self.closed = exc or WorkerLostError(f"{self.label} closed the connection")

@@ -14,13 +14,15 @@ ordered pair of workers, driven by the loop's reader/writer callbacks:
 Against grpc.aio this removes grpc's per-message cost (about 150 us of loop
 time per message here) and two of its three payload copies; docs/design.md
 has the measurements. The job token is checked in a hello exchanged before
-any frame, and TLS (which this module does not do) keeps the gRPC streams.
+any frame. With TLS the socket is a :class:`~._tls.TlsStream` and the
+reading and writing of :mod:`._tcp_tls` take over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import select
@@ -39,7 +41,7 @@ from ._base import Hooks, Link
 from ._frames import OutMessage, pack_batch_parts, parse_envelope
 from ._shm import SegmentWriter
 
-__all__ = ["MAGIC", "TcpLink", "split_address"]
+__all__ = ["DIRECT_BYTES", "MAGIC", "TcpLink", "split_address"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ _LEN = struct.Struct("<I")
 #: Staging buffer for headers and small payloads.
 _STAGE_BYTES = 256 << 10
 #: Payload remainders at least this large are received straight into place.
-_DIRECT_BYTES = 64 << 10
+_DIRECT_BYTES = DIRECT_BYTES = 64 << 10
 #: Payload parts smaller than this in total are joined into one write.
 _JOIN_BYTES = 64 << 10
 #: Most buffers handed to one ``sendmsg`` (Linux IOV_MAX is 1024).
@@ -60,6 +62,7 @@ _HELLO_MAX = 64 << 10
 _HANDSHAKE_TIMEOUT = 30.0
 #: Receive calls per readiness callback before yielding to other work.
 _READS_PER_WAKEUP = 16
+
 #: ``poll`` takes a C int of milliseconds.
 _POLL_MAX_MS = (1 << 31) - 1
 
@@ -115,7 +118,8 @@ class TcpLink(Link):
             peer_rank=peer_rank, label=label, hooks=hooks, options=options, segments=segments
         )
         self._loop = loop
-        self._sock: socket.socket | None = None
+        #: The socket, or a ``_tls.TlsStream`` over it (the same interface).
+        self._sock: Any = None
         self._fd = -1
         self._ended: asyncio.Future[None] = loop.create_future()
         # Writer: bytes of the current batch still to send, and what to call
@@ -138,6 +142,9 @@ class TcpLink(Link):
         self._fi = 0
         self._dest = memoryview(b"")
         self._need = 0
+        #: Largest envelope accepted (headers count towards a message's size).
+        self._max_envelope = min(_MAX_ENVELOPE, options.max_message_bytes + (1 << 20))
+        self._tls = False
         #: Driven by the thread making a blocking call (:meth:`send_blocking`,
         #: :meth:`read_blocking`) instead of by the loop.
         self._threaded = False
@@ -156,6 +163,13 @@ class TcpLink(Link):
         self._sock = sock
         self._fd = sock.fileno()
         self._threaded = threaded
+        if not isinstance(sock, socket.socket):  # a _tls.TlsStream
+            from ._tcp_tls import read_tls, send_unsent_tls, write_out_tls
+
+            self._tls = True
+            self._read = functools.partial(read_tls, self)  # type: ignore[method-assign]
+            self._send_unsent = functools.partial(send_unsent_tls, self)  # type: ignore[method-assign]
+            self._write_out = functools.partial(write_out_tls, self)  # type: ignore[method-assign]
         if threaded:
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
@@ -189,6 +203,18 @@ class TcpLink(Link):
         if self._sock is not None and not self._queue and not self._unsent:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_WR)
+
+    def abort(self, exc: RpcdistError) -> None:
+        """End the link now with ``exc`` (on the loop); threaded: wake its thread."""
+        if self._threaded:
+            if self.closed is None:
+                self.closed = exc
+            self.interrupt()
+            return
+        for msg in self._queue:
+            msg.dropped()
+        self._queue.clear()
+        self._end(exc)
 
     def _end(self, exc: RpcdistError | None) -> None:
         if self._threaded:  # its thread sees ``closed`` and lets the socket go
@@ -382,6 +408,9 @@ class TcpLink(Link):
 
         Returns False if the deadline passed first.
         """
+        if self._tls and self._sock is not None and self._sock.pending():  # type: ignore[attr-defined]
+            self._read()  # decrypted bytes wait inside TLS, not in the socket
+            return True
         ms = _poll_ms(deadline)
         if ms == 0 or not self._poll.poll(ms):
             return False
@@ -439,6 +468,7 @@ class TcpLink(Link):
                     n = sock.recv_into(self._dest, want)
                     if n == 0:
                         return self._eof()
+                    self.bulk_reads += 1
                     self._dest = self._dest[n:]
                     self._need -= n
                     if not self._need:
@@ -464,14 +494,23 @@ class TcpLink(Link):
                     return
         except (BlockingIOError, InterruptedError):
             return
-        except RpcdistError as e:
+        except BaseException as e:
+            self._read_failed(e)
+
+    def _read_failed(self, e: BaseException) -> None:
+        if isinstance(e, RpcdistError):
             _log.warning("closing connection from %s: %s", self.label, e)
             self._end(e)
-        except OSError as e:
+        elif isinstance(e, OSError):
             self._end(WorkerLostError(f"lost the connection to {self.label}: {e}"))
-        except Exception as e:  # a bug in a message handler: fail this link, loudly
+        elif isinstance(e, MemoryError):
+            _log.warning("closing connection from %s: out of memory: %s", self.label, e)
+            self._end(ProtocolError(f"out of memory reading from {self.label}: {e}"))
+        elif isinstance(e, Exception):  # a bug in a message handler: fail this link, loudly
             _log.exception("error handling a message from %s", self.label)
             self._end(ProtocolError(f"error handling a message from {self.label}: {e!r}"))
+        else:
+            raise e
 
     def _eof(self) -> None:
         if self._lo != self._hi or self._need or self._fi < len(self._frames):
@@ -510,8 +549,11 @@ class TcpLink(Link):
             if avail < 4:
                 return
             (n,) = _LEN.unpack_from(self._stage, self._lo)
-            if n > _MAX_ENVELOPE:
-                raise ProtocolError(f"envelope of {n} bytes from {self.label} is too large")
+            if n > self._max_envelope:
+                raise ProtocolError(
+                    f"envelope of {n} bytes from {self.label} is larger than the limit of "
+                    f"{self._max_envelope} (RpcOptions.max_message_bytes)"
+                )
             if avail < 4 + n:
                 # One large header: grow towards it as its bytes arrive (so a
                 # bogus length costs nothing until the bytes are really sent).

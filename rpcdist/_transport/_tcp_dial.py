@@ -1,20 +1,23 @@
 """Plain-socket transport: the handshake, dialling, the server and the transport.
 
-A peer connection starts with a magic string and a msgpack hello (rank,
-name, job token, whether one blocking call at a time will use it); the
-server answers ok or a reason and closes. Nothing is parsed as a frame
-before that, so a wrong token is a ``ConnectError`` naming it and nothing
-runs. Same-host peers are dialled on their abstract Unix socket first.
+A peer connection starts (after the TLS handshake, when TLS is configured)
+with a magic string and a msgpack hello (rank, name, job token, whether one
+blocking call at a time will use it); the server answers ok or a reason and
+closes. Nothing is parsed as a frame before that, so a wrong token is a
+``ConnectError`` naming it and nothing runs. Same-host peers are dialled on
+their abstract Unix socket first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
 import secrets
 import socket
+import ssl
 import struct
 from collections.abc import Awaitable
 from typing import Any
@@ -25,8 +28,9 @@ from .._errors import ConnectError, ProtocolError, RpcdistError
 from .._options import RpcOptions
 from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
 from ._tcp import MAGIC, TcpLink, split_address
+from ._tls import TlsContexts, TlsStream, handshake, recv_exact, send_all, tls_contexts
 
-__all__ = ["TcpServer", "TcpTransport", "Unreachable", "tcp_connect"]
+__all__ = ["TcpServer", "TcpTransport", "Unreachable", "check_hello", "parse_hello", "tcp_connect"]
 
 _log = logging.getLogger(__name__)
 
@@ -37,31 +41,50 @@ _HANDSHAKE_TIMEOUT = 30.0
 # ------------------------------------------------------------------ handshake
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionResetError("connection closed during the handshake")
-        got += k
-    return bytes(buf)
+_recv_exact = recv_exact
 
 
 async def _send_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: Any) -> None:
     body = msgpack.packb(obj)
-    await loop.sock_sendall(sock, _LEN.pack(len(body)) + body)
+    await send_all(loop, sock, _LEN.pack(len(body)) + body)
 
 
 async def _recv_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Any:
     (n,) = _LEN.unpack(await _recv_exact(loop, sock, 4))
     if n > _HELLO_MAX:
         raise ProtocolError(f"handshake message of {n} bytes is too large")
+    return parse_hello(await _recv_exact(loop, sock, n))
+
+
+def parse_hello(body: bytes) -> Any:
+    """Decode a handshake message (pure; at most ``_HELLO_MAX`` bytes).
+
+    Raises:
+        ProtocolError: it is not msgpack.
+    """
     try:
-        return msgpack.unpackb(await _recv_exact(loop, sock, n))
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"malformed handshake message: {e}") from e
+        return msgpack.unpackb(body)
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise ProtocolError(f"malformed handshake message: {type(e).__name__}: {e}") from e
+
+
+def check_hello(hello: Any, token: str | None, validate: Validate) -> str | None:
+    """Why a decoded hello is refused, or ``None`` to accept it (pure).
+
+    ``token`` is the job secret the hello must carry (``None``: any).
+    """
+    if not isinstance(hello, dict):
+        return "malformed hello (not a map)"
+    if token is not None:
+        got = hello.get("token")
+        if not isinstance(got, str) or not hmac.compare_digest(
+            got.encode("utf-8", "surrogatepass"), token.encode()
+        ):
+            return "missing or wrong rpcdist job token"
+    rank, name = hello.get("rank"), hello.get("name")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(name, str):
+        return "malformed hello (rank and name required)"
+    return validate(rank, name)
 
 
 class Unreachable(ConnectError):
@@ -78,12 +101,15 @@ async def tcp_connect(
     my_name: str,
     unix: str | None = None,
     sync: bool = False,
+    tls: TlsContexts | None = None,
 ) -> socket.socket:
     """Connect to a peer's :class:`TcpServer` and present our identity and token.
 
     ``address`` is ``host:port``; with ``unix`` (the name of the peer's
     abstract Unix socket), that socket is dialled instead. ``sync`` tells the
-    peer that one blocking call at a time will use the connection.
+    peer that one blocking call at a time will use the connection. With
+    ``tls``, the connection is wrapped in TLS first (the peer's certificate
+    must name the host of ``address``).
 
     Raises:
         Unreachable: ``unix`` was given and that socket cannot be reached.
@@ -92,6 +118,7 @@ async def tcp_connect(
     """
     loop = asyncio.get_running_loop()
     target: Any
+    host = split_address(address)[0]
     if unix is not None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target = "\0" + unix
@@ -108,14 +135,21 @@ async def tcp_connect(
             raise kind(f"could not connect to {label}: {e}") from e
         try:
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
-                await loop.sock_sendall(sock, MAGIC)
+                if tls is not None:
+                    stream = TlsStream(sock, tls.client, server_side=False, server_hostname=host)
+                    await handshake(loop, stream)
+                    sock = stream  # type: ignore[assignment]
+                await send_all(loop, sock, MAGIC)
                 hello = {"rank": my_rank, "name": my_name, "token": options.token}
                 if sync:
                     hello["sync"] = True
                 await _send_msg(loop, sock, hello)
                 reply = await _recv_msg(loop, sock)
+        except ssl.SSLError as e:
+            raise ConnectError(f"TLS handshake with {label} failed: {e}") from e
         except (OSError, TimeoutError, ProtocolError) as e:
-            raise ConnectError(f"handshake with {label} failed: {e}") from e
+            what = "timed out" if isinstance(e, TimeoutError) else str(e)
+            raise ConnectError(f"handshake with {label} failed: {what}") from e
         if not isinstance(reply, dict) or reply.get("error"):
             why = reply.get("error") if isinstance(reply, dict) else repr(reply)
             raise ConnectError(f"{label} refused the connection: {why}")
@@ -130,10 +164,11 @@ class TcpServer:
     them to ``accept`` with a factory that wraps the socket in a link."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions,
-                 segments: Any) -> None:  # fmt: skip
+                 segments: Any, tls: TlsContexts | None = None) -> None:  # fmt: skip
         self._loop = loop
         self._options = options
         self._segments = segments
+        self._tls = tls
         self._validate: Validate | None = None
         self._accept: Accept | None = None
         self._listeners: list[socket.socket] = []
@@ -199,18 +234,21 @@ class TcpServer:
         sock.setblocking(False)
         try:
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
+                if self._tls is not None:
+                    stream = TlsStream(sock, self._tls.server, server_side=True)
+                    await handshake(loop, stream)
+                    sock = stream  # type: ignore[assignment]
                 if await _recv_exact(loop, sock, len(MAGIC)) != MAGIC:
                     raise ProtocolError("not an rpcdist peer (bad magic)")
                 hello = await _recv_msg(loop, sock)
-                if not isinstance(hello, dict):
-                    raise ProtocolError("malformed hello")
                 why = self._check(hello)
                 if why is not None:
+                    _log.warning("refused a connection claiming to be %s: %s", _who(hello), why)
                     await _send_msg(loop, sock, {"error": why})
                     sock.close()
                     return
                 await _send_msg(loop, sock, {"ok": True})
-        except (OSError, TimeoutError, ProtocolError) as e:
+        except (OSError, TimeoutError, ProtocolError) as e:  # ssl.SSLError is an OSError
             _log.debug("refused an incoming connection: %s", e)
             sock.close()
             return
@@ -232,17 +270,12 @@ class TcpServer:
         except RpcdistError as e:  # the link broke: the agent has dealt with it
             _log.debug("connection from worker %r ended: %s", name, e)
 
-    def _check(self, hello: dict[str, Any]) -> str | None:
-        expected = self._options.token
-        if expected is not None:
-            got = hello.get("token")
-            if not isinstance(got, str) or not hmac.compare_digest(got.encode(), expected.encode()):
-                return "missing or wrong rpcdist job token"
-        rank, name = hello.get("rank"), hello.get("name")
-        if not isinstance(rank, int) or not isinstance(name, str):
-            return "malformed hello (rank and name required)"
+    def _check(self, hello: Any) -> str | None:
         assert self._validate is not None
-        return self._validate(rank, name)
+        return check_hello(hello, self._options.token, self._validate)
+
+    def set_token(self, token: str) -> None:
+        self._options = dataclasses.replace(self._options, token=token)
 
     async def stop(self) -> None:
         """Stop accepting and end every connection this server handed out."""
@@ -258,6 +291,12 @@ class TcpServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def _who(hello: Any) -> str:
+    if isinstance(hello, dict):
+        return f"rank {hello.get('rank')!r} ({hello.get('name')!r})"
+    return "an unknown peer"
+
+
 class TcpTransport(TransportBase):
     """Plain sockets: TCP between hosts, abstract Unix sockets on one host."""
 
@@ -267,7 +306,14 @@ class TcpTransport(TransportBase):
                  name: str) -> None:  # fmt: skip
         super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
-        self._server = TcpServer(loop, options, self.segments)
+        self._tls = tls_contexts(options)
+        self._server = TcpServer(loop, options, self.segments, self._tls)
+
+    def set_token(self, token: str) -> None:
+        """Present and require ``token`` from now on (the job secret made at
+        rendezvous when the user set none)."""
+        super().set_token(token)
+        self._server.set_token(token)
 
     @property
     def unix_name(self) -> str | None:
@@ -309,6 +355,7 @@ class TcpTransport(TransportBase):
                 return await tcp_connect(
                     str(peer.info["addr"]), peer.label, options=self._options,
                     my_rank=self._rank, my_name=self._name, unix=unix, sync=sync,
+                    tls=self._tls,
                 )  # fmt: skip
             except Unreachable as e:  # e.g. another network namespace
                 _log.debug("dialling %s over TCP: %s", peer.label, e)

@@ -47,6 +47,7 @@ from .._errors import (
     TransportError,
 )
 from .._futures import Future
+from .._rpc._doctor import summary
 from .._worker import WorkerInfo
 from ._shm import CHECK_PERIOD
 from ._work import Work
@@ -278,7 +279,10 @@ class ProcessGroup:
         if dead:
             raise CollectiveError(f"{where}: rank(s) {dead} died during the collective")
         if self._deadline is not None and time.monotonic() >= self._deadline:
-            raise RpcTimeoutError(f"{where} timed out after {self.timeout} s")
+            info = self._state.agent.debug_info()
+            raise RpcTimeoutError(
+                f"{where} timed out after {self.timeout} s; {summary(info)}", snapshot=info
+            )
 
     def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the agent loop under the watchdog; block for it.
@@ -359,10 +363,42 @@ class ProcessGroup:
 
     def on_abort(self, seq: int, src: int, message: str) -> None:
         """A member reports that collective ``seq`` failed there (on the loop)."""
-        if self.broken is None:
-            self.broken = CollectiveError(
+        self._break(
+            CollectiveError(
                 f"collective #{seq} on {self.describe()} failed on rank {self.ranks[src]}: {message}"
             )
+        )
+
+    def on_lost(self, rank: int, error: RpcdistError) -> None:
+        """Member ``rank`` was declared lost (on the loop): the running and
+        every later collective of the group fail, naming it."""
+        op = self._op
+        running = f" during {op.name} #{op.seq}" if op is not None else ""
+        err = CollectiveError(f"{self.describe()} lost rank {rank}{running}: {error}")
+        err.__cause__ = error
+        first = self.broken is None
+        self._break(err)
+        if first:  # members that never talked to it hear it from us
+            seq = op.seq if op is not None else self._seq
+            self._after_failure([self._state.tag, self.gid, seq, self.rank, str(err)])
+
+    def debug_info(self) -> dict[str, Any]:
+        """This member's view of the group: sequence numbers, the running op."""
+        op = self._op
+        return {
+            "ranks": list(self.ranks),
+            "backend": self.backend,
+            "issued": self._seq,
+            "running": f"{op.name} #{op.seq}" if op is not None else None,
+            "queued": self.queued,
+            "completed": self.completed,
+            "failed": self.failed,
+            "broken": None if self.broken is None else str(self.broken),
+        }
+
+    def _break(self, err: CollectiveError) -> None:
+        if self.broken is None:
+            self.broken = err
             self._state.agent.mailbox.discard(self.prefix)
         if self._task is not None and not self._task.done():
             self._stop = self.broken

@@ -185,6 +185,22 @@ class CollectiveState(BaseExtension):
             and not _alive(self.pids[q])
         ]
 
+    def peer_lost(self, rank: int) -> None:
+        """Worker ``rank`` was declared lost: fail the groups it belongs to (on the loop)."""
+        liveness = self.agent.liveness
+        error = liveness.error(rank) if liveness.is_lost(rank) else None
+        for group in list(self.groups.values()):
+            if error is not None and group.is_member and rank in group.ranks and not group.closed:
+                group.on_lost(rank, error)
+
+    def debug_info(self) -> dict[str, Any]:
+        """Each group's sequence numbers and running op, for hang diagnosis."""
+        return {
+            "collectives": {
+                f"group {gid}": g.debug_info() for gid, g in self.groups.items() if g.is_member
+            }
+        }
+
     def statistics(self) -> dict[str, int]:
         """Collectives queued, in flight (gauges) and completed, failed (counters)."""
         groups = list(self.groups.values())

@@ -1,0 +1,230 @@
+"""Which peers are alive: the failure detector and the table of lost workers.
+
+A peer is *lost* when
+
+* dialling it fails once the job is up (every worker listened before the
+  job started: its listener is gone, it is unreachable, or it refuses us);
+* a link with it ends under us (a killed process's sockets close cleanly
+  too, and so does a link the peer dropped for a protocol error, or a
+  connection an impostor with the token opened in its name): then it is
+  *probed*, with an internal ping bounded by ``peer_timeout``; a dial that
+  fails or a ping that is not answered declares it lost, typically within
+  a millisecond of a death (the dial is refused);
+* nothing at all has come from it on a link for ``RpcOptions.peer_timeout``
+  seconds: it is hung, stopped (SIGSTOP), or the network between us is
+  partitioned. Every ``heartbeat_interval`` the detector sends a heartbeat on
+  each link that sent nothing since the last look, so a live peer's links
+  are never silent that long; links that carry calls send no heartbeats.
+
+Losing a peer is final (fail-stop): every call pending on it fails with
+``WorkerLostError`` naming it, its links are closed, threads waiting on its
+blocking connections are woken, it is never dialled again and its
+connections are refused, and the extensions hear of it once
+(``Extension.peer_lost``: RRefs it owns fail, collectives with it fail,
+distributed-autograd contexts it created are freed after their lease).
+
+Costs on the call path: none. The detector is one timer per agent, and it
+reads counters the links keep anyway (envelopes in and out; receives of
+large payloads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConnectError, RpcdistError, RpcTimeoutError, WorkerLostError
+from .._transport import Link
+from .._transport._frames import HEARTBEAT, P2P, OutMessage
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["PING", "Liveness"]
+
+log = logging.getLogger(__name__)
+
+#: The internal method of a probe (answered by every agent).
+PING = "rpc.ping"
+#: A probe's bound when the detector is off.
+_PROBE_LIMIT = 5.0
+
+
+async def on_ping(agent: Agent, src: Any, payload: Any) -> None:
+    """Answer a probe (internal method ``PING``)."""
+    return None
+
+
+class Liveness:
+    """One agent's failure detector and lost-worker table (see the module docstring)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._loop = agent.loop
+        opts = agent.options
+        self.interval = float(opts.heartbeat_interval)
+        self.timeout = None if opts.peer_timeout is None else float(opts.peer_timeout)
+        #: Lost workers: rank -> why (written on the loop; read anywhere).
+        self.lost: dict[int, str] = {}
+        #: When each was declared lost (the loop's clock).
+        self.lost_at: dict[int, float] = {}
+        #: Per watched link: [envelopes and bulk reads in, envelopes out, last heard].
+        self._seen: dict[Link, list[float]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._probing: set[int] = set()
+        #: Set by a graceful shutdown once every worker is known idle: links
+        #: ending after that are peers leaving, not failing.
+        self.leaving = False
+        self.heartbeats_sent = 0
+
+    def start(self) -> None:
+        """Start the detector (on the loop, once the workers table is known)."""
+        if self.timeout is not None and self._timer is None:
+            self._timer = self._loop.call_later(self.interval, self._tick)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+    # ------------------------------------------------------------- the table
+
+    def is_lost(self, rank: int) -> bool:
+        return rank in self.lost
+
+    def error(self, rank: int, what: str = "") -> WorkerLostError:
+        """The error for using lost worker ``rank`` (``what``: the operation)."""
+        prefix = f"{what}: " if what else ""
+        return WorkerLostError(f"{prefix}{self._describe(rank)} was lost: {self.lost[rank]}")
+
+    def _describe(self, rank: int) -> str:
+        workers = self._agent.workers
+        name = workers[rank].name if 0 <= rank < len(workers) else "?"
+        return f"worker {name!r} (rank {rank})"
+
+    def declare(self, rank: int, why: str) -> None:
+        """Declare worker ``rank`` lost for ``why`` (on the loop; idempotent)."""
+        agent = self._agent
+        if rank == agent.rank or rank in self.lost or agent.closed:
+            return
+        if not 0 <= rank < len(agent.workers):
+            return
+        self.lost[rank] = why
+        self.lost_at[rank] = self._loop.time()
+        level = logging.DEBUG if self.leaving else logging.WARNING
+        log.log(level, "%s: %s is lost: %s", agent.name, self._describe(rank), why)
+        exc = self.error(rank)
+        agent.calls.fail_peer(rank, exc)
+        agent.mailbox.fail_all(rank, WorkerLostError(str(exc)))
+        agent.sync.drop_peer(rank)
+        agent.links.drop(rank, exc)
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+        agent.peer_lost(rank)
+
+    def changed(self) -> asyncio.Future[None]:
+        """A future done at the next loss (on the loop)."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._waiters.append(fut)
+        return fut
+
+    def watch(self, rank: int) -> None:
+        """Keep a link to ``rank`` open, so that the detector watches it (on
+        the loop; a blocking call waits long for it)."""
+        agent = self._agent
+        if rank == agent.rank or rank in self.lost or agent.closed:
+            return
+        try:
+            agent.links.link(rank)
+        except RpcdistError as e:
+            log.debug("%s: cannot watch rank %d: %s", agent.name, rank, e)
+
+    def watch_threadsafe(self, rank: int) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.watch, rank)
+        except RuntimeError:  # the loop is gone: the agent shut down
+            pass
+
+    def probe(self, rank: int, why: str) -> None:
+        """Something hints that ``rank`` may be gone (``why``: a link of its
+        ended, a shutdown waits for it): ping it, and declare it lost if the
+        ping cannot be sent or is not answered in time (on the loop)."""
+        agent = self._agent
+        if rank == agent.rank or rank in self.lost or agent.closed or rank in self._probing:
+            return
+        if not 0 <= rank < len(agent.workers):
+            return
+        self._probing.add(rank)
+        agent.spawn(self._probe(rank, why))
+
+    def probe_threadsafe(self, rank: int, why: str) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.probe, rank, why)
+        except RuntimeError:  # the loop is gone: the agent shut down
+            pass
+
+    async def _probe(self, rank: int, why: str) -> None:
+        limit = self.timeout if self.timeout is not None else _PROBE_LIMIT
+        try:
+            deadline = time.monotonic() + limit
+            await self._agent.call(rank, PING, None, deadline=deadline, meta=None, internal=True)
+        except RpcTimeoutError:
+            self.declare(rank, f"{why}, and it did not answer a ping within {limit} s")
+        except (WorkerLostError, ConnectError) as e:
+            self.declare(rank, f"{why}, and a ping failed: {e}")
+        except RpcdistError as e:  # we are shutting down
+            log.debug("probing rank %d: %s", rank, e)
+        finally:
+            self._probing.discard(rank)
+
+    # ---------------------------------------------------------- the detector
+
+    def _tick(self) -> None:
+        self._timer = None
+        agent = self._agent
+        if agent.closed or self.timeout is None:
+            return
+        now = self._loop.time()
+        seen: dict[Link, list[float]] = {}
+        silent: list[tuple[int, float]] = []
+        for link in agent.links.watched():
+            if link.closed is not None:
+                continue
+            rx = link.messages_in + link.bulk_reads
+            st = self._seen.get(link)
+            if st is None:
+                st = [rx, -1, now]
+            elif rx != st[0]:
+                st[0], st[2] = rx, now
+            if link.messages_out == st[1] and not link.queued():
+                try:
+                    link.send(OutMessage(P2P, HEARTBEAT, b"", []))
+                    self.heartbeats_sent += 1
+                except RpcdistError:
+                    pass
+            st[1] = link.messages_out
+            seen[link] = st
+            if now - st[2] >= self.timeout:
+                silent.append((link.peer_rank, now - st[2]))
+        self._seen = seen
+        for rank, quiet in silent:
+            self.declare(
+                rank,
+                f"nothing came from it for {quiet:.1f} s, heartbeats included (its process "
+                "is hung or stopped, or the network to it is partitioned; "
+                f"RpcOptions.peer_timeout={self.timeout})",
+            )
+        if not agent.closed:
+            self._timer = self._loop.call_later(self.interval, self._tick)
+
+    def statistics(self) -> dict[str, int]:
+        return {"lost_workers": len(self.lost), "heartbeats_sent": self.heartbeats_sent}

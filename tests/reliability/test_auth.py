@@ -1,0 +1,146 @@
+"""No call from outside the job: a secret per job, loopback without one, and
+token mismatches reported on both sides at once."""
+
+from __future__ import annotations
+
+import threading
+
+import harness
+import pytest
+import rel_funcs as rf
+from rawpeer import RawPeer, call_record
+
+import rpcdist
+from rpcdist._rpc._agent import Agent
+from rpcdist._transport._tcp_dial import tcp_connect
+from rpcdist.testing import local_agents
+
+
+def _secret(agent: Agent) -> str | None:
+    return agent.links.transport._options.token  # type: ignore[attr-defined]
+
+
+def _dial_as_other_job(rank: int, world_size: int, init: str, address: str) -> dict:
+    """In a process of another job (its own rendezvous, its own secret):
+    try to call a worker of the first job, by hand and through the transport."""
+    rpcdist.init_rpc("intruder", 0, 1, init_method=init)
+    from rpcdist._rpc._context import current_agent
+
+    mine = current_agent()
+    out = {}
+    peer = RawPeer(address, rank=1, name="worker1", token=_secret(mine))
+    out["with_my_secret"] = peer.refused
+    peer.close()
+    peer = RawPeer(address, rank=1, name="worker1", token=None)
+    out["without_token"] = peer.refused
+    peer.close()
+    try:
+        mine.run(tcp_connect(address, "them", options=mine.links.transport._options,
+                             my_rank=1, my_name="worker1"))  # fmt: skip
+        out["transport"] = "connected"
+    except rpcdist.ConnectError as e:
+        out["transport"] = str(e)
+    rpcdist.shutdown()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_workers_without_a_token_cannot_be_called_from_another_jobs_process():
+    with local_agents(2, options=rpcdist.RpcOptions(token=None, local_sockets=False)) as (a, b):
+        secret = _secret(a)
+        assert secret and secret == _secret(b)  # made at rendezvous, shared by the job
+        before = a.rpc_sync(1, rf.add, args=(1, 1))
+        res = harness.run_job(_dial_as_other_job, 1, (a.links.address(0),), timeout=60)
+        assert not res.errors, res.errors
+        got = res.values[0]
+        assert "token" in got["with_my_secret"]
+        assert "token" in got["without_token"]
+        assert "refused" in got["transport"] and "token" in got["transport"]
+        # With the job's own secret, a hand-made peer does get in (so the refusals
+        # above are about the secret, not the hand-made hello).
+        peer = RawPeer(a.links.address(0), rank=1, name="worker1", token=secret)
+        assert peer.refused is None
+        peer.send(call_record("rel_funcs:add", (20, 22)))
+        assert peer.read_reply().frames[0].kind == rpcdist._proto.rpc_pb2.REPLY
+        peer.close()
+        assert before == 2 and a.rpc_sync(1, rf.add, args=(2, 2)) == 4
+
+
+def _start_pair(init: str, tokens: tuple[str | None, str | None]) -> dict[int, BaseException]:
+    errors: dict[int, BaseException] = {}
+    agents: list[Agent] = []
+
+    def start(rank: int) -> None:
+        opts = rpcdist.RpcOptions(token=tokens[rank], init_timeout=60)
+        try:
+            agents.append(Agent(f"w{rank}", rank, 2, init_method=init, options=opts).start())
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)  # init_timeout is 60 s: finishing first means it was told
+    assert not any(t.is_alive() for t in threads), "a rank waited for its init timeout"
+    for agent in agents:
+        agent.shutdown(graceful=False)
+    return errors
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+@pytest.mark.parametrize(
+    "tokens", [("a", "b"), (None, "b"), ("a", None)], ids=["wrong", "only-rank1", "only-rank0"]
+)
+def test_a_token_mismatch_is_reported_on_both_sides_naming_the_rank(tmp_path, scheme, tokens):
+    if scheme == "file":
+        init = f"file://{tmp_path}/rdv"
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    errors = _start_pair(init, tokens)
+    assert isinstance(errors.get(1), rpcdist.ConnectError), errors
+    assert "token" in str(errors[1])
+    assert isinstance(errors.get(0), rpcdist.ConnectError), errors
+    assert "rank 1 was refused by the rendezvous store" in str(errors[0])
+
+
+def test_listening_beyond_loopback_needs_a_token_tls_or_an_explicit_option():
+    with pytest.raises(rpcdist.ConfigError, match="beyond this host"):
+        rpcdist.RpcOptions(token=None, listen_host="0.0.0.0").validated()
+    rpcdist.RpcOptions(token="t", listen_host="0.0.0.0").validated()
+    rpcdist.RpcOptions(token=None, listen_host="0.0.0.0", allow_insecure=True).validated()
+    rpcdist.RpcOptions(token=None, listen_host="::1").validated()
+    with pytest.raises(rpcdist.ConfigError, match="rendezvous store"):
+        Agent("w0", 0, 2, init_method="tcp://0.0.0.0:29511", options=rpcdist.RpcOptions(token=None))
+    with pytest.raises(rpcdist.ConfigError, match="must not be empty"):
+        rpcdist.RpcOptions(token="").validated()
+
+
+def test_a_stray_call_from_outside_the_worker_table_does_not_hold_up_shutdown():
+    opts = rpcdist.RpcOptions(token="t", local_sockets=False)
+    with local_agents(3, options=opts) as agents:
+        a = agents[0]
+        peer = RawPeer(a.links.address(0), rank=1, name="worker1", token="t")
+        peer.send(call_record("rel_funcs:add", (1, 1)))
+        assert peer.read_reply().frames[0].kind == rpcdist._proto.rpc_pb2.REPLY
+        peer.close()  # its end is not worker1's: worker1 is not declared lost
+        assert a.rpc_sync(1, rf.add, args=(1, 2)) == 3
+        outsider = RawPeer(a.links.address(0), rank=5, name="nobody", token="t")
+        assert "not part of this job" in outsider.refused
+        outsider.close()
+        assert not a.liveness.lost
+        lost: dict[str, object] = {}
+
+        def stop(agent: Agent) -> None:
+            lost[agent.name] = agent.shutdown(graceful=True, timeout=20)
+
+        threads = [threading.Thread(target=stop, args=(x,)) for x in agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert lost == {"worker0": [], "worker1": [], "worker2": []}
