@@ -18,7 +18,8 @@ Gradients are averaged in buckets whose all-reduces start while backward
 still runs. ``Join([model])`` lets ranks run different numbers of batches;
 ``register_comm_hook`` swaps the all-reduce for compression
 (:mod:`rpcdist.parallel.comm_hooks`); ``ZeroRedundancyOptimizer`` shards
-the optimizer state. See ``docs/ddp.md``.
+the optimizer state. ``FullyShardedDataParallel`` shards parameters,
+gradients and optimizer state (``docs/fsdp.md``). See ``docs/ddp.md``.
 """
 
 from __future__ import annotations
@@ -26,15 +27,21 @@ from __future__ import annotations
 from . import comm_hooks
 from ._bucket import GradBucket
 from ._ddp import DistributedDataParallel
+from ._fsdp import FullyShardedDataParallel
+from ._fsdp_policy import MixedPrecision, ModuleWrapPolicy, size_based_auto_wrap_policy
 from ._join import Join, Joinable, JoinHook
 from ._zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradBucket",
     "Join",
     "JoinHook",
     "Joinable",
+    "MixedPrecision",
+    "ModuleWrapPolicy",
     "ZeroRedundancyOptimizer",
     "comm_hooks",
+    "size_based_auto_wrap_policy",
 ]
