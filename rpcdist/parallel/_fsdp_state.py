@@ -58,6 +58,7 @@ def sharded_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
             "world_size": sh.world,
             "rank": sh.rank,
             "numels": [u.numel for u in sh.units],
+            "shard_sizes": [u.shard_size for u in sh.units],
             "shards": shards,
         }
     }
@@ -86,14 +87,17 @@ def load_state(
     if _KEY in sd:
         meta = sd[_KEY]
         numels = [u.numel for u in sh.units]
-        if (meta["world_size"], meta["rank"]) != (sh.world, sh.rank) or list(
-            meta["numels"]
-        ) != numels:
+        sizes = [u.shard_size for u in sh.units]
+        if (
+            (meta["world_size"], meta["rank"]) != (sh.world, sh.rank)
+            or list(meta["numels"]) != numels
+            or list(meta.get("shard_sizes", sizes)) != sizes
+        ):
             raise ConfigError(
                 f"FullyShardedDataParallel.load_state_dict: the sharded state dict is from rank "
                 f"{meta['rank']} of {meta['world_size']} (unit sizes {list(meta['numels'])}); "
-                f"this is rank {sh.rank} of {sh.world} ({numels}); save a full state dict "
-                "to change the world size"
+                f"this is rank {sh.rank} of {sh.world} ({numels}), or the sharding strategy "
+                "differs; save a full state dict to change the world size or strategy"
             )
         for u, arr in zip(sh.units, meta["shards"]):
             u.shard.data[...] = move_to(_array(arr), u.shard.device)

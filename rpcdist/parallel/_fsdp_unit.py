@@ -276,7 +276,7 @@ class FlatUnit:
     def my_piece(self, full: Any) -> Any:
         """This rank's shard of an unpadded full vector."""
         padded = self.xp.zeros(self.padded, full.dtype)
-        padded[: self.numel] = full
+        padded[: self.numel] = self.xp.asarray(full)
         start = self.shared.rank * self.shard_size if self.shared.sharded else 0
         return padded[start : start + self.shard_size].copy()
 
