@@ -19,6 +19,7 @@ them alive until backward).
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ class Shared:
     sync: bool = True
     divisor: float = 1.0
     log: list[tuple[str, int]] = field(default_factory=list)
+    pending: list[Callable[[], None]] = field(default_factory=list)
     live: int = 0
     peak: int = 0
     gathers: int = 0
@@ -67,6 +69,11 @@ class Shared:
     @property
     def sharded(self) -> bool:
         return self.strategy != "no_shard"
+
+    def drain(self) -> None:
+        """Finish the reductions in flight (their shard gradients land in ``.grad``)."""
+        while self.pending:
+            self.pending.pop(0)()
 
     def track(self, nbytes: int) -> None:
         self.live += nbytes
@@ -214,6 +221,7 @@ class FlatUnit:
             flat = from_bf16(to_bf16(flat))
         elif low is not None:
             flat = flat.astype(low)
+        sh.drain()  # launched one unit ago: done by now; frees its flat gradient
         sh.track(flat.nbytes)
         sh.reductions += 1
         if sh.sharded:
@@ -233,7 +241,8 @@ class FlatUnit:
             sh.track(-nbytes)
             self.add_grad(out)
 
-        queue_callback(finish)
+        sh.pending.append(finish)
+        queue_callback(sh.drain)
 
     def add_grad(self, g: Any) -> None:
         """Add ``g`` (shard-sized) into the shard's ``.grad``."""
