@@ -195,12 +195,12 @@ class FlatUnit:
     def post_backward(self, grads: tuple[Any, ...]) -> None:
         """Every view's gradient arrived: flatten, then reduce (or accumulate under no_sync)."""
         sh = self.shared
+        if sh.strategy != "shard_grad_op" or sh.sync:
+            self.free()  # first: the gradients do not need the gathered parameters
         flat = self.xp.zeros(self.padded, self.dtype)
         for slot, g in zip(self.slots, grads):
             if g is not None:
                 flat[slot.offset : slot.offset + slot.numel] = g.reshape(-1)
-        if sh.strategy != "shard_grad_op" or sh.sync:
-            self.free()
         if not sh.sync:
             if self.acc is None:
                 self.acc = flat
