@@ -9,11 +9,12 @@ change the membership while the job is certainly running.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 
 import numpy as np
 import pytest
-from launch_util import TRAIN, node_args, read_json, read_starts, running, train_module
+from launch_util import SCRIPTS, TRAIN, node_args, read_json, read_starts, running, train_module
 
 import rpcdist
 
@@ -47,6 +48,63 @@ def test_three_nodes_lose_one_and_finish_on_two_from_the_checkpoint(tmp_path, la
     final = rpcdist.load(tmp_path / "final")
     assert (final["world"], final["restart"]) == (2, 1)
     np.testing.assert_allclose(final["w"], train_module().reference(STEPS, 3), rtol=1e-12)
+
+
+def _fsdp_argv(port: int, tmp_path, last_call: str, hold: str) -> tuple[str, list[str]]:
+    script = str(SCRIPTS / "train_fsdp.py")
+    opts = ("--max-restarts", "2", "--node-timeout", "2", "--rdzv-last-call", last_call)
+    job = [script, str(tmp_path), "--steps", str(STEPS), "--hold", hold]
+    return script, ["--nproc-per-node", "1", *node_args(port, "2:3", *opts), *job]
+
+
+def _fsdp_reference(script: str) -> dict[str, np.ndarray]:
+    spec = importlib.util.spec_from_file_location("launch_train_fsdp", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reference(STEPS)  # type: ignore[no-any-return]
+
+
+def _same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+def test_an_fsdp_job_loses_a_node_and_resumes_its_sharded_model_on_two(tmp_path, launchers, port):
+    """FSDP's full checkpoint (model and Adam state) saved at p=3 resumes at p=2."""
+    script, argv = _fsdp_argv(port, tmp_path, "30", "2:2")
+    nodes = [launchers.start(*argv) for _ in range(3)]
+    holder = read_json(tmp_path / "holding.json")
+    assert holder["world"] == 3
+    doomed = next(p for p in nodes if p.pid == holder["launcher"])
+    doomed.kill()
+    doomed.wait(timeout=30)
+    outs = [launchers.finish(p) for p in nodes if p is not doomed]
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    starts = read_starts(tmp_path)
+    assert [s[:3] for s in starts] == [(0, 3, 0), (0, 3, 1), (0, 3, 2), (1, 2, 0), (1, 2, 1)]
+    assert starts[3][3] == starts[4][3] == 2  # resumed from the step-2 checkpoint
+    final = rpcdist.load(tmp_path / "final")
+    assert (final["world"], final["restart"]) == (2, 1)
+    _same_model(final["model"], _fsdp_reference(script))
+
+
+def test_an_fsdp_job_admits_a_late_node_and_reshards_onto_three(tmp_path, launchers, port):
+    """The p=2 checkpoint of an FSDP job resumes at p=3 once a third node joins."""
+    script, argv = _fsdp_argv(port, tmp_path, "0.2", "1:2")
+    first = [launchers.start(*argv) for _ in range(2)]
+    holder = read_json(tmp_path / "holding.json")
+    assert holder["world"] == 2
+    late = launchers.start(*argv)
+    outs = [launchers.finish(p) for p in [*first, late]]
+    assert [rc for rc, _ in outs] == [0, 0, 0], outs
+    starts = read_starts(tmp_path)
+    assert [s[:3] for s in starts] == [(0, 2, 0), (0, 2, 1), (1, 3, 0), (1, 3, 1), (1, 3, 2)]
+    assert {s[3] for s in starts[2:]} == {2}
+    final = rpcdist.load(tmp_path / "final")
+    assert (final["world"], final["restart"]) == (3, 1)
+    _same_model(final["model"], _fsdp_reference(script))
 
 
 def test_a_node_that_joins_later_is_admitted_at_the_next_restart(tmp_path, launchers, port):
