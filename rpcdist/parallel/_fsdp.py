@@ -6,7 +6,8 @@ left). Each unit is a :class:`FlatUnit`. An iteration, per unit:
 
 * forward: wait for the unit's all-gather (prefetched while the previous
   unit computed), start the next unit's, install views, compute, free the
-  gathered copy (``full_shard``; the root keeps its own until backward);
+  gathered copy (``full_shard``; the root and the last unit, which backward
+  needs first, stay gathered until their backward);
 * backward: a hook on the unit's outputs gathers it again (and prefetches
   the unit that runs next in backward); once every view's gradient is in,
   the flat gradient is reduce-scattered asynchronously and the gathered copy
@@ -155,7 +156,10 @@ class FullyShardedDataParallel(Module, Joinable):
         out = self.module(*args, **kwargs)
         if grad:
             _on_output_grads(out, self._pre_backward)
-        if not grad or (sh.strategy == "full_shard" and not self._is_root):
+        # full_shard frees after forward, except the root and the last unit:
+        # backward starts with them and would gather them again at once.
+        last = unit.index == len(sh.units) - 1
+        if not grad or (sh.strategy == "full_shard" and not self._is_root and not last):
             unit.free()
         return out
 

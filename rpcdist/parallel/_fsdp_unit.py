@@ -197,10 +197,14 @@ class FlatUnit:
         sh = self.shared
         if sh.strategy != "shard_grad_op" or sh.sync:
             self.free()  # first: the gradients do not need the gathered parameters
-        flat = self.xp.zeros(self.padded, self.dtype)
+        flat = self.xp.empty(self.padded, self.dtype)
+        flat[self.numel :] = 0
         for slot, g in zip(self.slots, grads):
-            if g is not None:
-                flat[slot.offset : slot.offset + slot.numel] = g.reshape(-1)
+            part = flat[slot.offset : slot.offset + slot.numel]
+            if g is None:
+                part[...] = 0
+            else:
+                part[...] = g.reshape(-1)
         if not sh.sync:
             if self.acc is None:
                 self.acc = flat
