@@ -2,8 +2,10 @@
 
 Model: an MLP of 4 Linear(2048, 2048) layers (ReLU between), float32, one
 FSDP unit per layer; batch 32 per rank; one step = zero_grad + forward +
-backward + Adam step; one compute thread per rank. A row is rank 0's median
-step time (one launch per configuration, all in the same run).
+backward + Adam step; one compute thread per rank. A row is the median over
+3 launches of rank 0's median step time; the launches of the three systems
+are interleaved (DDP, FSDP, PyTorch FSDP, then again), so that load from
+other processes on the machine falls on all three alike.
 
 Memory per rank, after warm-up:
 
@@ -175,37 +177,55 @@ def main() -> None:
     ap.add_argument("--p", default="2,4")
     args = ap.parse_args()
     worlds = [int(x) for x in args.p.split(",")]
-    warmup, steps = (2, 4) if args.quick else (3, 10)
-    rows, mem_rows, notes = [], [], []
+    warmup, steps = (2, 4) if args.quick else (2, 6)
+    reps = 1 if args.quick else 3
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    notes: list[str] = []
+    for _ in range(reps):  # interleaved, so that load from elsewhere hits all three alike
+        for p in worlds:
+            for kind in ("ddp", "fsdp"):
+                got = run_workers(rpcdist_worker, p, args=(kind, warmup, steps), timeout=600)
+                runs.setdefault((p, kind), []).append(got[0])
+            torch_r, why = _torch_fsdp(p, warmup, steps)
+            if torch_r is not None:
+                runs.setdefault((p, "torch"), []).append(torch_r)
+            elif why and f"p={p}" not in " ".join(notes):
+                notes.append(f"p={p}: PyTorch FSDP did not run ({why}).")
+    rows, mem_rows = [], []
     mb = 1e6
+    nan = float("nan")
+
+    def med(p: int, kind: str, key: str) -> float:
+        vals = [r[key] for r in runs.get((p, kind), [])]
+        return median(vals) if vals else nan
+
     for p in worlds:
-        ddp = run_workers(rpcdist_worker, p, args=("ddp", warmup, steps), timeout=600)[0]
-        fsdp = run_workers(rpcdist_worker, p, args=("fsdp", warmup, steps), timeout=600)[0]
-        torch_r, why = _torch_fsdp(p, warmup, steps)
-        if why:
-            notes.append(f"p={p}: PyTorch FSDP did not run ({why}).")
-        t_ms = torch_r["step"] * 1e3 if torch_r else float("nan")
-        f_ms, d_ms = fsdp["step"] * 1e3, ddp["step"] * 1e3
+        d_ms, f_ms, t_ms = (med(p, k, "step") * 1e3 for k in ("ddp", "fsdp", "torch"))
         rows.append([p, d_ms, f_ms, t_ms, f_ms / d_ms, f_ms / t_ms])
+        ddp_held, fsdp_held, fsdp_peak = (
+            med(p, "ddp", "held"),
+            med(p, "fsdp", "held"),
+            med(p, "fsdp", "peak"),
+        )
         mem_rows.append(
             [
                 p,
-                ddp["held"] / mb,
-                fsdp["held"] / mb,
-                fsdp["peak"] / mb,
-                torch_r["held"] / mb if torch_r else float("nan"),
-                fsdp["held"] / ddp["held"] * p,
-                fsdp["peak"] / ddp["held"] * p,
-                ddp["rss"] / mb,
-                fsdp["rss"] / mb,
-                torch_r["rss"] / mb if torch_r else float("nan"),
+                ddp_held / mb,
+                fsdp_held / mb,
+                fsdp_peak / mb,
+                med(p, "torch", "held") / mb,
+                fsdp_held / ddp_held * p,
+                fsdp_peak / ddp_held * p,
+                med(p, "ddp", "rss") / mb,
+                med(p, "fsdp", "rss") / mb,
+                med(p, "torch", "rss") / mb,
             ]
         )
         print(f"p={p}: DDP {d_ms:.1f} ms, FSDP {f_ms:.1f} ms, torch {t_ms:.1f} ms", file=sys.stderr)
     body = (
         f"MLP {LAYERS} x Linear({WIDTH}, {WIDTH}), float32, Adam, batch {BATCH} per rank, "
-        "one FSDP unit per layer (`full_shard`). Step time in ms (rank 0's median; lower "
-        "is better).\n\n"
+        f"one FSDP unit per layer (`full_shard`). Step time in ms: median over {reps} "
+        "interleaved launches of rank 0's median step (lower is better).\n\n"
         + table(
             [
                 "p",
