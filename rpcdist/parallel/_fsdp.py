@@ -151,7 +151,7 @@ class FullyShardedDataParallel(Module, Joinable):
             self._begin_iteration(grad)
         unit.wait_gather()
         if sh.sharded and unit.index + 1 < len(sh.units):
-            sh.units[unit.index + 1].start_gather()
+            sh.units[unit.index + 1].start_gather(prefetch=True)
         unit.install(grad)
         out = self.module(*args, **kwargs)
         if grad:
@@ -180,7 +180,7 @@ class FullyShardedDataParallel(Module, Joinable):
         if sh.sharded and len(sh.units) > 1:
             nxt = sh.units[(unit.index - 1) % len(sh.units)]
             if nxt.index != 0:
-                nxt.start_gather()
+                nxt.start_gather(prefetch=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -267,7 +267,13 @@ class FullyShardedDataParallel(Module, Joinable):
         return self.process_group
 
     def statistics(self) -> dict[str, Any]:
-        """Units, bytes held per rank, and gather/reduce counts since construction."""
+        """Units, bytes held per rank, and gather/prefetch/reduce counts since construction.
+
+        ``prefetches`` counts the all-gathers started ahead of their unit
+        (while another unit computed); ``transient_bytes`` and
+        ``peak_transient_bytes`` are the gathered vectors and flat
+        gradients alive now and at most.
+        """
         sh = self._shared
         shard_bytes = sum(u.shard.data.nbytes for u in sh.units)
         grad_bytes = sum(u.shard.grad.data.nbytes for u in sh.units if u.shard.grad is not None)
@@ -278,6 +284,7 @@ class FullyShardedDataParallel(Module, Joinable):
             "transient_bytes": sh.live,
             "peak_transient_bytes": sh.peak,
             "gathers": sh.gathers,
+            "prefetches": sh.prefetches,
             "reductions": sh.reductions,
         }
 

@@ -64,6 +64,7 @@ class Shared:
     live: int = 0
     peak: int = 0
     gathers: int = 0
+    prefetches: int = 0
     reductions: int = 0
 
     @property
@@ -120,7 +121,7 @@ class FlatUnit:
                 self._buf = self.xp.empty(self.padded, self.dtype)
         return self._buf
 
-    def start_gather(self) -> None:
+    def start_gather(self, prefetch: bool = False) -> None:
         """Launch the all-gather of the full vector (no-op unless freed)."""
         sh = self.shared
         if self.state != "free" or not self.slots:
@@ -130,6 +131,7 @@ class FlatUnit:
         self.state = "gathering"
         sh.track(buf.nbytes)
         sh.gathers += 1
+        sh.prefetches += prefetch
         sh.log.append(("ag", self.index))
 
     def _all_gather(self, buf: Any) -> tuple[Any, Any]:

@@ -76,6 +76,11 @@ def check_memory_is_one_over_p(results: list[dict[str, Any]], world: int) -> Non
         steps, units = 3, 3
         assert r["shard_grad_op_adam_stats"]["gathers"] == steps * units
         assert r["full_shard_adam_stats"]["gathers"] == steps * (2 * units - 1)
+        # every gather is started ahead, by the unit before (the root, which has no
+        # parameters of its own here, starts the first layer's)
+        for strategy in ("full_shard", "shard_grad_op"):
+            stats = r[f"{strategy}_adam_stats"]
+            assert stats["prefetches"] == stats["gathers"] > 0
 
 
 @pytest.mark.timeout(200)
