@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ddp_workers import batch, init, loss_of, mlp
+from ddp_workers import WithBuffer, batch, init, loss_of, mlp
 
 import rpcdist
 from rpcdist import ConfigError, nn, optim
@@ -148,6 +148,15 @@ def misc_cases(rank: int, world: int, init_method: str) -> dict[str, Any]:
         with Join([model], optimizer=o):
             fit(model, o, rank, range(batches[rank]))
         out[f"join_{strategy}"] = model.state_dict(rank0_only=False)
+    model = FSDP(mlp(rank + 1), auto_wrap_policy=LINEARS)
+    o = OPTS["sgd"](list(model.parameters()))
+    with Join([model], optimizer=o, divide_by_initial_world_size=False):
+        fit(model, o, rank, range(batches[rank]))
+    out["join_active_mean"] = model.state_dict(rank0_only=False)
+    buffered = FSDP(WithBuffer(rank + 1), auto_wrap_policy=LINEARS)
+    o = OPTS["sgd"](list(buffered.parameters()))
+    fit(buffered, o, rank, range(3))
+    out["with_buffer"] = buffered.state_dict(rank0_only=False)
     model = FSDP(mlp(rank + 1), auto_wrap_policy=LINEARS)
     with rpcdist.tensor.no_grad():
         x, _ = batch(0, 0)

@@ -122,6 +122,10 @@ def test_mixed_precision_join_and_errors(world):
     for strategy in fw.STRATEGIES:
         identical(results, f"join_{strategy}")
         same(r0[f"join_{strategy}"], want)
+    mean = dw.oracle(max(batches), world, batches=batches, divide_by_world=False)[0]
+    same(r0["join_active_mean"], mean.state_dict())
+    same(r0["with_buffer"], dw.oracle(3, world, make=dw.WithBuffer)[0].state_dict())
+    assert "scale" in r0["with_buffer"]
     x, _ = dw.batch(0, 0)
     np.testing.assert_allclose(r0["eval"], dw.mlp(1)(dw.rt.tensor(x)).numpy(), rtol=1e-12)
     assert r0["eval_freed"] == 0
