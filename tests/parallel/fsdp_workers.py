@@ -116,6 +116,15 @@ def checkpoint_cases(rank: int, world: int, init_method: str, path: str) -> dict
     fit(model, o, rank, range(2, 4))
     out["resumed_same_p"] = m2.state_dict(rank0_only=False)
     out["continued"] = model.state_dict(rank0_only=False)
+    # A subgroup: ranks 0 and 1 shard over themselves; rank 2 is refused.
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        sub = FSDP(mlp(rank + 1), process_group=pair, auto_wrap_policy=LINEARS)
+        o3 = OPTS["adam"](list(sub.parameters()))
+        fit(sub, o3, rank, range(3))
+        out["subgroup"] = sub.state_dict(rank0_only=False)
+    else:
+        out["non_member"] = _error(lambda: FSDP(mlp(1), process_group=pair))
     dist.barrier()
     return out
 

@@ -99,6 +99,10 @@ def test_state_dicts_round_trip_and_reshard_from_three_ranks_to_two(tmp_path):
         assert r["empty_full"].startswith("ConfigError") and "missing keys" in r["empty_full"]
         same(r["resumed_same_p"], r["continued"])
     assert all(r["others_empty"] for r in results[1:])
+    want_pair = dw.oracle(3, 2, opt=fw.OPTS["adam"])[0].state_dict()
+    same(results[0]["subgroup"], want_pair)
+    same(results[1]["subgroup"], want_pair)
+    assert "not a member" in results[2]["non_member"]
     # Resume at p=2: steps 0-1 on 3 ranks' data, steps 2-3 on 2 ranks' data.
     m, o = dw.oracle(2, 3, opt=fw.OPTS["adam"])
     m, o = dw.oracle(4, 2, model=m, optimizer=o, start=2)
