@@ -166,6 +166,11 @@ class FullyShardedDataParallel(Module, Joinable):
     def _begin_iteration(self, grad: bool) -> None:
         sh = self._shared
         sh.log = []
+        sh.pending.clear()  # left over only by a backward that raised
+        if not sh.kept:  # e.g. after a forward whose backward never ran: maybe stale
+            for u in sh.units:
+                u.free()
+        sh.kept = False
         if not (grad and sh.sync):
             return
         active = Join.notify_join_context(self) if Join.context_of(self) is not None else None

@@ -83,6 +83,9 @@ def load_state(
             sharded dict from another world size, rank or model.
     """
     sh = model._shared
+    for u in sh.units:
+        u.free()  # a gathered copy would be stale
+    sh.kept = False
     buffers = dict(_buffers(model))
     if _KEY in sd:
         meta = sd[_KEY]

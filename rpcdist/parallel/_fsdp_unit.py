@@ -58,6 +58,7 @@ class Shared:
     mp: MixedPrecision | None
     units: list[FlatUnit] = field(default_factory=list)
     sync: bool = True
+    kept: bool = False
     divisor: float = 1.0
     log: list[tuple[str, int]] = field(default_factory=list)
     pending: list[Callable[[], None]] = field(default_factory=list)
@@ -199,6 +200,8 @@ class FlatUnit:
         sh = self.shared
         if sh.strategy != "shard_grad_op" or sh.sync:
             self.free()  # first: the gradients do not need the gathered parameters
+        else:
+            sh.kept = True  # ZeRO-2 under no_sync: the next forward reuses them
         flat = self.xp.empty(self.padded, self.dtype)
         flat[self.numel :] = 0
         for slot, g in zip(self.slots, grads):

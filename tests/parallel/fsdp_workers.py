@@ -171,6 +171,11 @@ def misc_cases(rank: int, world: int, init_method: str) -> dict[str, Any]:
         x, _ = batch(0, 0)
         out["eval"] = model(rpcdist.tensor.tensor(x)).numpy()
     out["eval_freed"] = model.statistics()["transient_bytes"]
+    # A forward with grad and no backward leaves units gathered; a load must not reuse them.
+    model(rpcdist.tensor.tensor(x))
+    model.load_state_dict(mlp(33).state_dict())
+    with rpcdist.tensor.no_grad():
+        out["after_load"] = model(rpcdist.tensor.tensor(x)).numpy()
     out["join_needs_optimizer"] = _error(lambda: model.join_hook())
     out["bad_strategy"] = _error(lambda: FSDP(mlp(1), sharding_strategy="zero4"))
     out["bad_mp"] = _error(lambda: FSDP(mlp(1), mixed_precision="int8"))

@@ -133,6 +133,7 @@ def test_mixed_precision_join_and_errors(world):
     x, _ = dw.batch(0, 0)
     np.testing.assert_allclose(r0["eval"], dw.mlp(1)(dw.rt.tensor(x)).numpy(), rtol=1e-12)
     assert r0["eval_freed"] == 0
+    np.testing.assert_allclose(r0["after_load"], dw.mlp(33)(dw.rt.tensor(x)).numpy(), rtol=1e-12)
     assert "optimizer" in r0["join_needs_optimizer"]
     assert "sharding_strategy" in r0["bad_strategy"] and "zero4" in r0["bad_strategy"]
     assert "int8" in r0["bad_mp"]
