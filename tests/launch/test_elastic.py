@@ -50,10 +50,12 @@ def test_three_nodes_lose_one_and_finish_on_two_from_the_checkpoint(tmp_path, la
     np.testing.assert_allclose(final["w"], train_module().reference(STEPS, 3), rtol=1e-12)
 
 
-def _fsdp_argv(port: int, tmp_path, last_call: str, hold: str) -> tuple[str, list[str]]:
+def _fsdp_argv(
+    port: int, tmp_path, last_call: str, hold: str, *extra: str
+) -> tuple[str, list[str]]:
     script = str(SCRIPTS / "train_fsdp.py")
     opts = ("--max-restarts", "2", "--node-timeout", "2", "--rdzv-last-call", last_call)
-    job = [script, str(tmp_path), "--steps", str(STEPS), "--hold", hold]
+    job = [script, str(tmp_path), "--steps", str(STEPS), "--hold", hold, *extra]
     return script, ["--nproc-per-node", "1", *node_args(port, "2:3", *opts), *job]
 
 
@@ -71,9 +73,13 @@ def _same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None
         np.testing.assert_allclose(got[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
 
-def test_an_fsdp_job_loses_a_node_and_resumes_its_sharded_model_on_two(tmp_path, launchers, port):
-    """FSDP's full checkpoint (model and Adam state) saved at p=3 resumes at p=2."""
-    script, argv = _fsdp_argv(port, tmp_path, "30", "2:2")
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_a_data_parallel_job_loses_a_node_and_resumes_its_checkpoint_on_two(
+    tmp_path, launchers, port, wrapper
+):
+    """FSDP's full checkpoint (model and Adam state) saved at p=3 resumes at p=2; DDP's too."""
+    extra = ("--ddp",) if wrapper == "ddp" else ()
+    script, argv = _fsdp_argv(port, tmp_path, "30", "2:2", *extra)
     nodes = [launchers.start(*argv) for _ in range(3)]
     holder = read_json(tmp_path / "holding.json")
     assert holder["world"] == 3

@@ -1,13 +1,15 @@
-"""FSDP training through the launcher, resuming from a full checkpoint at any world size.
+"""FSDP (or DDP) training through the launcher, resuming from a checkpoint at any world size.
 
-``train_fsdp.py DIR --steps S [--hold RANK:STEP]``
+``train_fsdp.py DIR --steps S [--hold RANK:STEP] [--ddp]``
 
 A small MLP (float64) fits the rows of ``train.py``'s data set with Adam,
 wrapped in ``FullyShardedDataParallel`` (one unit per Linear). Rank ``r``
 of ``W`` takes rows ``r::W``; its loss is scaled by ``W`` so that the
 averaged gradient is the full data set's, whatever ``W``. After every step
 the full model and optimizer state (gathered, so they reshard to any world
-size) go to ``DIR/ckpt``; every run starts from it when it exists. Like
+size) go to ``DIR/ckpt``; every run starts from it when it exists. With
+``--ddp`` the model is wrapped in ``DistributedDataParallel`` instead and the
+checkpoint is the plain module's and optimizer's state dicts. Like
 ``train.py`` it logs ``restart world rank first_step`` to ``DIR/starts.log``,
 holds on the first attempt with ``--hold``, and rank 0 saves ``DIR/final``.
 
@@ -72,12 +74,13 @@ def main() -> int:
     import rpcdist
     from rpcdist import collectives as dist
     from rpcdist import nn
-    from rpcdist.parallel import FullyShardedDataParallel, ModuleWrapPolicy
+    from rpcdist.parallel import DistributedDataParallel, FullyShardedDataParallel, ModuleWrapPolicy
 
     p = argparse.ArgumentParser()
     p.add_argument("dir")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--hold")
+    p.add_argument("--ddp", action="store_true")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ["RPCDIST_RESTART_COUNT"])
@@ -85,13 +88,26 @@ def main() -> int:
     ckpt = os.path.join(args.dir, "ckpt")
 
     dist.init_process_group()
-    fsdp = FullyShardedDataParallel(model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
-    opt = optimizer(list(fsdp.parameters()))
+    if args.ddp:
+        wrapped: Any = DistributedDataParallel(model())
+    else:
+        wrapped = FullyShardedDataParallel(model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    opt = optimizer(list(wrapped.parameters()))
+
+    def checkpoint() -> dict[str, Any]:  # a collective for FSDP: every rank calls it
+        if args.ddp:
+            return {"model": wrapped.module.state_dict(), "optim": opt.state_dict()}
+        return {"model": wrapped.state_dict(), "optim": wrapped.optim_state_dict(opt)}
+
     first = 0
     if os.path.exists(ckpt):
         saved = rpcdist.load(ckpt)
-        fsdp.load_state_dict(saved["model"])
-        fsdp.load_optim_state_dict(opt, saved["optim"])
+        if args.ddp:
+            wrapped.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+        else:
+            wrapped.load_state_dict(saved["model"])
+            wrapped.load_optim_state_dict(opt, saved["optim"])
         first = int(saved["step"])
     with open(os.path.join(args.dir, "starts.log"), "a") as f:
         f.write(f"{restart} {world} {rank} {first}\n")
@@ -106,13 +122,13 @@ def main() -> int:
             while True:  # until the launcher stops this worker
                 time.sleep(1)
         opt.zero_grad()
-        loss(fsdp, rank, world).backward()
+        loss(wrapped, rank, world).backward()
         opt.step()
-        state = {"step": i + 1, "model": fsdp.state_dict(), "optim": fsdp.optim_state_dict(opt)}
+        state = {"step": i + 1, **checkpoint()}
         if rank == 0:
             rpcdist.save(state, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
-    final = fsdp.state_dict()
+    final = checkpoint()["model"]
     if rank == 0:
         rpcdist.save(
             {"model": final, "world": world, "restart": restart}, os.path.join(args.dir, "final")
