@@ -160,7 +160,7 @@ class FullyShardedDataParallel(Module, Joinable):
         # backward starts with them and would gather them again at once.
         last = unit.index == len(sh.units) - 1
         if not grad or (sh.strategy == "full_shard" and not self._is_root and not last):
-            unit.free()
+            unit.free(graph_holds_views=grad)
         return out
 
     def _begin_iteration(self, grad: bool) -> None:

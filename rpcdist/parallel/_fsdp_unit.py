@@ -167,9 +167,16 @@ class FlatUnit:
         self._work = self._comm = None
         self.state = "ready"
 
-    def free(self) -> None:
-        """Drop the gathered vector's memory (sharded strategies only)."""
+    def free(self, graph_holds_views: bool = False) -> None:
+        """Drop the gathered vector's memory (sharded strategies only).
+
+        On CuPy, memory the autograd graph still views cannot be returned, so
+        with ``graph_holds_views`` the vector stays gathered (and backward
+        needs no second all-gather).
+        """
         if not self.shared.sharded or self.state == "free":
+            return
+        if graph_holds_views and self._mm is None and self.slots:
             return
         self.wait_gather()
         if self._mm is not None:
