@@ -306,12 +306,18 @@ class _FSDPJoinHook(JoinHook):
         self.optimizer = optimizer
 
     def main_hook(self) -> None:
-        sh = self.model._shared
+        model = self.model
+        sh = model._shared
+        ctx = Join.context_of(model)
+        active = ctx.active if ctx is not None and ctx.active else [0]
+        divide = model._divide_by_initial_world_size
+        sh.divisor = float(sh.world if divide else len(active))
         self.optimizer.zero_grad()
         pending = [(sh.units[i], sh.units[i].shadow(kind)) for kind, i in sh.log]
         for unit, (out, work) in pending:
             work.wait()
             if out is not None:
+                out *= unit.post_scale()
                 unit.add_grad(out)
         self.optimizer.step()
 

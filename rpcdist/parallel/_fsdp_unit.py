@@ -125,6 +125,8 @@ class FlatUnit:
     def start_gather(self, prefetch: bool = False) -> None:
         """Launch the all-gather of the full vector (no-op unless freed)."""
         sh = self.shared
+        if self.state == "reducing":  # the buffer still feeds this unit's reduce-scatter
+            sh.drain()
         if self.state != "free" or not self.slots:
             return
         buf = self._buffer()
@@ -178,7 +180,8 @@ class FlatUnit:
             return
         if graph_holds_views and self._mm is None and self.slots:
             return
-        self.wait_gather()
+        if self.state != "reducing":
+            self.wait_gather()
         if self._mm is not None:
             self._mm.madvise(mmap.MADV_DONTNEED)
         else:
@@ -205,11 +208,26 @@ class FlatUnit:
     def post_backward(self, grads: tuple[Any, ...]) -> None:
         """Every view's gradient arrived: flatten, then reduce (or accumulate under no_sync)."""
         sh = self.shared
-        if sh.strategy != "shard_grad_op" or sh.sync:
-            self.free()  # first: the gradients do not need the gathered parameters
+        keep = sh.strategy == "shard_grad_op" and not sh.sync
+        sh.kept = sh.kept or keep  # ZeRO-2 under no_sync: the next forward reuses them
+        # The gathered parameters are not needed any more: on the host their
+        # pages take the flat gradient (no new allocation, no page faults) and
+        # are given back once the reduce-scatter has read them.
+        reuse = (
+            sh.sync
+            and sh.sharded
+            and self.state == "ready"
+            and self._mm is not None
+            and self.acc is None
+            and not (sh.mp and sh.mp.reduce_dtype)
+        )
+        if reuse:
+            flat = self._buf
+            self.state = "reducing"
         else:
-            sh.kept = True  # ZeRO-2 under no_sync: the next forward reuses them
-        flat = self.xp.empty(self.padded, self.dtype)
+            if not keep:
+                self.free()
+            flat = self.xp.empty(self.padded, self.dtype)
         flat[self.numel :] = 0
         for slot, g in zip(self.slots, grads):
             part = flat[slot.offset : slot.offset + slot.numel]
@@ -226,20 +244,32 @@ class FlatUnit:
         if self.acc is not None:
             flat += self.acc
             self.acc = None
-        self.reduce(flat)
+        self.reduce(flat, reuse)
 
-    def reduce(self, flat: Any) -> None:
-        """Average ``flat`` over the group into this rank's shard gradient (async)."""
+    def post_scale(self) -> float:
+        """The factor applied to a reduced gradient (1 where it was divided before)."""
         sh = self.shared
-        flat *= 1.0 / sh.divisor
+        return 1.0 if sh.mp and sh.mp.reduce_dtype == "float16" else 1.0 / sh.divisor
+
+    def reduce(self, flat: Any, in_buffer: bool = False) -> None:
+        """Average ``flat`` over the group into this rank's shard gradient (async).
+
+        The sum is divided afterwards, on the (p times smaller) result,
+        except in float16, which divides first so that the sum cannot overflow.
+        """
+        sh = self.shared
         low = _comm_dtype(sh.mp.reduce_dtype) if sh.mp else None
+        if low is np.float16:
+            flat *= 1.0 / sh.divisor
         if low is np.uint16:  # bfloat16 rounding; summed in float32
             flat = from_bf16(to_bf16(flat))
         elif low is not None:
             flat = flat.astype(low)
         sh.drain()  # launched one unit ago: done by now; frees its flat gradient
-        sh.track(flat.nbytes)
+        if not in_buffer:
+            sh.track(flat.nbytes)
         sh.reductions += 1
+        scale = self.post_scale()
         if sh.sharded:
             n = self.shard_size
             out = self.xp.empty(n, flat.dtype)
@@ -254,7 +284,12 @@ class FlatUnit:
 
         def finish() -> None:
             work.wait()
-            sh.track(-nbytes)
+            if in_buffer:
+                self.free()  # the reduce-scatter has read it
+            else:
+                sh.track(-nbytes)
+            if scale != 1.0:
+                out[...] *= scale
             self.add_grad(out)
 
         sh.pending.append(finish)
