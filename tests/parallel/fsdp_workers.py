@@ -88,7 +88,8 @@ def checkpoint_cases(rank: int, world: int, init_method: str, path: str) -> dict
     sharded = model.state_dict("sharded")
     osd = model.optim_state_dict(o, rank0_only=False)
     fresh = FSDP(mlp(50 + rank), auto_wrap_policy=LINEARS)
-    fresh.load_state_dict(sharded)
+    rpcdist.save(sharded, f"{path}.shard{rank}")  # each rank its own file
+    fresh.load_state_dict(rpcdist.load(f"{path}.shard{rank}"))
     out["sharded_round_trip"] = fresh.state_dict(rank0_only=False)
     other = FSDP(mlp(60 + rank), auto_wrap_policy=LINEARS)
     other.load_state_dict(full)
