@@ -1,4 +1,4 @@
-"""The examples run end to end: ``examples/demo.py`` and ``examples/batching_rpc.py``.
+"""The examples run end to end, at tiny sizes: every script in ``examples/``.
 
 Each runs as a subprocess in its own session (the example launches its own
 workers), under a hard timeout; on the way out the whole session is killed, so
@@ -9,6 +9,8 @@ checked: speed is measured by benchmarks, not asserted here.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -45,13 +47,30 @@ def run_example(name: str, *args: str, timeout: float = 100) -> str:
     return out
 
 
-def test_demo_trains_the_parameter_server_example():
-    out = run_example("demo.py", "--epochs", "2")
-    assert "[ps] epoch 1:" in out and "[ps] epoch 2:" in out
-    accuracy = float(re.search(r"test accuracy:\s+([0-9.]+)", out).group(1))
+def test_demo_trains_with_distributed_autograd(tmp_path):
+    out = run_example("demo.py", "--epochs", "3", "--out-dir", str(tmp_path))
+    assert "scikit-learn's digits" in out  # it says what it trains on
+    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]  # one table row per epoch
+    assert float(rows[-1][1]) < float(rows[0][1])  # the loss went down
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+) \(autograd mode\)", out).group(1))
     assert accuracy >= 0.9
-    assert re.search(r"throughput:\s+[0-9.]+ steps/s", out)
-    assert "result:          OK" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "autograd" and len(summary["epochs"]) == 3
+    assert f"wrote {tmp_path / 'summary.json'}" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
+    assert "result: OK" in out
+
+
+@pytest.mark.parametrize("mode", ["sync", "hogwild"])
+def test_parameter_server_modes_learn(mode, tmp_path):
+    out = run_example(
+        "parameter_server.py", "--mode", mode, "--epochs", "2", "--min-accuracy", "0.8",
+        "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert re.search(rf"final test accuracy 0\.[89]\d+ \({mode} mode\)", out), out
+    assert json.loads((tmp_path / "summary.json").read_text())["trainers"] == 2
 
 
 def test_batching_example_reports_both_modes():
