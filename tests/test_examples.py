@@ -73,6 +73,20 @@ def test_parameter_server_modes_learn(mode, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["trainers"] == 2
 
 
+def test_pipeline_rnn_trains_and_reports_its_bubble():
+    out = run_example(
+        "pipeline_rnn.py", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
+        "--micro-batches", "2", "--text-chars", "20000", "--sample-chars", "20",
+        "--max-perplexity", "200",
+    )  # fmt: skip
+    before = float(re.search(r"step 0: validation perplexity ([0-9.]+)", out).group(1))
+    after = float(re.search(r"\] validation perplexity ([0-9.]+)", out).group(1))
+    assert after < before  # three steps already help
+    bubble = re.search(r"measured ([0-9.]+) .*\(S-1\)/\(M\+S-1\) = 3/5 = 0\.60", out)
+    assert bubble and 0.0 <= float(bubble.group(1)) <= 1.0
+    assert "generated text" in out
+
+
 def test_batching_example_reports_both_modes():
     out = run_example("batching_rpc.py", "--requests", "300")
     assert re.search(r"unbatched: 600 requests in [0-9.]+ s = [0-9]+ req/s", out)
