@@ -87,6 +87,29 @@ def test_pipeline_rnn_trains_and_reports_its_bubble():
     assert "generated text" in out
 
 
+def test_ddp_resumes_after_a_crash_with_uneven_shards(tmp_path):
+    ckpt = tmp_path / "ckpt.npz"
+    out = run_example(
+        "ddp.py", "--epochs", "3", "--crash-at-epoch", "2", "--checkpoint", str(ckpt),
+        "--min-accuracy", "0.5",
+    )  # fmt: skip
+    assert "crashing on purpose in epoch 2" in out
+    assert "restarting the worker group" in out
+    assert f"resumed from {ckpt}: epoch 1 done" in out
+    rows = re.findall(r"^\[rank 0\]\s+(\d)\s+[0-9.]+\s+[0-9.]+\s+\[(\d+), (\d+)\]$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2", "3"]  # epoch 1, crash, then 2 and 3
+    assert all(int(a) < int(b) for _, a, b in rows)  # uneven shards ran under Join
+    assert "final test accuracy" in out and ckpt.exists()
+
+
+def test_ddp_rpc_hybrid_trains():
+    out = run_example("ddp_rpc.py", "--epochs", "2", "--min-accuracy", "0.5")
+    rows = re.findall(r"^\[rank 1\]\s+(\d)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert float(rows[1][1]) < float(rows[0][1])
+    assert "exit code 0" in out
+
+
 def test_batching_example_reports_both_modes():
     out = run_example("batching_rpc.py", "--requests", "300")
     assert re.search(r"unbatched: 600 requests in [0-9.]+ s = [0-9]+ req/s", out)
