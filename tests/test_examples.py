@@ -47,6 +47,22 @@ def run_example(name: str, *args: str, timeout: float = 100) -> str:
     return out
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo.py",
+        "parameter_server.py",
+        "pipeline_rnn.py",
+        "ddp.py",
+        "ddp_rpc.py",
+        "batching_rpc.py",
+    ],
+)
+def test_every_example_answers_help(name):
+    out = run_example(name, "--help", timeout=30)
+    assert out.startswith(f"usage: {name}") and "--" in out
+
+
 def test_demo_trains_with_distributed_autograd(tmp_path):
     out = run_example("demo.py", "--epochs", "3", "--out-dir", str(tmp_path))
     assert "scikit-learn's digits" in out  # it says what it trains on
