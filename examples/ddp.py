@@ -31,9 +31,11 @@ number with ``rpcdist.save``; at start-up (``--resume``, or automatically
 when the launcher restarted the job: ``RPCDIST_RESTART_COUNT`` > 0) every
 rank loads it and continues from the next epoch.
 
-Measured (shared 2-core VM, defaults: 2 ranks, 10 epochs, batch 32 per rank):
-test accuracy 0.97, 6 s from start to exit; with ``--crash-at-epoch 3`` the
-restarted job resumes at epoch 3 and also reaches 0.97 (docs/benchmarks.md).
+Measured with ``python benchmarks/bench_examples.py`` (2-core VM shared with
+other jobs, load average 8; defaults: 2 ranks, 10 epochs, batch 32 per
+rank): test accuracy 0.961, 7.1 s from start to exit; with
+``--crash-at-epoch 3`` the restarted job resumes at epoch 3 and reaches
+0.969, 10.4 s in all (docs/benchmarks.md).
 """
 
 from __future__ import annotations

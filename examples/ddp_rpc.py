@@ -34,8 +34,9 @@ parameters (``rpcdist.RRef(p)``). A step::
                                               # back to the server
         opt.step(cid)
 
-Measured (shared 2-core VM, defaults: 2 trainers, 6 epochs, batch 32 per
-trainer): test accuracy 0.95, 9 s from start to exit (docs/benchmarks.md).
+Measured with ``python benchmarks/bench_examples.py`` (2-core VM shared with
+other jobs, load average 7; defaults: 2 trainers, 8 epochs, batch 32 per
+trainer): test accuracy 0.955, 7.8 s from start to exit (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ and writes ``summary.json`` and ``training.png`` to ``--out-dir``.
     python examples/demo.py [--epochs 15] [--out-dir build/demo]
 
 The exit code is the job's: non-zero when a worker failed or the model did
-not reach 90 % test accuracy. Measured on a shared 2-core VM: 15 epochs,
-test accuracy 0.97, about 12 s from start to exit (docs/benchmarks.md).
+not reach 90 % test accuracy. Measured with ``python
+benchmarks/bench_examples.py`` on a 2-core VM shared with other jobs (load
+average 9): 15 epochs, test accuracy 0.975, 10.3 s from start to exit
+(docs/benchmarks.md); the first ``make demo`` adds about 40 s of set-up.
 """
 
 from __future__ import annotations

@@ -51,12 +51,13 @@ Functions are sent by qualified name (``__main__:push_gradients``,
 ``ps_common:progress``). Every process runs this script, so the names resolve
 everywhere; server state is found through ``ParameterServer.instance``.
 
-Measured (shared 2-core VM, defaults: 2 trainers, 8 epochs, batch 32; wall
-time is launcher start to exit, see docs/benchmarks.md):
+Measured with ``python benchmarks/bench_examples.py`` (2-core VM shared with
+other jobs, load average 9; defaults: 2 trainers, 8 epochs, batch 32; wall
+time from start to exit, workers' start-up included; docs/benchmarks.md):
 
-* ``--mode sync``: test accuracy 0.967, 12.1 s
-* ``--mode hogwild``: test accuracy 0.972, 10.3 s
-* ``--mode autograd``: test accuracy 0.969, 13.6 s
+* ``--mode sync``: test accuracy 0.972, 14.5 s
+* ``--mode hogwild``: test accuracy 0.981, 13.1 s
+* ``--mode autograd``: test accuracy 0.969, 9.6 s
 """
 
 from __future__ import annotations

@@ -44,12 +44,15 @@ stage) / (time of the forward and backward)``, beside the theoretical
 ``(S-1)/(M+S-1)`` of equal stages on their own cores, and at the end a sample
 of generated text.
 
-Measured (shared 2-core VM, defaults: 150 steps, batch 32 x 48 characters,
-M = 4): 52 s from start to exit, validation perplexity 7.1 (94 before
-training), measured bubble 0.71 against 0.43 theoretical. The 4 processes
-share 2 cores, and a stage's work per micro-batch is a few milliseconds, so
-RPC and the cores' time-sharing show up as bubble too. See
-docs/benchmarks.md.
+Measured with ``python benchmarks/bench_examples.py`` (2-core VM shared with
+other jobs, load average 8; defaults: 150 steps, batch 32 x 48 characters,
+M = 4): 45 s from start to exit, validation perplexity 7.1 (94 before
+training), measured bubble 0.70 against 0.43 theoretical. With 40 steps and
+M = 1, 2, 4, 8 the measured bubble was 0.77, 0.74, 0.71, 0.67 against 0.75,
+0.60, 0.43, 0.27: right where a stage cannot overlap (M = 1), and falling
+with M, but far above theory because the 4 processes share 2 cores and a
+stage's work per micro-batch is a few milliseconds, so RPC latency and the
+cores' time-sharing count as idle time too. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
