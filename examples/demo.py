@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     wall = time.perf_counter() - start
     print(f"\nwall time: {wall:.1f} s (process start to exit)")
+    png = os.path.join(os.path.abspath(args.out_dir), "training.png")
     if code == 0:
-        print(f"result: OK; open {os.path.join(os.path.abspath(args.out_dir), 'training.png')}")
+        print(f"result: OK; open {png}" if os.path.exists(png) else "result: OK")
     else:
         print(f"result: FAILED (exit code {code})")
     return code

@@ -111,6 +111,7 @@ class Scoreboard:
         self.history: list[dict[str, float]] = []
         self.done = threading.Event()
         total = trainers * epochs * steps_per_epoch
+        self.total, self.steps, self.title = total, 0, title
         try:
             from tqdm import tqdm
         except ImportError:
@@ -127,10 +128,14 @@ class Scoreboard:
             self.bar.write(line)
 
     def advance(self, steps: int, loss: float) -> None:
-        if self.bar is not None:
-            with self.lock:
+        """Move the bar by ``steps`` (without tqdm: a line at every tenth of the way)."""
+        with self.lock:
+            before, self.steps = self.steps, self.steps + steps
+            if self.bar is not None:
                 self.bar.update(steps)
                 self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            elif self.steps * 10 // self.total > before * 10 // self.total:
+                print(f"{self.title}: {self.steps}/{self.total} steps, loss {loss:.3f}", flush=True)
 
     def finish_epoch(self, epoch: int, loss_sum: float, correct: int, count: int) -> None:
         """One trainer's epoch totals; the last trainer's closes the epoch."""
