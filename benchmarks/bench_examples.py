@@ -109,7 +109,7 @@ def main() -> int:
             rows.append((f"`{name}`", wall, result, f"{load:.1f}"))
             print(f"{name}: {wall:.1f} s, {result}", flush=True)
     body = (
-        "Each example at its default size, run as `python examples/NAME.py` "
+        "Each example once, at its default size, run as `python examples/NAME.py` "
         "(it launches its own local workers); wall time from process start to "
         "exit, including starting the workers. Load: the machine's 1-minute load "
         "average when the run started (above the core count, other work shared "
