@@ -7,12 +7,17 @@ PROTOS := $(wildcard proto/rpcdist/v1/*.proto)
 
 .PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv docs docs-serve
 
+# pip's own output goes to $(PIP_LOG); it is shown only when pip fails.
+PIP_LOG := $(VENV)/pip-install.log
+PIP := $(BIN)/python -m pip install -qq --disable-pip-version-check
+QUIET_PIP = >$(PIP_LOG) 2>&1 || { cat $(PIP_LOG); echo "pip failed (log: $(PIP_LOG))"; exit 1; }
+
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): rpcdist and its development tools (first run, or pyproject.toml changed)..."
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(PIP) --upgrade pip $(QUIET_PIP)
+	@$(PIP) -e '.[dev]' $(QUIET_PIP)
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
@@ -21,8 +26,16 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 $(DOCS_STAMP): $(STAMP)
 	@echo "Installing the documentation tools into $(VENV) (first run only)..."
-	$(BIN)/python -m pip install -q -e '.[dev,docs]'
-	touch $(DOCS_STAMP)
+	@$(PIP) -e '.[dev,docs]' $(QUIET_PIP)
+	@touch $(DOCS_STAMP)
+
+# The examples' extras (tqdm, matplotlib, scikit-learn), installed on first use of `make demo`.
+EXAMPLES_STAMP := $(VENV)/.installed-examples
+
+$(EXAMPLES_STAMP): $(STAMP)
+	@echo "Installing the examples' extras into $(VENV): tqdm, matplotlib, scikit-learn (first run only)..."
+	@$(PIP) -e '.[dev,examples]' $(QUIET_PIP)
+	@touch $(EXAMPLES_STAMP)
 
 # The site, built with warnings as errors (mkdocs.yml sets strict), into build/site.
 docs: $(DOCS_STAMP)
@@ -56,8 +69,9 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+# Parameter-server training with distributed autograd on the digits (examples/demo.py).
+demo: $(EXAMPLES_STAMP)
+	@$(BIN)/python examples/demo.py
 
 bench: $(STAMP)
 	-$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installable: baselines skipped"
