@@ -37,6 +37,17 @@ $(EXAMPLES_STAMP): $(STAMP)
 	@$(PIP) -e '.[dev,examples]' $(QUIET_PIP)
 	@touch $(EXAMPLES_STAMP)
 
+# PyTorch (the CPU build), for the tests that check rpcdist against PyTorch and the
+# rpcdist.torch interop tests; installed on first use of `make test`. Without it
+# (`make test TORCH=`, or no wheel to be had) those tests skip, saying why.
+TORCH ?= torch==2.13.0
+TORCH_STAMP := $(VENV)/.installed-torch
+
+$(TORCH_STAMP): $(STAMP)
+	@echo "Installing $(TORCH) into $(VENV) for the PyTorch comparison tests (first run only)..."
+	@if $(PIP) '$(TORCH)' >$(PIP_LOG) 2>&1; then touch $(TORCH_STAMP); else \
+	  echo "could not install $(TORCH) (log: $(PIP_LOG)): the PyTorch tests will skip"; fi
+
 # The site, built with warnings as errors (mkdocs.yml sets strict), into build/site.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
@@ -57,7 +68,7 @@ TCP_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/test_tcp_transpo
 # this pass keeps its other path (through the agent loop) under test as well.
 LOOP_SYNC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref/test_rref_basic.py
 
-test: $(STAMP)
+test: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 	$(BIN)/python -m pytest -q
 	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
 	RPCDIST_LOCAL_SOCKETS=0 $(BIN)/python -m pytest -q $(TCP_SUITE)
