@@ -83,12 +83,6 @@ NAMES = ("embed", "lstm1", "lstm2", "decoder")
 MODULES = ("argparse", "textwrap", "string", "functools", "shlex", "fnmatch", "glob")
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # the vocabulary; others become "?"
 EMB, HIDDEN = 32, 256
-FINISHED = threading.Event()  # set on the stage workers when the driver is done
-
-
-def finish() -> None:
-    """Sent by the driver to every stage worker at the end: stop serving."""
-    FINISHED.set()
 
 
 def load_text(limit: int) -> np.ndarray:
@@ -343,14 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline_rnn.py runs on {len(NAMES)} processes, one per stage")
         return 2
     rpcdist.init_rpc(NAMES[rank])
-    if rank == 0:
-        code = train(args)
-        rpcdist.futures.wait_all([rpcdist.rpc_async(n, finish) for n in NAMES[1:]])
-    else:
-        # A stage serves the driver's calls until it is told to finish (a plain
-        # shutdown() would give up after the default 60 s of waiting for it).
-        FINISHED.wait()
-        code = 0
+    # A stage has nothing to do but serve: its shutdown() keeps serving the
+    # driver's calls until the driver shuts down too.
+    code = train(args) if rank == 0 else 0
     rpcdist.shutdown()
     return code
 
