@@ -3,9 +3,11 @@
 PyTorch RPC pickles everything. rpcdist keeps pickle off and sends a module
 as its class's name and its attributes: ``["pkg.mod:Class", [[name, value],
 ...]]``, each value an ordinary codec value (tensors out-of-band, nested
-modules the same way, functions by name). ``OrderedDict`` and ``dict``
-attributes (``_parameters``, ``_buffers``, ``_modules``, the hook tables)
-keep their type. The receiver resolves the class under its callable policy
+modules the same way, functions by name). ``OrderedDict``, ``dict``,
+``list`` and ``tuple`` attributes (``_parameters``, ``_buffers``,
+``_modules``, the hook tables) keep their type, and a tensor met twice in one
+module's attributes arrives as one object (``nn.LSTM``'s flat weights are its
+parameters); tensors shared between two modules arrive as copies. The receiver resolves the class under its callable policy
 (the same check a call of the class would pass), insists that it is a
 ``torch.nn.Module`` subclass, makes it with ``cls.__new__`` and hands the
 attributes to its ``__setstate__`` (what unpickling does, and how
@@ -32,23 +34,41 @@ __all__ = ["MODULE_CODE", "install"]
 MODULE_CODE = 34
 
 
-def _pack(value: Any) -> list[Any]:
+def _pack(value: Any, memo: dict[int, int]) -> list[Any]:
     kind = type(value)
-    if kind is OrderedDict:
-        return ["o", [[k, _pack(v)] for k, v in value.items()]]
-    if kind is dict:
-        return ["d", [[k, _pack(v)] for k, v in value.items()]]
+    if kind is OrderedDict or kind is dict:
+        pairs = [[k, _pack(v, memo)] for k, v in value.items()]
+        return ["o" if kind is OrderedDict else "d", pairs]
+    if kind is list or kind is tuple:
+        return ["l" if kind is list else "t", [_pack(v, memo) for v in value]]
+    if isinstance(value, torch.Tensor):
+        seen = memo.get(id(value))
+        if seen is not None:
+            return ["r", seen]  # the same tensor again (nn.LSTM's flat weights)
+        memo[id(value)] = len(memo)
     return ["v", value]
 
 
-def _unpack(item: Any) -> Any:
-    if not (isinstance(item, list) and len(item) == 2 and item[0] in ("o", "d", "v")):
+def _unpack(item: Any, table: list[Any]) -> Any:
+    if not (isinstance(item, list) and len(item) == 2 and item[0] in _KINDS):
         raise SerializationError("malformed torch module payload")
     kind, value = item
     if kind == "v":
+        if isinstance(value, torch.Tensor):
+            table.append(value)
         return value
-    pairs = [(k, _unpack(v)) for k, v in value]
+    if kind == "r":
+        if type(value) is not int or not 0 <= value < len(table):
+            raise SerializationError("malformed torch module payload: bad tensor reference")
+        return table[value]
+    if kind in ("l", "t"):
+        items = [_unpack(v, table) for v in value]
+        return items if kind == "l" else tuple(items)
+    pairs = [(k, _unpack(v, table)) for k, v in value]
     return OrderedDict(pairs) if kind == "o" else dict(pairs)
+
+
+_KINDS = ("o", "d", "l", "t", "r", "v")
 
 
 def _encode(module: torch.nn.Module, wire: Any) -> list[Any]:
@@ -60,7 +80,8 @@ def _encode(module: torch.nn.Module, wire: Any) -> list[Any]:
             f"cannot send torch module {name}: its __getstate__ returned a "
             f"{type(attrs).__name__}, not a dict"
         )
-    return [name, [[k, _pack(v)] for k, v in attrs.items()]]
+    memo: dict[int, int] = {}
+    return [name, [[k, _pack(v, memo)] for k, v in attrs.items()]]
 
 
 def _decode(payload: Any, wire: Any) -> torch.nn.Module:
@@ -71,7 +92,8 @@ def _decode(payload: Any, wire: Any) -> torch.nn.Module:
     cls = resolve_function(name, policy)
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise SerializationError(f"received a torch module of {name}, which is not an nn.Module")
-    attrs = {k: _unpack(v) for k, v in items}
+    table: list[Any] = []
+    attrs = {k: _unpack(v, table) for k, v in items}
     module = cls.__new__(cls)
     module.__setstate__(attrs)  # type: ignore[no-untyped-call]
     return module
