@@ -163,8 +163,12 @@ def _partial(st: TorchState, out: torch.Tensor, grad: torch.Tensor) -> None:
     leaves = leaves_of([out])
     if not leaves:
         return
-    got = torch.autograd.grad([out], leaves, grad_outputs=[grad], retain_graph=True,
-                              allow_unused=True)  # fmt: skip
+    # sum(out * grad) has exactly ``grad`` as its gradient at ``out``; seeding it
+    # instead of passing ``grad_outputs`` spares the first pass of a process
+    # torch's shape check, which imports sympy (0.3 s here).
+    with torch.enable_grad():
+        seed = (out * grad).sum()
+    got = torch.autograd.grad([seed], leaves, retain_graph=True, allow_unused=True)
     for leaf, g in zip(leaves, got):
         if g is not None and not _is_anchor(leaf):
             st.add_grad(leaf, g)

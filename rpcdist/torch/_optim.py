@@ -8,10 +8,12 @@ gradients there and step, under a lock per owner, as torch's does.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
 import torch
+from torch.optim.sgd import sgd
 
 from .._futures import wait_all
 from .._rpc._context import current_agent
@@ -23,13 +25,61 @@ from ._grads import get_gradients
 __all__ = ["DistributedOptimizer"]
 
 
+class _FunctionalSGD:
+    """``torch.optim.SGD``'s step through its functional form (``torch.optim.sgd.sgd``).
+
+    Making the first ``torch.optim`` optimizer of a process imports
+    ``torch._dynamo`` (1.5 s to import, more to tear down at exit, measured
+    here); the functional form needs none of it. PyTorch's own
+    DistributedOptimizer maps SGD to a functional optimizer for the same
+    kind of reason. Same arithmetic, same state (``momentum_buffer``).
+    """
+
+    def __init__(self, params: list[torch.Tensor], hyper: dict[str, Any]) -> None:
+        if hyper["lr"] < 0.0 or hyper["momentum"] < 0.0 or hyper["weight_decay"] < 0.0:
+            raise ValueError(f"invalid SGD hyperparameters: {hyper}")
+        if hyper["nesterov"] and (hyper["momentum"] <= 0 or hyper["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        self.params = params
+        self.hyper = hyper
+        self.buffers: dict[torch.Tensor, torch.Tensor | None] = {}
+
+    def step(self) -> None:
+        with_grad = [p for p in self.params if p.grad is not None]
+        grads = [g for g in (p.grad for p in with_grad) if g is not None]
+        bufs = [self.buffers.get(p) for p in with_grad]
+        h = self.hyper
+        with torch.no_grad():
+            sgd(with_grad, grads, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
+                momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
+                nesterov=h["nesterov"], maximize=h["maximize"])  # fmt: skip
+        if h["momentum"] != 0:
+            for p, buf in zip(with_grad, bufs):
+                self.buffers[p] = buf
+
+
+def _make_optimizer(cls: Any, params: list[torch.Tensor], args: list[Any],
+                    kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """``cls(params, *args, **kwargs)``, or its functional twin for plain SGD."""
+    if cls is torch.optim.SGD:
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, params, *args, **kwargs)
+        except TypeError:
+            return cls(params, *args, **kwargs)  # let torch say what is wrong
+        bound.apply_defaults()
+        hyper = dict(bound.arguments)
+        if not (hyper.get("differentiable") or hyper.get("fused")):
+            return _FunctionalSGD(params, hyper)
+    return cls(params, *args, **kwargs)
+
+
 class _LocalOptimizer:
     """An owner's optimizer over its parameters (called through its RRef's proxy)."""
 
     def __init__(self, optimizer_class: str, param_rrefs: list[RRef[torch.Tensor]],
                  args: list[Any], kwargs: dict[str, Any]) -> None:  # fmt: skip
         self.params = [r.local_value() for r in param_rrefs]
-        self.optimizer = resolve(optimizer_class)(self.params, *args, **kwargs)
+        self.optimizer = _make_optimizer(resolve(optimizer_class), self.params, args, kwargs)
         self.lock = threading.Lock()
 
     def ready(self) -> bool:

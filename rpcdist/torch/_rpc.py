@@ -9,13 +9,10 @@ default and ``0`` means none; ``rank=-1`` means "from the environment";
 from __future__ import annotations
 
 import enum
-import importlib
 import itertools
-import logging
 import os
 import socket
 import sys
-import threading
 from typing import Any
 
 from .._deadline import UNSET, Unset
@@ -37,8 +34,6 @@ __all__ = [
     "rpc_sync",
     "shutdown",
 ]
-
-_log = logging.getLogger(__name__)
 
 #: torch's ``UNSET_RPC_TIMEOUT``.
 _UNSET_TIMEOUT = -1.0
@@ -146,22 +141,6 @@ def _rendezvous(init_method: str, rank: int | None, world_size: int | None) -> s
     return got.decode()
 
 
-def _import_dynamo() -> None:
-    try:
-        importlib.import_module("torch._dynamo")
-    except Exception as exc:  # it is only a head start; the optimizer will say what is wrong
-        _log.debug("importing torch._dynamo ahead of the first optimizer: %r", exc)
-
-
-def _warm_optimizers() -> None:
-    """The first ``torch.optim`` optimizer of a process imports ``torch._dynamo``
-    (1.5 s here). A program that imported ``rpcdist.torch.optim`` will make
-    one on this worker or ask it to (DistributedOptimizer), so start that
-    import now, beside the rendezvous, on a thread of its own."""
-    if "torch._dynamo" not in sys.modules:
-        threading.Thread(target=_import_dynamo, name="torch-import-ahead", daemon=True).start()
-
-
 def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
              world_size: int | None = None,
              rpc_backend_options: TensorPipeRpcBackendOptions | None = None) -> None:  # fmt: skip
@@ -193,8 +172,6 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
     r = None if rank is None or rank < 0 else rank
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
     init_method = _rendezvous(opts.init_method, r, world_size)
-    if "rpcdist.torch.optim" in sys.modules:
-        _warm_optimizers()
     _api.init_rpc(name, r, world_size, init_method=init_method, rpc_timeout=timeout,
                   num_worker_threads=opts.num_worker_threads)  # fmt: skip
 
