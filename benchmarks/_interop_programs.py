@@ -39,6 +39,13 @@ def use(flavor: str) -> None:
                               DistributedOptimizer=DistributedOptimizer)  # fmt: skip
 
 
+# The examples import their RPC modules at the top, so the launching process
+# and every spawned one import them: so does this program (the flavor comes
+# from the environment, as the command line is parsed later).
+if os.environ.get("INTEROP_FLAVOR") in ("torch", "rpcdist"):
+    use(os.environ["INTEROP_FLAVOR"])
+
+
 def _call_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
     return method(rref.local_value(), *args, **kwargs)
 

@@ -36,6 +36,7 @@ GOAL = 0.7
 
 def _run(program: str, flavor: str, *extra: str) -> float:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["INTEROP_FLAVOR"] = flavor
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     t = time.perf_counter()
     subprocess.run([sys.executable, PROGRAM, program, flavor, *extra], env=env, check=True,
