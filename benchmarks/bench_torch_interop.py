@@ -89,7 +89,8 @@ def main() -> int:
         f"\n\nMedians over {a.repeats} runs of each, alternating. The RNN program is "
         "PyTorch's example as a whole (process start, `import torch`, rendezvous, 50 "
         "iterations, shutdown); the ps iteration is the median of "
-        f"{a.iters} steps after a warm-up."
+        f"{a.iters} steps after a warm-up. Other sessions share this machine's cores, so "
+        "single runs vary by 2x; compare the ranges as well as the medians."
     )
     print(body)
     if not a.no_write:
