@@ -27,8 +27,10 @@ from . import _edges, _modules, _remote_module
 __all__ = [
     "BackendType",
     "TensorPipeRpcBackendOptions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -222,6 +224,21 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         RpcTimeoutError: the graceful shutdown did not finish in time.
     """
     _api.shutdown(graceful=graceful, timeout=timeout or None)
+
+
+def get_rpc_timeout() -> float:
+    """The default call timeout in seconds (``0``: none), as torch reports it.
+
+    Raises:
+        NotInitializedError: ``init_rpc`` was not called.
+    """
+    got = _api.get_rpc_timeout()
+    return 0.0 if got is None else float(got)
+
+
+def is_available() -> bool:
+    """Always ``True``: rpcdist's RPC needs no special build of torch."""
+    return True
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -140,6 +140,11 @@ def test_async_execution_may_return_a_torch_future(agents):
     torch.testing.assert_close(fut.wait(), torch.full((2,), 3.0))
 
 
+def test_rpc_timeout_reads_as_torch_does(agents):
+    with as_current(agents[0]):
+        assert rpc.get_rpc_timeout() == 30.0 and rpc.is_available()
+
+
 def test_torch_timeouts_map_to_rpcdist():
     from rpcdist import UNSET
     from rpcdist.torch._rpc import _timeout
