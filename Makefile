@@ -7,12 +7,17 @@ PROTOS := $(wildcard proto/rpcdist/v1/*.proto)
 
 .PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv docs docs-serve
 
+# pip's own output goes to $(PIP_LOG); it is shown only when pip fails.
+PIP_LOG := $(VENV)/pip-install.log
+PIP := $(BIN)/python -m pip install -qq --disable-pip-version-check
+QUIET_PIP = >$(PIP_LOG) 2>&1 || { cat $(PIP_LOG); echo "pip failed (log: $(PIP_LOG))"; exit 1; }
+
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): rpcdist and its development tools (first run, or pyproject.toml changed)..."
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(PIP) --upgrade pip $(QUIET_PIP)
+	@$(PIP) -e '.[dev]' $(QUIET_PIP)
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
@@ -21,8 +26,27 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 $(DOCS_STAMP): $(STAMP)
 	@echo "Installing the documentation tools into $(VENV) (first run only)..."
-	$(BIN)/python -m pip install -q -e '.[dev,docs]'
-	touch $(DOCS_STAMP)
+	@$(PIP) -e '.[dev,docs]' $(QUIET_PIP)
+	@touch $(DOCS_STAMP)
+
+# The examples' extras (tqdm, matplotlib, scikit-learn), installed on first use of `make demo`.
+EXAMPLES_STAMP := $(VENV)/.installed-examples
+
+$(EXAMPLES_STAMP): $(STAMP)
+	@echo "Installing the examples' extras into $(VENV): tqdm, matplotlib, scikit-learn (first run only)..."
+	@$(PIP) -e '.[dev,examples]' $(QUIET_PIP)
+	@touch $(EXAMPLES_STAMP)
+
+# PyTorch (the CPU build), for the tests that check rpcdist against PyTorch and the
+# rpcdist.torch interop tests; installed on first use of `make test`. Without it
+# (`make test TORCH=`, or no wheel to be had) those tests skip, saying why.
+TORCH ?= torch==2.13.0
+TORCH_STAMP := $(VENV)/.installed-torch
+
+$(TORCH_STAMP): $(STAMP)
+	@echo "Installing $(TORCH) into $(VENV) for the PyTorch comparison tests (first run only)..."
+	@if $(PIP) '$(TORCH)' >$(PIP_LOG) 2>&1; then touch $(TORCH_STAMP); else \
+	  echo "could not install $(TORCH) (log: $(PIP_LOG)): the PyTorch tests will skip"; fi
 
 # The site, built with warnings as errors (mkdocs.yml sets strict), into build/site.
 docs: $(DOCS_STAMP)
@@ -44,7 +68,7 @@ TCP_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/test_tcp_transpo
 # this pass keeps its other path (through the agent loop) under test as well.
 LOOP_SYNC_SUITE := tests/test_rpc.py tests/test_multiprocess.py tests/rref/test_rref_basic.py
 
-test: $(STAMP)
+test: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 	$(BIN)/python -m pytest -q
 	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
 	RPCDIST_LOCAL_SOCKETS=0 $(BIN)/python -m pytest -q $(TCP_SUITE)
@@ -56,8 +80,9 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+# Parameter-server training with distributed autograd on the digits (examples/demo.py).
+demo: $(EXAMPLES_STAMP)
+	@$(BIN)/python examples/demo.py
 
 bench: $(STAMP)
 	-$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installable: baselines skipped"

@@ -27,6 +27,12 @@ The server reports the throughput of both phases. Clients check a sample of the
 answers against a local computation, so the batched replies are known to
 reach the right callers. Functions are sent by qualified name (``__main__:InferenceServer
 .predict``); every process runs this script, so the name resolves everywhere.
+
+Measured with ``python benchmarks/bench_examples.py`` (2-core VM shared with
+other jobs, load average 7; defaults: 2 clients x 1,000 requests per phase):
+unbatched 609 requests/s, batched 2,055 requests/s (3.4x), 7.4 s from start
+to exit; an earlier run on the same machine gave 351 and 962 (2.7x). The
+figures move with the load, the ratio stays well above 1 (docs/benchmarks.md).
 """
 
 from __future__ import annotations

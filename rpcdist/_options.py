@@ -94,7 +94,9 @@ class RpcOptions:
         chunk_bytes: Largest piece of array data in one frame.
         batch_bytes: Largest payload coalesced into one gRPC message.
         init_timeout: Seconds to wait for rendezvous with every worker.
-        shutdown_timeout: Default bound on a graceful shutdown.
+        shutdown_timeout: Default bound on a graceful shutdown's drain, once
+            every live worker has called ``shutdown`` (waiting for them to
+            call it is bounded only by ``shutdown(timeout=...)``).
         control_retry_interval: Seconds before an unacknowledged control
             message (RRef protocol, cleanup) is sent again.
         faults: A fault injector for tests (see ``rpcdist.testing``).

@@ -1,4 +1,4 @@
-"""The examples run end to end: ``examples/demo.py`` and ``examples/batching_rpc.py``.
+"""The examples run end to end, at tiny sizes: every script in ``examples/``.
 
 Each runs as a subprocess in its own session (the example launches its own
 workers), under a hard timeout; on the way out the whole session is killed, so
@@ -9,6 +9,8 @@ checked: speed is measured by benchmarks, not asserted here.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -45,13 +47,83 @@ def run_example(name: str, *args: str, timeout: float = 100) -> str:
     return out
 
 
-def test_demo_trains_the_parameter_server_example():
-    out = run_example("demo.py", "--epochs", "2")
-    assert "[ps] epoch 1:" in out and "[ps] epoch 2:" in out
-    accuracy = float(re.search(r"test accuracy:\s+([0-9.]+)", out).group(1))
+@pytest.mark.parametrize(
+    "name",
+    [
+        "demo.py",
+        "parameter_server.py",
+        "pipeline_rnn.py",
+        "ddp.py",
+        "ddp_rpc.py",
+        "batching_rpc.py",
+    ],
+)
+def test_every_example_answers_help(name):
+    out = run_example(name, "--help", timeout=30)
+    assert out.startswith(f"usage: {name}") and "--" in out
+
+
+def test_demo_trains_with_distributed_autograd(tmp_path):
+    out = run_example("demo.py", "--epochs", "3", "--out-dir", str(tmp_path))
+    assert "scikit-learn's digits" in out  # it says what it trains on
+    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]  # one table row per epoch
+    assert float(rows[-1][1]) < float(rows[0][1])  # the loss went down
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+) \(autograd mode\)", out).group(1))
     assert accuracy >= 0.9
-    assert re.search(r"throughput:\s+[0-9.]+ steps/s", out)
-    assert "result:          OK" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "autograd" and len(summary["epochs"]) == 3
+    assert f"wrote {tmp_path / 'summary.json'}" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
+    assert "result: OK" in out
+
+
+@pytest.mark.parametrize("mode", ["sync", "hogwild"])
+def test_parameter_server_modes_learn(mode, tmp_path):
+    out = run_example(
+        "parameter_server.py", "--mode", mode, "--epochs", "2", "--min-accuracy", "0.8",
+        "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert re.search(rf"final test accuracy 0\.[89]\d+ \({mode} mode\)", out), out
+    assert json.loads((tmp_path / "summary.json").read_text())["trainers"] == 2
+
+
+def test_pipeline_rnn_trains_and_reports_its_bubble():
+    out = run_example(
+        "pipeline_rnn.py", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
+        "--micro-batches", "2", "--text-chars", "20000", "--sample-chars", "20",
+        "--max-perplexity", "200",
+    )  # fmt: skip
+    before = float(re.search(r"step 0: validation perplexity ([0-9.]+)", out).group(1))
+    after = float(re.search(r"\] validation perplexity ([0-9.]+)", out).group(1))
+    assert after < before  # three steps already help
+    bubble = re.search(r"measured ([0-9.]+) .*\(S-1\)/\(M\+S-1\) = 3/5 = 0\.60", out)
+    assert bubble and 0.0 <= float(bubble.group(1)) <= 1.0
+    assert "generated text" in out
+
+
+def test_ddp_resumes_after_a_crash_with_uneven_shards(tmp_path):
+    ckpt = tmp_path / "ckpt.npz"
+    out = run_example(
+        "ddp.py", "--epochs", "3", "--crash-at-epoch", "2", "--checkpoint", str(ckpt),
+        "--min-accuracy", "0.5",
+    )  # fmt: skip
+    assert "crashing on purpose in epoch 2" in out
+    assert "restarting the worker group" in out
+    assert f"resumed from {ckpt}: epoch 1 done" in out
+    rows = re.findall(r"^\[rank 0\]\s+(\d)\s+[0-9.]+\s+[0-9.]+\s+\[(\d+), (\d+)\]$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2", "3"]  # epoch 1, crash, then 2 and 3
+    assert all(int(a) < int(b) for _, a, b in rows)  # uneven shards ran under Join
+    assert "final test accuracy" in out and ckpt.exists()
+
+
+def test_ddp_rpc_hybrid_trains():
+    out = run_example("ddp_rpc.py", "--epochs", "2", "--min-accuracy", "0.5")
+    rows = re.findall(r"^\[rank 1\]\s+(\d)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert float(rows[1][1]) < float(rows[0][1])
+    assert "exit code 0" in out
 
 
 def test_batching_example_reports_both_modes():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -348,6 +349,32 @@ def test_graceful_shutdown_timeout_raises_and_still_closes():
         assert a.closed and b.closed
         with pytest.raises(rpcdist.ClosedError):
             fut.wait(5)
+
+
+def test_graceful_shutdown_waits_for_working_peers_beyond_shutdown_timeout():
+    """A parameter server calls shutdown at once and keeps serving its trainer,
+    which works for several times the (drain) bound before it shuts down too."""
+    opts = rpcdist.RpcOptions(token=None, shutdown_timeout=0.3)
+    with local_agents(2, options=opts) as (server, trainer):
+        result: list[object] = []
+        stopping = threading.Thread(target=lambda: result.append(server.shutdown(graceful=True)))
+        stopping.start()
+        done = 0
+        while done < 12:  # about 1.2 s of calls, served while the server waits
+            assert trainer.rpc_async(0, rf.sleep_then, args=(0.1, done)).wait(10) == done
+            done += 1
+        assert stopping.is_alive() and not server.closed
+        assert trainer.shutdown(graceful=True) == []
+        stopping.join(20)
+        assert result == [[]] and server.closed
+
+
+def test_graceful_shutdown_with_timeout_bounds_the_wait_for_peers():
+    with local_agents(2) as (a, b):
+        t0 = time.monotonic()
+        with pytest.raises(RpcTimeoutError):
+            a.shutdown(graceful=True, timeout=0.5)
+        assert time.monotonic() - t0 < 10 and a.closed
 
 
 def test_calls_from_one_thread_arrive_in_order_across_send_paths(agents2):

@@ -160,8 +160,12 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> list[Worker
     """Shut down this process's agent.
 
     A graceful shutdown is collective: it waits until every live worker has
-    called ``shutdown`` and no worker has calls in flight (fire-and-forget
-    nested chains included), then closes. Workers lost before or during it
+    called ``shutdown`` (as long as they keep working, unless ``timeout`` is
+    given: a parameter server may call it at once and serve its trainers
+    until they finish) and then until no worker has calls in flight
+    (fire-and-forget nested chains included, for at most ``timeout`` or
+    ``RpcOptions.shutdown_timeout``), then closes. It keeps serving calls
+    while it waits. Workers lost before or during it
     (dead, hung or cut off; see ``docs/failure-model.md``) are not waited
     for: it finishes on the survivors within about a second of the loss
     being detected, logs a warning naming them, and returns them. A
@@ -175,8 +179,8 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> list[Worker
     Raises:
         NotInitializedError: ``init_rpc`` was not called.
         RpcTimeoutError: a graceful shutdown did not finish within ``timeout``
-            (the agent is closed anyway); its ``snapshot`` says what was
-            outstanding.
+            (or its drain within ``RpcOptions.shutdown_timeout``; the agent is
+            closed anyway); its ``snapshot`` says what was outstanding.
     """
     agent = default_agent()
     if agent is None or agent.closed or "rpc" not in agent.roles:

@@ -80,8 +80,7 @@ async def shutdown(agent: Agent, graceful: bool, timeout: float | None) -> list[
         limit = timeout if timeout is not None else agent.options.shutdown_timeout
         agent.liveness.leaving = True
         try:
-            async with asyncio.timeout(limit):
-                finished = await _coordinated(agent)
+            finished = await _coordinated(agent, timeout, limit)
         except TimeoutError:
             err = RpcTimeoutError(
                 f"graceful shutdown of {agent.name!r} did not finish within {limit} s "
@@ -108,16 +107,34 @@ async def shutdown(agent: Agent, graceful: bool, timeout: float | None) -> list[
     return skipped if ok else []
 
 
-async def _coordinated(agent: Agent) -> set[int]:
-    """Drain the extensions and quiesce, through the store; without it (rank
-    0 lost), only wait to be locally idle. Returns the lost workers that
-    finished their shutdown first (see :func:`_quiesce`)."""
+async def _coordinated(agent: Agent, timeout: float | None, limit: float) -> set[int]:
+    """Wait for every live worker to call ``shutdown``, then drain the
+    extensions and quiesce within ``limit``, through the store; without it
+    (rank 0 lost), only wait to be locally idle. Returns the lost workers that
+    finished their shutdown first (see :func:`_quiesce`).
+
+    The arrival is bounded by ``timeout`` only: without one, a worker waits
+    for its live peers as long as they work (a parameter server for its
+    trainers), while dead, hung or cut-off ones are declared lost by the
+    failure detector and not waited for.
+
+    Raises:
+        TimeoutError: the drain did not finish within ``limit``.
+        RpcTimeoutError: a live worker did not arrive within ``timeout``.
+    """
     before = set(agent.liveness.lost)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     try:
         if not _store_lost(agent):
-            for _, ext in sorted(agent.registry.extensions.items()):
-                await ext.drain()
-            return await _quiesce(agent)
+            if agent.world_size > 1 and agent.store is not None:
+                await barrier_live(agent, "rpcdist/shutdown/arrive", timeout)
+            if timeout is not None:  # one bound for the whole shutdown
+                limit = max(timeout - (loop.time() - start), 0.001)
+            async with asyncio.timeout(limit):
+                for _, ext in sorted(agent.registry.extensions.items()):
+                    await ext.drain()
+                return await _quiesce(agent)
     except TransportError:
         if not await _store_host_lost(agent):
             raise

@@ -1,0 +1,222 @@
+"""What the parameter-server examples share: the digits data, the model, the scoreboard.
+
+Imported by ``parameter_server.py`` (and so by ``make demo``). Every worker
+process runs a script from this folder, so Python finds this module on every
+worker and functions defined here can be sent by name (``ps_common:progress``).
+
+* :func:`load_digits` -- scikit-learn's handwritten digits (1,797 images of
+  8x8 pixels, 10 classes). The data ships inside scikit-learn: nothing is
+  downloaded. Every process loads and splits it the same way, so trainers only
+  take their own shard and no data crosses the network.
+* :class:`Net` -- a two-layer perceptron, 64 -> 128 -> 10.
+* :class:`Scoreboard` -- lives on rank 0. Trainers report to it over RPC
+  (:func:`progress` after every step, :func:`end_epoch` after each epoch); it
+  moves one progress bar for all trainers, evaluates the model at the end of
+  each epoch, prints a table row, and at the end writes a JSON summary and a
+  PNG plot (optional extras: ``pip install rpcdist[examples]``; without them
+  the bar becomes plain lines and the plot is skipped, saying so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rpcdist import nn
+from rpcdist import tensor as rt
+from rpcdist.nn import functional as F
+
+NUM_FEATURES, HIDDEN, NUM_CLASSES = 64, 128, 10
+TEST_FRACTION = 0.2
+DATASET = "scikit-learn's handwritten digits (1,797 8x8 images, 10 classes; ships offline)"
+
+
+def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The digits, scaled to [0, 1], split 80/20 into train and test (same on every process).
+
+    Returns:
+        ``x_train, y_train, x_test, y_test`` (float32 features, int64 labels).
+    """
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError:
+        sys.exit("this example needs scikit-learn: pip install 'rpcdist[examples]' (or: make demo)")
+    data = sk_load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(x))
+    test = int(len(x) * TEST_FRACTION)
+    return x[order[test:]], y[order[test:]], x[order[:test]], y[order[:test]]
+
+
+def shard(x: np.ndarray, y: np.ndarray, index: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``index``-th of ``count`` equal, disjoint slices of ``(x, y)``."""
+    size = len(x) // count
+    return x[index * size : (index + 1) * size], y[index * size : (index + 1) * size]
+
+
+class Net(nn.Module):
+    """A two-layer perceptron for the digits, 64 -> 128 -> 10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(NUM_FEATURES, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, NUM_CLASSES)
+
+    def forward(self, x: rt.Tensor) -> rt.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
+    """The share of ``x`` that ``model`` labels correctly."""
+    with rt.no_grad():
+        logits = model(rt.tensor(x))
+    return float((logits.data.argmax(axis=1) == y).mean())
+
+
+# ----------------------------------------------------------------- the scoreboard
+
+
+class Scoreboard:
+    """Progress, per-epoch results and the final files, on rank 0.
+
+    Args:
+        trainers: Trainers that report.
+        epochs: Epochs each trainer runs.
+        steps_per_epoch: Steps of one trainer in one epoch.
+        evaluate: Returns the current test accuracy (called once per epoch).
+        title: Label of the progress bar.
+    """
+
+    #: The scoreboard of this process (rank 0), found by the RPC entry points.
+    instance: Scoreboard | None = None
+
+    def __init__(
+        self,
+        trainers: int,
+        epochs: int,
+        steps_per_epoch: int,
+        evaluate: Callable[[], float],
+        title: str,
+    ) -> None:
+        self.trainers, self.epochs, self.evaluate = trainers, epochs, evaluate
+        self.lock = threading.Lock()
+        self.pending: dict[int, list[tuple[float, int, int]]] = {}
+        self.history: list[dict[str, float]] = []
+        self.done = threading.Event()
+        total = trainers * epochs * steps_per_epoch
+        self.total, self.steps, self.title = total, 0, title
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar: Any = None
+            print(f"{title}: {total} steps (pip install tqdm for a progress bar)", flush=True)
+        else:
+            self.bar = tqdm(total=total, desc=title, unit="step", dynamic_ncols=True)
+
+    def write(self, line: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.bar is None:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
+    def advance(self, steps: int, loss: float) -> None:
+        """Move the bar by ``steps`` (without tqdm: a line at every tenth of the way)."""
+        with self.lock:
+            before, self.steps = self.steps, self.steps + steps
+            if self.bar is not None:
+                self.bar.update(steps)
+                self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            elif self.steps * 10 // self.total > before * 10 // self.total:
+                print(f"{self.title}: {self.steps}/{self.total} steps, loss {loss:.3f}", flush=True)
+
+    def finish_epoch(self, epoch: int, loss_sum: float, correct: int, count: int) -> None:
+        """One trainer's epoch totals; the last trainer's closes the epoch."""
+        with self.lock:
+            parts = self.pending.setdefault(epoch, [])
+            parts.append((loss_sum, correct, count))
+            if len(parts) < self.trainers:
+                return
+            del self.pending[epoch]
+        loss_sum, correct, count = (sum(p[i] for p in parts) for i in range(3))
+        row = {
+            "epoch": epoch,
+            "train_loss": loss_sum / count,
+            "train_accuracy": correct / count,
+            "test_accuracy": self.evaluate(),
+        }
+        with self.lock:
+            if not self.history:
+                self.write(f"{'epoch':>5}  {'train loss':>10}  {'train acc':>9}  {'test acc':>8}")
+            self.history.append(row)
+            self.history.sort(key=lambda r: r["epoch"])
+            self.write(
+                f"{epoch:>5}  {row['train_loss']:>10.4f}  {row['train_accuracy']:>9.3f}  "
+                f"{row['test_accuracy']:>8.3f}"
+            )
+            if len(self.history) == self.epochs:
+                if self.bar is not None:
+                    self.bar.close()
+                self.done.set()
+
+    def save(self, out_dir: str, summary: dict[str, Any]) -> list[str]:
+        """Write ``summary.json`` and ``training.png`` (if matplotlib is there); their paths."""
+        os.makedirs(out_dir, exist_ok=True)
+        summary = {**summary, "epochs": self.history}
+        path = os.path.join(out_dir, "summary.json")
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+        written = [path]
+        png = plot(self.history, os.path.join(out_dir, "training.png"), summary.get("title", ""))
+        if png:
+            written.append(png)
+        return written
+
+
+def plot(history: list[dict[str, float]], path: str, title: str) -> str | None:
+    """Loss and test accuracy per epoch as a PNG (headless); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(plot skipped: pip install matplotlib, or 'rpcdist[examples]')", flush=True)
+        return None
+    epochs = [r["epoch"] for r in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.plot(epochs, [r["train_loss"] for r in history], marker="o")
+    ax1.set(xlabel="epoch", ylabel="training loss", title="loss")
+    ax2.plot(epochs, [r["test_accuracy"] for r in history], marker="o", color="tab:green")
+    ax2.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------- RPC entry points (run on rank 0)
+
+
+def progress(steps: int, loss: float) -> None:
+    """A trainer did ``steps`` more steps; ``loss`` is its latest batch loss."""
+    board = Scoreboard.instance
+    assert board is not None, "progress() runs on rank 0 only"
+    board.advance(steps, loss)
+
+
+def end_epoch(epoch: int, loss_sum: float, correct: int, count: int) -> None:
+    """A trainer finished ``epoch`` with these totals (summed over its batches)."""
+    board = Scoreboard.instance
+    assert board is not None, "end_epoch() runs on rank 0 only"
+    board.finish_epoch(epoch, loss_sum, correct, count)
