@@ -12,7 +12,7 @@ import pytest
 
 from rpcdist.testing import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
 
 
 def _tcp() -> str:

@@ -18,6 +18,8 @@ import rpcdist.torch.rpc as rpc
 from rpcdist import RpcOptions, SerializationError
 from rpcdist.testing import as_current, local_agents
 
+pytestmark = pytest.mark.torch
+
 
 def _settled(agents, timeout=10.0):
     end = time.monotonic() + timeout

@@ -8,7 +8,7 @@ import pytest
 
 from rpcdist.testing import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
 
 
 @pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ import rnn_prog
 
 from rpcdist.testing import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
 
 
 @pytest.mark.timeout(240)
