@@ -26,12 +26,19 @@ def param_rrefs(module: nn.Module) -> list[Any]:
     return [M.rpc.RRef(p) for p in module.parameters()]
 
 
+def seed(n: int) -> None:
+    torch.manual_seed(n)
+
+
 class Embedding(nn.Module):
     def __init__(self, ntoken: int, ninp: int, dropout: float) -> None:
         super().__init__()
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
-        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        # The server may build the two modules at once (two remote() calls in
+        # flight): each draws from a generator of its own, not the global one.
+        g = torch.Generator().manual_seed(10)
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1, generator=g)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.drop(self.encoder(tokens))
@@ -43,7 +50,9 @@ class Decoder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
         nn.init.zeros_(self.decoder.bias)
-        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+        nn.init.uniform_(
+            self.decoder.weight, -0.1, 0.1, generator=torch.Generator().manual_seed(11)
+        )
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.drop(output))
@@ -76,6 +85,7 @@ def train(
               torch.randn(nlayers, nindices, nhid, generator=g))  # fmt: skip
     model = RNNModel("ps", ntoken, ninp, nhid, nlayers)
     opt = M.DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
+    M.rpc.rpc_sync("ps", seed, args=(12,))  # the server's dropout, from here on
     criterion = nn.CrossEntropyLoss()
     losses = []
     for _ in range(epochs):
