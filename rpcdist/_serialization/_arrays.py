@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -178,6 +178,23 @@ def _find_cupy(obj: object) -> Handler | None:
 _SAME_SIZE_INT: Final = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+class TensorGradHook(Protocol):
+    """Records torch tensors that cross workers inside a distributed autograd
+    context (installed by ``rpcdist.torch``; the codec never imports torch)."""
+
+    def record(self, context: object, tensor: Any) -> int:
+        """The tensor's index in its message's send function, or -1: not recorded."""
+        ...
+
+    def attach(self, context: object, tensor: Any, index: int) -> Any:
+        """The received tensor as output ``index`` of its message's receive function."""
+        ...
+
+
+#: The installed hook (at most one), consulted for tensors that require grad.
+TENSOR_GRAD_HOOKS: list[TensorGradHook] = []
+
+
 def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     torch = sys.modules["torch"]
     if obj.layout != torch.strided:
@@ -198,12 +215,17 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
         array = data.view(getattr(torch, size)).numpy()
     is_parameter = isinstance(obj, torch.nn.Parameter)
     fields = _array_fields(state, array)
-    return [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
+    out = [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
+    if obj.requires_grad and TENSOR_GRAD_HOOKS and state.context is not None:
+        index = TENSOR_GRAD_HOOKS[0].record(state.context, obj)
+        if index >= 0:
+            out.append(index)  # a 9th field: recorded for distributed autograd
+    return out
 
 
 def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
     if (
-        len(items) != 8
+        len(items) not in (8, 9)
         or type(items[5]) is not str
         or type(items[6]) is not bool
         or type(items[7]) is not bool
@@ -220,11 +242,27 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
         tensor = torch.from_numpy(array)
         if tensor.dtype != dtype:
             tensor = tensor.view(dtype)
+    except Exception as exc:
+        raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
+    if len(items) == 9:
+        return _attach(state, tensor, items[8])
+    try:
         if items[7]:
             return torch.nn.Parameter(tensor, requires_grad=items[6])
         return tensor.requires_grad_(items[6])
     except Exception as exc:
         raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
+
+
+def _attach(state: DecodeState, tensor: Any, index: object) -> Any:
+    if type(index) is not int or index < 0:
+        raise SerializationError(f"malformed tensor payload: autograd index {index!r}")
+    if not TENSOR_GRAD_HOOKS:
+        raise SerializationError(
+            "a torch tensor recorded for distributed autograd arrived, but this worker has "
+            "not imported rpcdist.torch (import rpcdist.torch.rpc before init_rpc)"
+        )
+    return TENSOR_GRAD_HOOKS[0].attach(state.context, tensor, index)
 
 
 def _find_tensor(obj: object) -> Handler | None:

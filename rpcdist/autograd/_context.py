@@ -140,6 +140,9 @@ class DistContext:
         #: pass rooted here feeds them the parameters' gradients as they
         #: become final and has them write the averages into ``grads``.
         self.reducers: list[Any] = []
+        #: State of other layers' autograd over this context (``rpcdist.torch``
+        #: keeps its torch send/receive records and gradients here), by name.
+        self.extras: dict[str, Any] = {}
 
     def next_pass(self) -> int:
         return next(self._pass_numbers)

@@ -248,6 +248,7 @@ def _clear(ctx: DistContext) -> None:
         ctx.recvs.clear()
         ctx.grads.clear()
         ctx.passes.clear()
+        ctx.extras.clear()
 
 
 class _bound:

@@ -1,0 +1,197 @@
+"""The distributed backward pass over torch's own autograd engine.
+
+On the root worker, :func:`backward` runs ``torch.autograd.backward`` from the
+roots with ``inputs=`` every leaf the roots reach (found by walking
+``grad_fn.next_functions``), the receive functions' anchors among them, so
+that torch runs exactly the part of the graph that leads to leaves or to other
+workers. Each :class:`~._edges.RecvFunction` it reaches sends its gradient to
+the worker the tensor came from and waits for the answer: that worker
+(:func:`apply_grad`) runs ``torch.autograd.grad`` from the tensor it sent,
+which may send on in turn; the answer comes once everything below it is done,
+so the root's pass ends when every worker's part has ended.
+
+Gradients of leaves go into the context (``get_gradients``), not ``.grad``:
+the root runs the engine with ``.grad`` of the leaves cleared, collects what
+torch accumulated there and puts the old values back. Accumulating (rather
+than ``torch.autograd.grad``) is what makes torch DDP's reducer hooks fire
+inside the pass, so the gradients collected are the all-reduced averages. The
+other workers use ``torch.autograd.grad``, which leaves ``.grad`` alone, so
+several trainers may push gradients into one server's parameters at once.
+A worker keeps its part of the graph (``retain_graph``) until the context is
+released: a tensor sent twice gets a gradient message per copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._deadline import UNSET, current_deadline, deadline_for
+from .._errors import AutogradError, ConfigError
+from .._rpc._context import current_agent
+from ..autograd._context import CURRENT
+from ..autograd._extension import ext
+from ._edges import ANCHOR_ATTR, TorchRecv, TorchState, state
+
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
+
+__all__ = ["APPLY", "apply_grad", "backward", "deliverer", "leaves_of"]
+
+#: Gradient messages are plain calls of :func:`apply_grad`.
+APPLY = "rpcdist.torch._backward:apply_grad"
+
+#: Root passes run one at a time in a process: they borrow the leaves' ``.grad``.
+_ROOT_LOCK = threading.Lock()
+
+
+def leaves_of(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf (parameters, inputs, anchors) the roots' graphs reach."""
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for r in roots:
+        fn = r.grad_fn
+        if fn is None:
+            if r.requires_grad:
+                leaves.append(r)
+        elif fn not in seen:
+            seen.add(fn)
+            stack.append(fn)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            var = getattr(child, "variable", None)
+            if var is not None:  # AccumulateGrad: a leaf
+                leaves.append(var)
+            else:
+                stack.append(child)
+    return leaves
+
+
+def _is_anchor(t: torch.Tensor) -> bool:
+    return getattr(t, ANCHOR_ATTR, False) is True
+
+
+def _deadline(agent: Agent) -> float | None:
+    inherited = current_deadline.get()
+    if inherited is not None:
+        return inherited
+    return deadline_for(UNSET, agent.rpc_timeout)
+
+
+def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, Any], None]:
+    """What a receive function calls with its gradient: send it home and wait."""
+
+    def deliver(index: int, grad: torch.Tensor) -> None:
+        payload: Any = ((context_id, recv.message_id, index, grad.contiguous()), {})
+        agent.call_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None,
+                            label="rpcdist.torch autograd gradients")  # fmt: skip
+
+    return deliver
+
+
+def _check_roots(roots: Any) -> list[torch.Tensor]:
+    if not isinstance(roots, list | tuple) or not roots:
+        raise ConfigError(f"backward(): roots must be a non-empty list of tensors, got {roots!r}")
+    for i, t in enumerate(roots):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"backward(): roots[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if not t.requires_grad:
+            raise ConfigError(f"backward(): roots[{i}] does not require grad")
+        if t.numel() != 1:
+            raise ConfigError(
+                f"backward(): roots[{i}] has shape {tuple(t.shape)}; roots must be scalars"
+            )
+    return list(roots)
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run one backward pass from ``roots`` across every worker of the context.
+
+    Leaf gradients accumulate in the context on the worker holding each leaf
+    (read them with ``get_gradients``), never in ``.grad``. Returns when every
+    worker the pass reached has finished its part.
+
+    Args:
+        context_id: The context the forward pass ran in.
+        roots: Scalar torch tensors (the losses), on this worker.
+        retain_graph: Keep this worker's graph for another backward pass.
+
+    Raises:
+        ConfigError: a root is not a scalar tensor that requires grad.
+        AutogradError: unknown context, or a failure on another worker.
+        RpcTimeoutError: a worker did not answer within the agent's timeout.
+        WorkerLostError: a worker died before or during the pass.
+        WrongThreadError: called on the agent's event-loop thread.
+    """
+    agent = current_agent()
+    agent.check_not_loop_thread("rpcdist.torch.autograd.backward()")
+    ctx = ext(agent).get(context_id, "backward()")
+    roots = _check_roots(roots)
+    st = state(ctx)
+    leaves = leaves_of(roots)
+    if not leaves:
+        return
+    token = CURRENT.set(context_id)
+    try:
+        with _ROOT_LOCK:
+            saved = [leaf.grad for leaf in leaves]
+            for leaf in leaves:
+                leaf.grad = None
+            try:
+                torch.autograd.backward(roots, inputs=leaves, retain_graph=retain_graph)
+                for leaf in leaves:
+                    g = leaf.grad
+                    if g is not None and not _is_anchor(leaf):
+                        st.add_grad(leaf, g)
+            finally:
+                for leaf, old in zip(leaves, saved):
+                    leaf.grad = old
+    finally:
+        CURRENT.reset(token)
+
+
+def _partial(st: TorchState, out: torch.Tensor, grad: torch.Tensor) -> None:
+    """Run this worker's part of a pass from ``out``, a tensor it sent."""
+    leaves = leaves_of([out])
+    if not leaves:
+        return
+    # sum(out * grad) has exactly ``grad`` as its gradient at ``out``; seeding it
+    # instead of passing ``grad_outputs`` spares the first pass of a process
+    # torch's shape check, which imports sympy (0.3 s here).
+    with torch.enable_grad():
+        seed = (out * grad).sum()
+    got = torch.autograd.grad([seed], leaves, retain_graph=True, allow_unused=True)
+    for leaf, g in zip(leaves, got):
+        if g is not None and not _is_anchor(leaf):
+            st.add_grad(leaf, g)
+
+
+def apply_grad(context_id: int, message_id: int, index: int, grad: torch.Tensor) -> None:
+    """The gradient of tensor ``index`` that message ``message_id`` took from
+    here: run everything below it here (and, through receive functions, on
+    the workers it came from) before answering."""
+    agent = current_agent()
+    ctx = ext(agent).get(context_id, "gradients")
+    st = state(ctx)
+    with st.lock:
+        send = st.sends.get(message_id)
+    if send is None or not 0 <= index < len(send.tensors):
+        raise AutogradError(
+            f"worker {agent.name!r} has no sent tensor {index} of message {message_id} in "
+            f"context {context_id}"
+        )
+    token = CURRENT.set(context_id)
+    try:
+        _partial(st, send.tensors[index], grad)
+    except AutogradError as e:
+        raise AutogradError(f"backward on worker {agent.name!r} failed: {e}") from e
+    finally:
+        CURRENT.reset(token)

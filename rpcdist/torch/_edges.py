@@ -1,0 +1,185 @@
+"""Send and receive edges of torch tensors that cross workers inside a context.
+
+The codec asks this module (through ``_serialization._arrays.TENSOR_GRAD_HOOKS``)
+about every torch tensor that requires grad. Inside a distributed autograd
+context (the message's metadata carries ``"ad"``) the sender keeps the tensor
+in the message's :class:`TorchSend` (its gradient will come back to it) and
+the tensor travels with its index there; the receiver makes it the output of
+:class:`RecvFunction`, a ``torch.autograd.Function`` whose one input is the
+message's *anchor* (a scalar leaf that only ties the receive edges into the
+graph). When torch's engine reaches that node during a backward pass, its
+``backward`` hands the gradient to the sender (:mod:`._backward`).
+
+Everything sits in the rpcdist context (``DistContext.extras["torch"]``), so
+leaving ``with context()`` frees it here and on every worker it touched, by
+rpcdist's own release protocol.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._errors import SerializationError
+from .._rpc._context import WireContext
+from .._serialization._arrays import TENSOR_GRAD_HOOKS
+from ..autograd._extension import ext
+
+if TYPE_CHECKING:
+    from ..autograd._context import DistContext
+
+__all__ = [
+    "ANCHOR_ATTR",
+    "RecvFunction",
+    "TorchRecv",
+    "TorchSend",
+    "TorchState",
+    "install",
+    "state",
+]
+
+#: Attribute marking the anchor leaves of receive functions (not parameters).
+ANCHOR_ATTR = "_rpcdist_anchor"
+
+
+class TorchSend:
+    """The tensors (that require grad) one message took to ``peer``."""
+
+    __slots__ = ("peer", "tensors")
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.tensors: list[torch.Tensor] = []
+
+
+class TorchRecv:
+    """The tensors one message brought from ``peer``: their anchor leaf."""
+
+    __slots__ = ("anchor", "message_id", "peer")
+
+    def __init__(self, message_id: int, peer: int) -> None:
+        self.message_id = message_id
+        self.peer = peer
+        self.anchor = torch.zeros((), requires_grad=True)
+        setattr(self.anchor, ANCHOR_ATTR, True)
+
+
+class TorchState:
+    """The torch side of one context on one worker."""
+
+    __slots__ = ("context_id", "grads", "lock", "recvs", "sends")
+
+    def __init__(self, context_id: int) -> None:
+        self.context_id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, TorchSend] = {}
+        self.recvs: dict[int, TorchRecv] = {}
+        #: Leaf gradients accumulated by backward passes, keyed by the leaf itself.
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+
+    def add_grad(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            old = self.grads.get(leaf)
+            self.grads[leaf] = grad if old is None else old + grad
+
+
+def state(ctx: DistContext) -> TorchState:
+    """The torch state of ``ctx``, made on first use."""
+    with ctx.lock:
+        st = ctx.extras.get("torch")
+        if st is None:
+            st = ctx.extras["torch"] = TorchState(ctx.id)
+        assert isinstance(st, TorchState)
+        return st
+
+
+class RecvFunction(torch.autograd.Function):
+    """Identity on a received tensor; its backward sends the gradient home."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, data: torch.Tensor, deliver: Any,
+                index: int) -> torch.Tensor:  # fmt: skip
+        ctx.deliver = deliver
+        ctx.index = index
+        return data.view_as(data)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.deliver(ctx.index, grad)
+        return None, None, None, None
+
+
+class _Hook:
+    """What the codec calls for torch tensors that require grad."""
+
+    def record(self, context: object, tensor: Any) -> int:
+        wire = context
+        if not isinstance(wire, WireContext) or wire.meta is None:
+            return -1
+        context_id = wire.meta.get("ad")
+        if not isinstance(context_id, int) or wire.extra.get("aborted"):
+            return -1
+        e = ext(wire.agent)
+        message_id = wire.meta.get("am")
+        if not isinstance(message_id, int):
+            message_id = wire.meta["am"] = e.ids.new()
+        ctx = e.context(context_id)
+        st = state(ctx)
+        peer = wire.peer.id
+        with ctx.lock:
+            ctx.known.add(peer)
+        with st.lock:
+            send = st.sends.get(message_id)
+            if send is None:
+                send = st.sends[message_id] = TorchSend(peer)
+            send.tensors.append(tensor)
+            index = len(send.tensors) - 1
+        if not wire.extra.get("torch_undo"):
+            wire.extra["torch_undo"] = True
+            wire.extra.setdefault("undo", []).append(lambda: _forget(st, message_id))
+        return index
+
+    def attach(self, context: object, tensor: Any, index: int) -> Any:
+        wire = context
+        meta = wire.meta if isinstance(wire, WireContext) else None
+        context_id = meta.get("ad") if meta else None
+        message_id = meta.get("am") if meta else None
+        if not isinstance(context_id, int) or not isinstance(message_id, int):
+            raise SerializationError(
+                "a torch tensor recorded for distributed autograd arrived without its context "
+                "and message ids"
+            )
+        assert isinstance(wire, WireContext)
+        agent = wire.agent
+        ctx = ext(agent).context(context_id)
+        st = state(ctx)
+        peer = wire.peer.id
+        with ctx.lock:
+            ctx.known.add(peer)
+        with st.lock:
+            recv = st.recvs.get(message_id)
+            if recv is None:
+                recv = st.recvs[message_id] = TorchRecv(message_id, peer)
+        from ._backward import deliverer  # here: _backward imports this module
+
+        with torch.enable_grad():
+            out: torch.Tensor = RecvFunction.apply(  # type: ignore[no-untyped-call]
+                recv.anchor, tensor, deliverer(agent, context_id, recv), index
+            )
+        return out
+
+
+def _forget(st: TorchState, message_id: int) -> None:
+    with st.lock:
+        st.sends.pop(message_id, None)
+
+
+_HOOK = _Hook()
+
+
+def install() -> None:
+    """Teach the codec torch autograd edges (idempotent)."""
+    if _HOOK not in TENSOR_GRAD_HOOKS:
+        TENSOR_GRAD_HOOKS.append(_HOOK)

@@ -1,0 +1,40 @@
+"""``rpcdist.torch.autograd``'s contexts and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from .._rpc._context import current_agent
+from ..autograd._api import context as _context
+from ..autograd._extension import ext
+from ._edges import state
+
+__all__ = ["context", "get_gradients"]
+
+
+class context(_context):
+    """A distributed autograd context: ``with context() as context_id: ...``.
+
+    Calls made inside the block carry it, so torch tensors that require grad
+    and cross workers record send and receive edges for ``backward``.
+    Leaving the block frees it here and on every worker it touched.
+
+    Raises:
+        NotInitializedError: ``init_rpc`` was not called in this process.
+    """
+
+    __module__ = "rpcdist.torch.autograd"
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's leaf gradients in ``context_id``: ``{tensor: gradient}``.
+
+    Keyed by the very tensor objects this worker holds (its parameters).
+
+    Raises:
+        AutogradError: no such context on this worker.
+    """
+    ctx = ext(current_agent()).get(context_id, "get_gradients()")
+    st = state(ctx)
+    with st.lock:
+        return dict(st.grads)

@@ -1,0 +1,143 @@
+"""``DistributedOptimizer`` over ``torch.optim`` classes.
+
+Each owner of parameters gets, once, a local ``torch.optim`` optimizer over
+them (made at construction, so a bad option fails there). ``step(context_id)``
+asks every owner at once to set ``.grad`` of its parameters to the context's
+gradients there and step, under a lock per owner, as torch's does (this
+worker's own parameters step in the calling thread, meanwhile).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any
+
+import torch
+from torch.optim.sgd import sgd
+
+from .._futures import wait_all
+from .._rpc._context import current_agent
+from .._rpc._dispatch import resolve
+from .._rref._rref import RRef, remote
+from .._worker import WorkerInfo
+from ._grads import get_gradients
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _FunctionalSGD:
+    """``torch.optim.SGD``'s step through its functional form (``torch.optim.sgd.sgd``).
+
+    Making the first ``torch.optim`` optimizer of a process imports
+    ``torch._dynamo`` (1.5 s to import, more to tear down at exit, measured
+    here); the functional form needs none of it. PyTorch's own
+    DistributedOptimizer maps SGD to a functional optimizer for the same
+    kind of reason. Same arithmetic, same state (``momentum_buffer``).
+    """
+
+    def __init__(self, params: list[torch.Tensor], hyper: dict[str, Any]) -> None:
+        if hyper["lr"] < 0.0 or hyper["momentum"] < 0.0 or hyper["weight_decay"] < 0.0:
+            raise ValueError(f"invalid SGD hyperparameters: {hyper}")
+        if hyper["nesterov"] and (hyper["momentum"] <= 0 or hyper["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        self.params = params
+        self.hyper = hyper
+        self.buffers: dict[torch.Tensor, torch.Tensor | None] = {}
+
+    def step(self) -> None:
+        with_grad = [p for p in self.params if p.grad is not None]
+        grads = [g for g in (p.grad for p in with_grad) if g is not None]
+        bufs = [self.buffers.get(p) for p in with_grad]
+        h = self.hyper
+        with torch.no_grad():
+            sgd(with_grad, grads, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
+                momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
+                nesterov=h["nesterov"], maximize=h["maximize"])  # fmt: skip
+        if h["momentum"] != 0:
+            for p, buf in zip(with_grad, bufs):
+                self.buffers[p] = buf
+
+
+def _make_optimizer(cls: Any, params: list[torch.Tensor], args: list[Any],
+                    kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """``cls(params, *args, **kwargs)``, or its functional twin for plain SGD."""
+    if cls is torch.optim.SGD:
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, params, *args, **kwargs)
+        except TypeError:
+            return cls(params, *args, **kwargs)  # let torch say what is wrong
+        bound.apply_defaults()
+        hyper = dict(bound.arguments)
+        if not (hyper.get("differentiable") or hyper.get("fused")):
+            return _FunctionalSGD(params, hyper)
+    return cls(params, *args, **kwargs)
+
+
+class _LocalOptimizer:
+    """An owner's optimizer over its parameters (called through its RRef's proxy)."""
+
+    def __init__(self, optimizer_class: str, param_rrefs: list[RRef[torch.Tensor]],
+                 args: list[Any], kwargs: dict[str, Any]) -> None:  # fmt: skip
+        self.params = [r.local_value() for r in param_rrefs]
+        self.optimizer = _make_optimizer(resolve(optimizer_class), self.params, args, kwargs)
+        self.lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, context_id: int) -> None:
+        grads = get_gradients(context_id)
+        with self.lock:
+            for p in self.params:
+                g = grads.get(p)
+                if g is not None:
+                    p.grad = g
+            self.optimizer.step()
+
+
+class DistributedOptimizer:
+    """One ``torch.optim`` optimizer per parameter owner, stepped with a context's gradients.
+
+    Args:
+        optimizer_class: A ``torch.optim.Optimizer`` subclass (sent by name and
+            resolved on each owner under its callable policy).
+        params_rref: RRefs to the parameters, on any workers (this one too).
+        *args: Positional arguments of ``optimizer_class`` after the parameters.
+        **kwargs: Its keyword arguments (``lr=...``).
+
+    Raises:
+        Exception: what making the optimizer raised on an owner (same type).
+    """
+
+    __module__ = "rpcdist.torch.optim"
+
+    def __init__(self, optimizer_class: Any, params_rref: list[RRef[torch.Tensor]],
+                 *args: Any, **kwargs: Any) -> None:  # fmt: skip
+        by_owner: dict[int, tuple[WorkerInfo, list[RRef[torch.Tensor]]]] = {}
+        for rref in params_rref:
+            owner = rref.owner()
+            by_owner.setdefault(owner.id, (owner, []))[1].append(rref)
+        name = current_agent().function_name(optimizer_class)
+        self.local_optimizers: list[RRef[_LocalOptimizer]] = [
+            remote(owner, _LocalOptimizer, args=(name, rrefs, list(args), kwargs))
+            for owner, rrefs in by_owner.values()
+        ]
+        wait_all([r.rpc_async().ready() for r in self.local_optimizers])  # surface errors here
+        self._remote = [r for r in self.local_optimizers if not r.is_owner()]
+        self._here = [r.local_value() for r in self.local_optimizers if r.is_owner()]
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with the gradients of ``context_id`` there.
+
+        Raises:
+            AutogradError: an owner has no such context.
+        """
+        remote = self._remote
+        if len(remote) == 1 and not self._here:
+            remote[0].rpc_sync().step(context_id)  # the blocking path: fewer thread hops
+            return
+        futs = [r.rpc_async().step(context_id) for r in remote]
+        for local in self._here:  # this worker's own parameters: no call to itself
+            local.step(context_id)
+        wait_all(futs)

@@ -1,0 +1,121 @@
+"""``RemoteModule`` over torch modules, as ``torch.distributed.nn.RemoteModule``.
+
+A RemoteModule may be sent to other workers (the DDP + RPC program hands one
+to each trainer): it travels as its owner and an RRef to the module
+(extension code 35), never by pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import ConfigError, SerializationError
+from .._futures import Future
+from .._rpc import _api
+from .._rref._rref import RRef, remote
+from .._serialization import register_extension
+from .._worker import WorkerInfo
+
+__all__ = ["REMOTE_MODULE_CODE", "RemoteModule", "install"]
+
+#: Codec extension code of RemoteModules.
+REMOTE_MODULE_CODE = 35
+
+
+def _parameter_rrefs(module_rref: RRef[torch.nn.Module], recurse: bool) -> list[RRef[Any]]:
+    return [RRef(p) for p in module_rref.local_value().parameters(recurse)]
+
+
+def _owner_of(remote_device: str) -> tuple[str | int, str]:
+    """``"ps"``, ``"ps/cpu"``, ``"rank:1/cpu"`` -> ``(worker, device)``."""
+    if not isinstance(remote_device, str) or not remote_device:
+        raise ConfigError(f"RemoteModule: remote_device must be 'worker[/device]', got "
+                          f"{remote_device!r}")  # fmt: skip
+    worker, _, device = remote_device.partition("/")
+    if worker.startswith("rank:"):
+        raw = worker[len("rank:") :]
+        if not raw.isdigit():
+            raise ConfigError(f"RemoteModule: bad rank in remote_device {remote_device!r}")
+        return int(raw), device or "cpu"
+    return worker, device or "cpu"
+
+
+class RemoteModule:
+    """A ``torch.nn.Module`` made and kept on another worker; ``forward`` runs it there.
+
+    Inside a distributed autograd context the call records its edges like any
+    other, so ``remote_parameters()`` and a ``DistributedOptimizer`` train it
+    where it lives.
+
+    Args:
+        remote_device: ``"worker"``, ``"worker/cpu"`` or ``"rank:N/cpu"``; a CUDA
+            device there is where the module is moved after construction.
+        module_cls: The ``torch.nn.Module`` subclass, sent by name.
+        args: Positional arguments of its constructor.
+        kwargs: Keyword arguments of its constructor.
+
+    Raises:
+        ConfigError: bad ``remote_device`` or unknown worker.
+        Exception: what the constructor raised on the owner (same type).
+    """
+
+    __module__ = "rpcdist.torch.nn"
+
+    def __init__(self, remote_device: str, module_cls: type[torch.nn.Module],
+                 args: Any = None, kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+        worker, device = _owner_of(remote_device)
+        self.device = device
+        self.module_rref: RRef[torch.nn.Module] = remote(
+            worker, module_cls, args=tuple(args or ()), kwargs=kwargs or {}
+        )
+        self.owner: WorkerInfo = self.module_rref.owner()
+        if device != "cpu":
+            self.module_rref = remote(self.owner, _to_device, args=(self.module_rref, device))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's forward on its owner and return the result (blocking)."""
+        return self.module_rref.rpc_sync().forward(*args, **kwargs)
+
+    __call__ = forward
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """:meth:`forward`, returning a Future."""
+        fut: Future[Any] = self.module_rref.rpc_async().forward(*args, **kwargs)
+        return fut
+
+    def remote_parameters(self, recurse: bool = True) -> list[RRef[Any]]:
+        """RRefs to the module's parameters, for a ``DistributedOptimizer``."""
+        got: list[RRef[Any]] = _api.rpc_sync(
+            self.owner, _parameter_rrefs, args=(self.module_rref, recurse)
+        )
+        return got
+
+    def get_module_rref(self) -> RRef[torch.nn.Module]:
+        """The RRef to the module itself."""
+        return self.module_rref
+
+    def __repr__(self) -> str:
+        return f"RemoteModule(on {self.owner.name!r}, {self.module_rref!r})"
+
+
+def _to_device(module_rref: RRef[torch.nn.Module], device: str) -> torch.nn.Module:
+    return module_rref.local_value().to(device)
+
+
+def _encode(m: RemoteModule, wire: Any) -> list[Any]:
+    return [m.owner, m.module_rref, m.device]
+
+
+def _decode(payload: Any, wire: Any) -> RemoteModule:
+    if not (isinstance(payload, list) and len(payload) == 3):
+        raise SerializationError("malformed RemoteModule payload")
+    m = RemoteModule.__new__(RemoteModule)
+    m.owner, m.module_rref, m.device = payload
+    return m
+
+
+def install() -> None:
+    """Teach the codec RemoteModules (idempotent)."""
+    register_extension(RemoteModule, REMOTE_MODULE_CODE, _encode, _decode)

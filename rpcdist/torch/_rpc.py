@@ -1,0 +1,253 @@
+"""``torch.distributed.rpc``'s functions over rpcdist's agent.
+
+Where torch's semantics differ from rpcdist's, these follow torch: a
+``timeout`` of ``-1`` (torch's ``UNSET_RPC_TIMEOUT``) means the agent's
+default and ``0`` means none; ``rank=-1`` means "from the environment";
+``shutdown(graceful, timeout=0)``'s ``0`` means no limit.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import socket
+import sys
+from typing import Any
+
+from .._deadline import UNSET, Unset
+from .._errors import ConfigError
+from .._futures import Future
+from .._rpc import _api
+from .._rref._rref import RRef
+from .._rref._rref import remote as _remote
+from .._worker import WorkerInfo
+from . import _edges, _modules, _remote_module
+
+__all__ = [
+    "BackendType",
+    "TensorPipeRpcBackendOptions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+#: torch's ``UNSET_RPC_TIMEOUT``.
+_UNSET_TIMEOUT = -1.0
+_rendezvous_rounds = itertools.count()
+
+
+class BackendType(enum.Enum):
+    """Accepted for compatibility: every backend is rpcdist's own transport."""
+
+    TENSORPIPE = "TENSORPIPE"
+
+
+class TensorPipeRpcBackendOptions:
+    """torch's backend options, mapped onto rpcdist's.
+
+    Args:
+        num_worker_threads: Threads serving plain-function calls.
+        rpc_timeout: Default call timeout in seconds (``0``: none).
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
+        device_maps: Accepted; rpcdist moves CUDA tensors through host memory
+            and ignores device maps.
+        devices: Accepted and ignored (as ``device_maps``).
+        _transports: Accepted and ignored (TensorPipe's transport list).
+        _channels: Accepted and ignored (TensorPipe's channel list).
+    """
+
+    __module__ = "rpcdist.torch.rpc"
+
+    def __init__(self, *, num_worker_threads: int = 16, rpc_timeout: float = 60.0,
+                 init_method: str = "env://", device_maps: dict[Any, Any] | None = None,
+                 devices: list[Any] | None = None, _transports: Any = None,
+                 _channels: Any = None) -> None:  # fmt: skip
+        self.num_worker_threads = num_worker_threads
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
+        self.device_maps = dict(device_maps or {})
+        self.devices = list(devices or [])
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """Accepted and recorded; rpcdist does not use device maps."""
+        self.device_maps[to] = dict(device_map)
+
+    def set_devices(self, devices: list[Any]) -> None:
+        """Accepted and recorded; rpcdist does not use it."""
+        self.devices = list(devices)
+
+
+def _timeout(timeout: float | Unset | None) -> float | Unset | None:
+    if timeout is None or isinstance(timeout, Unset):
+        return timeout
+    if timeout == _UNSET_TIMEOUT:
+        return UNSET
+    return None if timeout == 0 else float(timeout)
+
+
+def install() -> None:
+    """Teach the codec torch's autograd edges and modules (idempotent)."""
+    _edges.install()
+    _modules.install()
+    _remote_module.install()
+
+
+def _torch_store(host: str, port: int, rank: int | None, world_size: int | None) -> Any:
+    """torch's default process-group store, if it is a TCPStore serving ``host:port``
+    to the same ranks: rpcdist cannot open its own store there."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if rank is not None and dist.get_rank() != rank:
+        return None
+    if world_size is not None and dist.get_world_size() != world_size:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    if getattr(inner, "port", None) != port:
+        return None
+    return store
+
+
+def _rendezvous(init_method: str, rank: int | None, world_size: int | None) -> str:
+    """``init_method``, or a ``tcp://`` address published in torch's store
+    when torch's process group already listens where rpcdist would."""
+    if init_method.startswith("env://"):
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        raw = os.environ.get("MASTER_PORT", "")
+    elif init_method.startswith("tcp://"):
+        host, _, raw = init_method[len("tcp://") :].rpartition(":")
+    else:
+        return init_method
+    if not raw.isdigit():
+        return init_method
+    store = _torch_store(host, int(raw), rank, world_size)
+    if store is None:
+        return init_method
+    me = rank if rank is not None else int(os.environ.get("RANK", "-1"))
+    key = f"rpcdist/init_method/{next(_rendezvous_rounds)}"
+    if me == 0:
+        with socket.socket() as s:  # a port the OS picks; published through torch's store
+            s.bind(("127.0.0.1" if host == "localhost" else host, 0))
+            port = s.getsockname()[1]
+        store.set(key, f"tcp://{host}:{port}")
+    got: bytes = store.get(key)
+    return got.decode()
+
+
+def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
+             world_size: int | None = None,
+             rpc_backend_options: TensorPipeRpcBackendOptions | None = None) -> None:  # fmt: skip
+    """Start this worker and rendezvous with the others (``torch.distributed.rpc.init_rpc``).
+
+    When ``torch.distributed.init_process_group`` already runs a store at the
+    rendezvous address (``env://`` after a ``gloo`` process group), rpcdist
+    opens its own store on a port the OS picks and publishes its address
+    through torch's store.
+
+    Args:
+        name: This worker's unique name.
+        backend: Ignored (rpcdist has one transport).
+        rank: This worker's rank; ``-1``: ``RANK`` from the environment.
+        world_size: Number of workers; ``None``: ``WORLD_SIZE``.
+        rpc_backend_options: A :class:`TensorPipeRpcBackendOptions`.
+
+    Raises:
+        ConfigError: bad arguments or already initialised.
+        ConnectError: the rendezvous did not complete in time.
+    """
+    opts = rpc_backend_options or TensorPipeRpcBackendOptions()
+    if not isinstance(opts, TensorPipeRpcBackendOptions):
+        raise ConfigError(
+            f"init_rpc({name!r}): rpc_backend_options must be TensorPipeRpcBackendOptions, "
+            f"got {type(opts).__name__}"
+        )
+    install()
+    r = None if rank is None or rank < 0 else rank
+    timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
+    init_method = _rendezvous(opts.init_method, r, world_size)
+    _api.init_rpc(name, r, world_size, init_method=init_method, rpc_timeout=timeout,
+                  num_worker_threads=opts.num_worker_threads)  # fmt: skip
+
+
+def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
+             timeout: float = _UNSET_TIMEOUT) -> Any:  # fmt: skip
+    """Run ``func(*args, **kwargs)`` on ``to`` and return its result.
+
+    Raises:
+        RpcTimeoutError: no reply within ``timeout`` (``-1``: the default, ``0``: none).
+        Exception: what ``func`` raised there (same type where possible).
+    """
+    return _api.rpc_sync(to, func, args=tuple(args or ()), kwargs=kwargs,
+                         timeout=_timeout(timeout))  # fmt: skip
+
+
+def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
+              timeout: float = _UNSET_TIMEOUT) -> Future[Any]:  # fmt: skip
+    """Run ``func(*args, **kwargs)`` on ``to``; a Future of its result.
+
+    Raises:
+        ConfigError: unknown worker.
+        SerializationError: an argument cannot be sent.
+    """
+    return _api.rpc_async(to, func, args=tuple(args or ()), kwargs=kwargs,
+                          timeout=_timeout(timeout))  # fmt: skip
+
+
+def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
+           timeout: float = _UNSET_TIMEOUT) -> RRef[Any]:  # fmt: skip
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an RRef to the result at once.
+
+    Raises:
+        ConfigError: unknown worker.
+        SerializationError: an argument cannot be sent.
+    """
+    return _remote(to, func, args=tuple(args or ()), kwargs=kwargs, timeout=_timeout(timeout))
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Stop this worker; ``graceful`` waits for every worker's outstanding work.
+
+    Args:
+        graceful: Wait for all workers to finish (torch's barrier).
+        timeout: Seconds to wait at most; ``0``: no limit.
+
+    Raises:
+        RpcTimeoutError: the graceful shutdown did not finish in time.
+    """
+    _api.shutdown(graceful=graceful, timeout=timeout or None)
+
+
+def get_rpc_timeout() -> float:
+    """The default call timeout in seconds (``0``: none), as torch reports it.
+
+    Raises:
+        NotInitializedError: ``init_rpc`` was not called.
+    """
+    got = _api.get_rpc_timeout()
+    return 0.0 if got is None else float(got)
+
+
+def is_available() -> bool:
+    """Always ``True``: rpcdist's RPC needs no special build of torch."""
+    return True
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """This worker's :class:`WorkerInfo`, or that of ``worker_name``.
+
+    Raises:
+        ConfigError: no worker has that name.
+    """
+    return _api.get_worker_info(worker_name)
+
+
+install()

@@ -1,0 +1,10 @@
+"""``torch.distributed.optim`` over rpcdist: ``from rpcdist.torch.optim import DistributedOptimizer``."""
+
+from __future__ import annotations
+
+from .._publish import publish
+from ._optim import DistributedOptimizer
+
+__all__ = ["DistributedOptimizer"]
+
+publish(__name__, __all__, globals())

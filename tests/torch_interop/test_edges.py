@@ -1,0 +1,162 @@
+"""rpcdist.torch's distributed autograd in one process (three agents): the
+gradients equal those of the same computation done locally, ``.grad`` is
+left alone, failures reach the root, and contexts are freed everywhere."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import time
+
+import pytest
+import tfuncs as tf
+import torch
+
+import rpcdist.torch.autograd as dist_autograd
+import rpcdist.torch.rpc as rpc
+from rpcdist import RpcOptions, SerializationError
+from rpcdist.testing import as_current, local_agents
+
+pytestmark = pytest.mark.torch
+
+
+def _settled(agents, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        gc.collect()
+        if all(a.statistics()["autograd_contexts"] == 0 for a in agents):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def agents():
+    tf.PARAMS.clear()
+    tf.PARAMS.update({f"worker{i}": tf.param(i) for i in range(3)})
+    with local_agents(3, options=RpcOptions(token=None)) as ags:
+        yield ags
+        assert _settled(ags)
+
+
+def _oracle(x0, names):
+    x = x0.detach().clone().requires_grad_()
+    ws = {n: tf.PARAMS[n].detach().clone().requires_grad_() for n in names}
+    y = x
+    for n in names:
+        y = torch.tanh(y @ ws[n])
+    loss = (y * y).sum()
+    loss.backward()
+    return x.grad, {n: w.grad for n, w in ws.items()}
+
+
+def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents):
+    x0 = tf.param(9, (2, 3))
+    with as_current(agents[0]):
+        x = x0.detach().clone().requires_grad_()
+        with dist_autograd.context() as cid:
+            h = tf.layer(x)  # local layer, worker0
+            y = rpc.rpc_sync("worker1", tf.layer_then, args=(h, "worker2"))
+            loss = (y * y).sum()
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+            remote = {}
+            for w in ("worker1", "worker2"):
+                remote.update(rpc.rpc_sync(w, tf.grads_here, args=(cid,)))
+        assert x.grad is None and tf.PARAMS["worker0"].grad is None  # the context, not .grad
+    want_x, want_w = _oracle(x0, ["worker0", "worker1", "worker2"])
+    torch.testing.assert_close(grads[x], want_x)
+    torch.testing.assert_close(grads[tf.PARAMS["worker0"]], want_w["worker0"])
+    for n in ("worker1", "worker2"):
+        torch.testing.assert_close(remote[n], want_w[n])
+        assert tf.PARAMS[n].grad is None
+
+
+def test_two_outputs_of_one_message_and_two_backward_passes_accumulate(agents):
+    x0 = tf.param(4, (2, 3))
+    with as_current(agents[0]):
+        x = x0.detach().clone().requires_grad_()
+        with dist_autograd.context() as cid:
+            a, b = rpc.rpc_sync("worker1", tf.twice, args=(x,))
+            loss = (a * b).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            dist_autograd.backward(cid, [loss])
+            gx = dist_autograd.get_gradients(cid)[x]
+            gw = rpc.rpc_sync("worker1", tf.grads_here, args=(cid,))["worker1"]
+    xl = x0.detach().clone().requires_grad_()
+    wl = tf.PARAMS["worker1"].detach().clone().requires_grad_()
+    y = torch.tanh(xl @ wl)
+    (2 * (y * (y * 2)).sum()).backward()
+    torch.testing.assert_close(gx, xl.grad)
+    torch.testing.assert_close(gw, wl.grad)
+
+
+def test_a_failure_on_another_worker_fails_the_backward_at_the_root(agents):
+    with as_current(agents[0]):
+        x = tf.param(1, (2, 3))
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", tf.explode, args=(x,))
+            with pytest.raises(ValueError, match="exploded on purpose"):
+                dist_autograd.backward(cid, [y.sum()])
+
+
+def test_roots_are_checked(agents):
+    with as_current(agents[0]), dist_autograd.context() as cid:
+        with pytest.raises(ValueError, match="does not require grad"):
+            dist_autograd.backward(cid, [torch.zeros(())])
+        with pytest.raises(ValueError, match="scalars"):
+            dist_autograd.backward(cid, [tf.param(0, (2,)) * 2])
+
+
+def test_an_unknown_context_is_refused(agents):
+    from rpcdist import AutogradError
+
+    with as_current(agents[0]), pytest.raises(AutogradError, match="does not exist"):
+        dist_autograd.get_gradients(12345)
+
+
+def test_modules_travel_by_class_and_state(agents):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4, 2)
+    x = torch.randn(5, 2, 3)
+    with as_current(agents[0]):
+        back = rpc.rpc_sync("worker1", _identity, args=(lstm,))
+        assert type(back) is torch.nn.LSTM and back is not lstm
+        assert [id(w) for w in back._flat_weights] == [id(p) for p in back.parameters()]
+        torch.testing.assert_close(back(x)[0], lstm(x)[0])
+        with pytest.raises(SerializationError, match="lambda"):
+            rpc.rpc_sync("worker1", _identity, args=(tf.WithLambdaHook(),))
+
+
+def _identity(x):
+    return x
+
+
+def test_async_execution_may_return_a_torch_future(agents):
+    with as_current(agents[0]):
+        got = rpc.rpc_sync("worker1", tf.later, args=(torch.ones(2),))
+        fut = rpc.rpc_async("worker2", tf.later, args=(torch.ones(2),))
+        assert rpc.get_worker_info().name == "worker0"
+    torch.testing.assert_close(got, torch.full((2,), 3.0))
+    torch.testing.assert_close(fut.wait(), torch.full((2,), 3.0))
+
+
+def test_rpc_timeout_reads_as_torch_does(agents):
+    with as_current(agents[0]):
+        assert rpc.get_rpc_timeout() == 30.0 and rpc.is_available()
+
+
+def test_torch_timeouts_map_to_rpcdist():
+    from rpcdist import UNSET
+    from rpcdist.torch._rpc import _timeout
+
+    assert _timeout(-1.0) is UNSET and _timeout(0) is None and _timeout(2) == 2.0
+
+
+def test_import_rpcdist_never_imports_torch():
+    code = (
+        "import sys, rpcdist, rpcdist.torch; import rpcdist.autograd; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,71 @@
+"""Functions the in-process interop tests call on other agents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import rpcdist.torch.autograd as dist_autograd
+import rpcdist.torch.rpc as rpc
+
+#: Parameters by worker name (the agents share this process).
+PARAMS: dict[str, torch.Tensor] = {}
+
+
+def param(seed: int, shape: tuple[int, ...] = (3, 3)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+def layer(x: torch.Tensor) -> torch.Tensor:
+    """``tanh(x @ W)`` with this worker's parameter ``W``."""
+    w = PARAMS[rpc.get_worker_info().name]
+    return torch.tanh(x @ w)
+
+
+def layer_then(x: torch.Tensor, nxt: str) -> torch.Tensor:
+    """:func:`layer`, then the same on ``nxt`` (a nested call inside the context)."""
+    return rpc.rpc_sync(nxt, layer, args=(layer(x),))
+
+
+def twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = layer(x)
+    return y, y * 2
+
+
+def grads_here(context_id: int) -> dict[str, torch.Tensor]:
+    """This worker's parameter gradient in the context (by name, for the caller)."""
+    name = rpc.get_worker_info().name
+    got = dist_autograd.get_gradients(context_id)
+    return {name: got[PARAMS[name]]} if PARAMS[name] in got else {}
+
+
+class Explode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward exploded on purpose")
+
+
+def explode(x: torch.Tensor) -> torch.Tensor:
+    return Explode.apply(layer(x))
+
+
+@rpc.functions.async_execution
+def later(x: torch.Tensor) -> Any:
+    """Returns a torch Future completed by another thread."""
+    import threading
+
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    threading.Timer(0.05, fut.set_result, args=(x * 3,)).start()
+    return fut
+
+
+class WithLambdaHook(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.register_forward_hook(lambda m, i, o: o)
