@@ -4,6 +4,8 @@ An array's header fields are ``[dtype.str, shape, buffer index, order]``; its
 bytes are one out-of-band buffer, a zero-copy view of C-contiguous (or
 Fortran-contiguous, ``order`` 1) data. CuPy and torch are never imported to
 encode: a value can only be one of theirs if its library is already loaded.
+CuPy arrays and CUDA tensors travel through host memory and are put back on a
+device at the receiver (CUDA tensors on the same device index as the sender's).
 """
 
 from __future__ import annotations
@@ -200,8 +202,11 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     if obj.layout != torch.strided:
         raise Unsupported(f"only dense tensors can be sent, not layout {obj.layout}")
     data = obj.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
+    device = data.device
+    if device.type != "cpu":
+        if device.type != "cuda":
+            raise Unsupported(f"only CPU and CUDA tensors can be sent, not device {device}")
+        data = data.cpu()  # through host memory, as CuPy arrays travel
     data = data.resolve_conj().resolve_neg()
     if not data.is_contiguous():
         data = data.contiguous()
@@ -216,16 +221,20 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     is_parameter = isinstance(obj, torch.nn.Parameter)
     fields = _array_fields(state, array)
     out = [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
+    index = -1
     if obj.requires_grad and TENSOR_GRAD_HOOKS and state.context is not None:
         index = TENSOR_GRAD_HOOKS[0].record(state.context, obj)
-        if index >= 0:
-            out.append(index)  # a 9th field: recorded for distributed autograd
+    if device.type == "cuda":  # a 9th and 10th field: the index (or -1) and the device
+        out += [index, f"cuda:{device.index if device.index is not None else 0}"]
+    elif index >= 0:
+        out.append(index)  # a 9th field: recorded for distributed autograd
     return out
 
 
 def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
     if (
-        len(items) not in (8, 9)
+        len(items) not in (8, 9, 10)
+        or (len(items) == 10 and (type(items[9]) is not str or not items[9].startswith("cuda:")))
         or type(items[5]) is not str
         or type(items[6]) is not bool
         or type(items[7]) is not bool
@@ -244,7 +253,11 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
             tensor = tensor.view(dtype)
     except Exception as exc:
         raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
-    if len(items) == 9:
+    if len(items) == 10:
+        tensor = _to_cuda(torch, tensor, items[9])
+        if items[8] != -1:
+            return _attach(state, tensor, items[8])
+    elif len(items) == 9:
         return _attach(state, tensor, items[8])
     try:
         if items[7]:
@@ -252,6 +265,19 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
         return tensor.requires_grad_(items[6])
     except Exception as exc:
         raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
+
+
+def _to_cuda(torch: Any, tensor: Any, device: str) -> Any:
+    """A received CUDA tensor back on its device (the same index as the sender's)."""
+    if not torch.cuda.is_available():
+        raise SerializationError(
+            f"received a tensor on {device}, but this worker has no CUDA device "
+            "(torch.cuda.is_available() is False); move it to the CPU before sending"
+        )
+    try:
+        return tensor.to(device)
+    except Exception as exc:
+        raise SerializationError(f"cannot place a received tensor on {device}: {exc}") from exc
 
 
 def _attach(state: DecodeState, tensor: Any, index: object) -> Any:

@@ -7,6 +7,7 @@ import sys
 import types
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -185,6 +186,25 @@ def test_torch_parameters_stay_parameters() -> None:
     out = roundtrip(p)
     assert isinstance(out, torch.nn.Parameter) and out.requires_grad
     assert torch.equal(out, p)
+
+
+def _with_device(header: bytes, device: object) -> bytes:
+    """A tensor's header as a sender on ``device`` writes it (10 fields)."""
+    items = msgpack.unpackb(header, raw=False, strict_map_key=False)
+    return msgpack.packb([*items, -1, device], use_bin_type=True)
+
+
+@pytest.mark.torch
+def test_a_cuda_tensor_reaching_a_worker_without_cuda_is_a_clear_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    header, buffers = encode(torch.ones(3))
+    with pytest.raises(SerializationError, match="cuda:1, but this worker has no CUDA device"):
+        decode(_with_device(header, "cuda:1"), buffers)
+    for bad in ("cpu", 3):
+        with pytest.raises(SerializationError, match="malformed tensor payload"):
+            decode(_with_device(header, bad), buffers)
 
 
 @pytest.mark.torch

@@ -69,3 +69,8 @@ class WithLambdaHook(torch.nn.Linear):
     def __init__(self) -> None:
         super().__init__(2, 2)
         self.register_forward_hook(lambda m, i, o: o)
+
+
+def double_with_device(x: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """``2 x`` and the device ``x`` arrived on."""
+    return x * 2, str(x.device)

@@ -1,0 +1,51 @@
+"""CUDA tensors through rpcdist.torch: they arrive on their CUDA device, and
+distributed autograd runs across workers on it (needs a CUDA build of torch
+and a device; skipped otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+import tfuncs as tf
+import torch
+
+import rpcdist.torch.autograd as dist_autograd
+import rpcdist.torch.rpc as rpc
+from rpcdist import RpcOptions
+from rpcdist.testing import as_current, local_agents
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.torch,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA device"),
+]
+
+
+def test_cuda_tensors_arrive_on_their_device_and_replies_come_back_there():
+    x = torch.arange(6, dtype=torch.float32, device="cuda:0").reshape(2, 3)
+    with local_agents(2, options=RpcOptions(token=None)) as (a, _):
+        with as_current(a):
+            y, seen = rpc.rpc_sync("worker1", tf.double_with_device, args=(x,))
+    assert seen == "cuda:0"
+    assert y.device == x.device
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_distributed_backward_on_cuda_matches_the_local_gradients():
+    tf.PARAMS.clear()
+    tf.PARAMS.update({f"worker{i}": tf.param(i).cuda().detach().requires_grad_() for i in range(2)})
+    x0 = tf.param(9, (2, 3))
+    with local_agents(2, options=RpcOptions(token=None)) as (a, _):
+        with as_current(a):
+            x = x0.detach().cuda().requires_grad_()
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync("worker1", tf.layer, args=(tf.layer(x),))
+                dist_autograd.backward(cid, [(y * y).sum()])
+                got = dist_autograd.get_gradients(cid)[x]
+                remote = rpc.rpc_sync("worker1", tf.grads_here, args=(cid,))["worker1"]
+    xs = x0.detach().clone().requires_grad_()
+    ws = [tf.PARAMS[f"worker{i}"].detach().cpu().clone().requires_grad_() for i in range(2)]
+    out = torch.tanh(torch.tanh(xs @ ws[0]) @ ws[1])
+    (out * out).sum().backward()
+    assert got.device.type == "cuda" and remote.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), xs.grad)
+    torch.testing.assert_close(remote.cpu(), ws[1].grad)
