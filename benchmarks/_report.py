@@ -14,7 +14,8 @@ import socket
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -79,6 +80,18 @@ def have_torch_distributed() -> bool:
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+def time_steps(step: Callable[[], object], warmup: int, steps: int) -> list[float]:
+    """Seconds per call of ``step``, ``steps`` times after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

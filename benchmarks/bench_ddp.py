@@ -26,7 +26,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from typing import Any
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -37,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import free_port, have_torch_distributed, median, table, write_section
+from _report import free_port, have_torch_distributed, median, table, time_steps, write_section
 
 from rpcdist.testing import run_workers
 
@@ -50,17 +49,6 @@ def _data(rank: int, sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((BATCH, sizes[0])).astype(np.float32)
     return x, rng.integers(0, sizes[-1], BATCH)
-
-
-def _time_steps(step: Any, warmup: int, steps: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 # ------------------------------------------------------------------ rpcdist
@@ -134,7 +122,7 @@ def rpcdist_worker(
             stats.append(model.statistics())
             opt.step()
 
-        times = _time_steps(step, warmup, steps)
+        times = time_steps(step, warmup, steps)
         stats = stats[warmup:]
         counter = _Counter(dist, world)
         step()
@@ -168,7 +156,7 @@ def rpcdist_alone(sizes: tuple[int, ...], warmup: int, steps: int) -> float:
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    return median(_time_steps(step, warmup, steps))
+    return median(time_steps(step, warmup, steps))
 
 
 def zero_worker(rank: int, world: int, init: str, sizes: tuple[int, ...]) -> Any:
@@ -226,7 +214,7 @@ def torch_worker(
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
-        return {"step": median(_time_steps(step, warmup, steps))}
+        return {"step": median(time_steps(step, warmup, steps))}
     finally:
         tdist.destroy_process_group()
 
@@ -245,7 +233,7 @@ def torch_alone(sizes: tuple[int, ...], warmup: int, steps: int) -> float:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
-    return median(_time_steps(step, warmup, steps))
+    return median(time_steps(step, warmup, steps))
 
 
 # --------------------------------------------------------------------- main

@@ -27,7 +27,6 @@ import argparse
 import os
 import resource
 import sys
-import time
 from typing import Any
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -38,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import free_port, have_torch_distributed, median, table, write_section
+from _report import free_port, have_torch_distributed, median, table, time_steps, write_section
 
 from rpcdist.testing import run_workers
 
@@ -58,17 +57,6 @@ def _rss() -> int:
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _time_steps(step: Any, warmup: int, steps: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _nbytes(optimizer: Any) -> int:
@@ -106,7 +94,7 @@ def rpcdist_worker(rank: int, world: int, init: str, kind: str, warmup: int, ste
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-        times = _time_steps(step, warmup, steps)
+        times = time_steps(step, warmup, steps)
         params = sum(p.data.nbytes for p in model.parameters())
         grads = sum(p.grad.data.nbytes for p in model.parameters() if p.grad is not None)
         held = params + grads + _nbytes(opt)
@@ -147,7 +135,7 @@ def torch_worker(rank: int, world: int, _init: str, port: int, warmup: int, step
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
-        times = _time_steps(step, warmup, steps)
+        times = time_steps(step, warmup, steps)
         held = 0
         for p in model.parameters():
             held += p.numel() * p.element_size()

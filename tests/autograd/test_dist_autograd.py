@@ -7,13 +7,12 @@ with the same parameter values (float64) and the local engine.
 
 from __future__ import annotations
 
-import gc
 import threading
-import time
 
 import ad_funcs as af
 import numpy as np
 import pytest
+from ad_support import contexts_settled
 
 import rpcdist
 import rpcdist.autograd as dist_autograd
@@ -29,22 +28,12 @@ def _w(shape=(3,), seed=0):
     return Tensor(np.random.default_rng(seed).standard_normal(shape), requires_grad=True)
 
 
-def _settled(agents, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        gc.collect()
-        if all(a.statistics()["autograd_contexts"] == 0 for a in agents):
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture
 def agents():
     af.PARAMS.clear()
     with local_agents(3, options=RpcOptions(token=None, control_retry_interval=0.2)) as ags:
         yield ags
-        assert _settled(ags), [a.statistics()["autograd_contexts"] for a in ags]
+        assert contexts_settled(ags), [a.statistics()["autograd_contexts"] for a in ags]
 
 
 def _remote_grads(worker, cid):
@@ -294,5 +283,5 @@ def test_contexts_are_released_everywhere_and_counted(agents):
                 y = rpcdist.rpc_sync("worker1", af.chain, args=(x, ["worker2"]))
                 dist_autograd.backward(cid, [y.sum()])
         assert dist_autograd.statistics()["contexts"] == 0
-    assert _settled(agents)
+    assert contexts_settled(agents)
     assert sum(a.statistics()["autograd_released"] for a in agents) >= 60

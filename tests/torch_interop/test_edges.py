@@ -4,14 +4,13 @@ left alone, failures reach the root, and contexts are freed everywhere."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
-import time
 
 import pytest
 import tfuncs as tf
 import torch
+from ad_support import contexts_settled
 
 import rpcdist.torch.autograd as dist_autograd
 import rpcdist.torch.rpc as rpc
@@ -21,23 +20,13 @@ from rpcdist.testing import as_current, local_agents
 pytestmark = pytest.mark.torch
 
 
-def _settled(agents, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        gc.collect()
-        if all(a.statistics()["autograd_contexts"] == 0 for a in agents):
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture
 def agents():
     tf.PARAMS.clear()
     tf.PARAMS.update({f"worker{i}": tf.param(i) for i in range(3)})
     with local_agents(3, options=RpcOptions(token=None)) as ags:
         yield ags
-        assert _settled(ags)
+        assert contexts_settled(ags)
 
 
 def _oracle(x0, names):
