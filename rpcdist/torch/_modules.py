@@ -94,7 +94,7 @@ def _decode(payload: Any, wire: Any) -> torch.nn.Module:
         raise SerializationError(f"received a torch module of {name}, which is not an nn.Module")
     table: list[Any] = []
     attrs = {k: _unpack(v, table) for k, v in items}
-    module = cls.__new__(cls)
+    module: torch.nn.Module = cls.__new__(cls)  # type: ignore[call-overload]  # (without torch)
     module.__setstate__(attrs)  # type: ignore[no-untyped-call]
     return module
 
