@@ -125,15 +125,16 @@ class NodeSession:
                 silent = loop.time() - self._last_ok
                 logger.debug("heartbeat to %s failed (%.1f s silent): %s", self.where, silent, exc)
                 if silent > self.node_timeout:
-                    self.lost.set_exception(
-                        WorkerLostError(
-                            f"no answer from {self.where} for {silent:.1f} s "
-                            f"(--node-timeout {self.node_timeout}); last error: {exc}"
-                        )
-                    )
+                    self.lost.set_exception(self._lost_error(silent, exc))
                     return
             else:
                 self._last_ok = loop.time()
+
+    def _lost_error(self, silent: float, exc: BaseException) -> WorkerLostError:
+        return WorkerLostError(
+            f"no answer from {self.where} for {silent:.1f} s "
+            f"(--node-timeout {self.node_timeout}); last error: {exc}"
+        )
 
     async def call(self, make: Callable[[], Awaitable[_T]]) -> _T:
         """``await make()``, retried while the store is unreachable but not yet lost.
@@ -146,11 +147,12 @@ class NodeSession:
                 self.lost.result()
             try:
                 return await make()
-            except _STORE_DOWN:
-                if self.lost.done() or asyncio.get_running_loop().time() - self._last_ok > (
-                    self.node_timeout
-                ):
-                    raise
+            except _STORE_DOWN as exc:
+                if self.lost.done():
+                    self.lost.result()
+                silent = asyncio.get_running_loop().time() - self._last_ok
+                if silent > self.node_timeout:  # the same verdict as the heartbeat's
+                    raise self._lost_error(silent, exc) from exc
             await asyncio.sleep(self.interval)
 
     async def next_message(self) -> rec.Message:

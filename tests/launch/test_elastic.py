@@ -163,4 +163,4 @@ def test_when_node_0_is_lost_the_others_stop_their_workers_and_exit_1(tmp_path, 
     host.wait(timeout=30)
     outs = [launchers.finish(p) for p in nodes if p is not host]
     assert [rc for rc, _ in outs] == [1, 1], outs
-    assert all("no answer from the launchers' store" in out for _, out in outs)
+    assert all("no answer from the launchers' store" in out for _, out in outs), outs
