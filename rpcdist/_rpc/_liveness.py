@@ -12,7 +12,9 @@ A peer is *lost* when
   a millisecond of a death (the dial is refused);
 * nothing at all has come from it on a link for ``RpcOptions.peer_timeout``
   seconds: it is hung, stopped (SIGSTOP), or the network between us is
-  partitioned. Every ``heartbeat_interval`` the detector sends a heartbeat on
+  partitioned. Only time this worker was listening counts: when its own
+  loop was held up (a starved or paused process), the stall is not counted
+  against its peers. Every ``heartbeat_interval`` the detector sends a heartbeat on
   each link that sent nothing since the last look, so a live peer's links
   are never silent that long; links that carry calls send no heartbeats.
 
@@ -79,10 +81,13 @@ class Liveness:
         #: ending after that are peers leaving, not failing.
         self.leaving = False
         self.heartbeats_sent = 0
+        #: When the detector last looked (the loop's clock).
+        self._last_tick: float | None = None
 
     def start(self) -> None:
         """Start the detector (on the loop, once the workers table is known)."""
         if self.timeout is not None and self._timer is None:
+            self._last_tick = self._loop.time()
             self._timer = self._loop.call_later(self.interval, self._tick)
 
     def stop(self) -> None:
@@ -194,6 +199,11 @@ class Liveness:
         if agent.closed or self.timeout is None:
             return
         now = self._loop.time()
+        # A look that comes late means this loop could not run (a starved or
+        # paused process): the peers' silence meanwhile is not theirs to answer
+        # for, so only the time this worker was listening counts.
+        last, self._last_tick = self._last_tick, now
+        stalled = 0.0 if last is None else max(0.0, now - last - 2 * self.interval)
         seen: dict[Link, list[float]] = {}
         silent: list[tuple[int, float]] = []
         for link in agent.links.watched():
@@ -205,6 +215,8 @@ class Liveness:
                 st = [rx, -1, now]
             elif rx != st[0]:
                 st[0], st[2] = rx, now
+            elif stalled:
+                st[2] = min(now, st[2] + stalled)
             if link.messages_out == st[1] and not link.queued():
                 try:
                     link.send(OutMessage(P2P, HEARTBEAT, b"", []))

@@ -9,6 +9,7 @@ its RRefs and later calls; a graceful shutdown goes on without it.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import harness
@@ -94,6 +95,35 @@ def test_silent_link_is_declared_lost_even_when_the_loop_runs():
         with pytest.raises(rpcdist.WorkerLostError, match="'worker2'.*partitioned"):
             a.rpc_async(2, rf.add, args=(1, 2), timeout=None).wait()
         assert 2 in a.liveness.lost
+
+
+def _look(agent, *, silent_for: float, stalled_for: float) -> dict[int, str]:
+    """Run one look of ``agent``'s detector (on its loop) as if nothing had come
+    on any link for ``silent_for`` s, its own loop held up for ``stalled_for`` s."""
+
+    async def look():
+        lv = agent.liveness
+        async with asyncio.timeout(10):
+            while not lv._seen:  # the detector has looked at the links once
+                await asyncio.sleep(0.01)
+        for link, st in lv._seen.items():
+            st[0] = link.messages_in + link.bulk_reads  # nothing new since
+            st[2] -= silent_for
+        lv._last_tick -= stalled_for
+        lv._tick()
+        return dict(lv.lost)
+
+    return agent.run(look())
+
+
+def test_a_late_look_does_not_blame_the_peers_for_its_own_stall():
+    """A starved process looks late at its links: the time it could not listen
+    is not counted as the peers' silence. Silence while it listened is."""
+    with local_agents(2, options=FAST) as (a, b):
+        assert a.rpc_async(1, rf.add, args=(1, 2)).wait(10) == 3  # a link the loop reads
+        assert _look(a, silent_for=5.0, stalled_for=5.0) == {}
+        assert a.rpc_async(1, rf.add, args=(2, 2)).wait(10) == 4
+        assert 1 in _look(a, silent_for=5.0, stalled_for=0.0)
 
 
 def test_detector_can_be_turned_off_and_deadlines_still_bound_calls(released):
