@@ -32,6 +32,7 @@ __all__ = [
     "DENIED_NAMES",
     "CallablePolicy",
     "function_name",
+    "policy_of",
     "resolve_function",
 ]
 
@@ -210,6 +211,13 @@ def function_name(fn: Callable[..., Any]) -> str:
             "(was it decorated, replaced or created dynamically?)"
         )
     return name
+
+
+def policy_of(context: object) -> CallablePolicy:
+    """The callable policy of the worker decoding with ``context`` (a message's
+    wire context: its agent's), or the default one outside an agent."""
+    policy = getattr(getattr(context, "agent", None), "policy", None)
+    return policy if isinstance(policy, CallablePolicy) else DEFAULT_POLICY
 
 
 def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Callable[..., Any]:

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from .._errors import SerializationError
-from .._rpc._context import WireContext
 from .._serialization import register_extension, resolve_function
-from .._serialization._functions import DEFAULT_POLICY, function_name
+from .._serialization._functions import function_name, policy_of
 
 __all__ = ["MODULE_CODE", "install"]
 
@@ -88,8 +87,7 @@ def _decode(payload: Any, wire: Any) -> torch.nn.Module:
     if not (isinstance(payload, list) and len(payload) == 2 and isinstance(payload[0], str)):
         raise SerializationError("malformed torch module payload")
     name, items = payload
-    policy = wire.agent.policy if isinstance(wire, WireContext) else DEFAULT_POLICY
-    cls = resolve_function(name, policy)
+    cls = resolve_function(name, policy_of(wire))
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise SerializationError(f"received a torch module of {name}, which is not an nn.Module")
     table: list[Any] = []

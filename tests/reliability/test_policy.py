@@ -107,6 +107,8 @@ def test_allowlist_mode_accepts_only_the_application_functions(transport):
         assert a.rpc_async(1, rf.ones, args=(3,)).wait(10).sum() == 3
         with pytest.raises(rpcdist.CallPolicyError, match="allowlist"):
             a.rpc_sync(1, rf.echo, args=(1,))
+        with pytest.raises(rpcdist.CallPolicyError, match="echo"):  # as an argument too
+            a.rpc_sync(1, rf.add, args=(rf.echo, 1))
         with as_current(a):  # rpcdist's own protocols still work: RRefs
             rref = rpcdist.remote(1, rf.ones, args=(4,))
             assert rref.to_here(10).sum() == 4
