@@ -50,7 +50,7 @@ _LEN = struct.Struct("<I")
 #: Staging buffer for headers and small payloads.
 _STAGE_BYTES = 256 << 10
 #: Payload remainders at least this large are received straight into place.
-_DIRECT_BYTES = DIRECT_BYTES = 64 << 10
+DIRECT_BYTES = 64 << 10
 #: Payload parts smaller than this in total are joined into one write.
 _JOIN_BYTES = 64 << 10
 #: Most buffers handed to one ``sendmsg`` (Linux IOV_MAX is 1024).
@@ -463,7 +463,7 @@ class TcpLink(Link):
             return
         try:
             for _ in range(_READS_PER_WAKEUP):
-                if self._need >= _DIRECT_BYTES and self._lo == self._hi:
+                if self._need >= DIRECT_BYTES and self._lo == self._hi:
                     want = self._need
                     n = sock.recv_into(self._dest, want)
                     if n == 0:
