@@ -12,7 +12,7 @@ import threading
 import ad_funcs as af
 import numpy as np
 import pytest
-from ad_support import contexts_settled
+from agent_support import contexts_settled
 
 import rpcdist
 import rpcdist.autograd as dist_autograd

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import rpc_funcs as rf
+from agent_support import ok, on_all
 
 import rpcdist
 from rpcdist import CollectiveError, ConfigError, RpcTimeoutError, WrongThreadError
@@ -19,33 +20,6 @@ from rpcdist.collectives._api import attach, detach
 from rpcdist.testing import as_current, local_agents
 
 GAUGES = ("collectives_queued", "collectives_inflight", "p2p_posted", "p2p_unclaimed")
-
-
-def on_all(agents: list[Any], fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
-    """Run ``fn(rank)`` on every agent at once (one thread each); re-raise the first error."""
-    out: list[Any] = [None] * len(agents)
-
-    def run(i: int) -> None:
-        with as_current(agents[i]):
-            try:
-                out[i] = fn(i)
-            except BaseException as e:
-                out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(agents))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
-
-
-def ok(results: list[Any]) -> list[Any]:
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
 
 
 def settle(agents: list[Any]) -> dict[str, int]:

@@ -3,13 +3,12 @@ does to the layers above calls: collectives, and the same error on gRPC."""
 
 from __future__ import annotations
 
-import threading
-
 import harness
 import numpy as np
 import pytest
 import rel_funcs as rf
 import rel_workers as rw
+from agent_support import ok, on_all
 
 import rpcdist
 from rpcdist import collectives as dist
@@ -50,8 +49,8 @@ def test_debug_info_reports_calls_collectives_rrefs_and_lost_workers():
         info = a.debug_info()
         assert info["pending_calls"] == {} and info["handlers_running"] == 0
         assert "rref" in info and "autograd" in info
-        _on_all(agents, lambda r: attach(agents[r], "ring", 20))
-        _on_all(agents, lambda r: dist.all_reduce(np.ones(4)))
+        ok(on_all(agents, lambda r: attach(agents[r], "ring", 20)))
+        ok(on_all(agents, lambda r: dist.all_reduce(np.ones(4))))
         with as_current(a):
             coll = rpcdist.debug_info()["collectives"]["collectives"]["group 0"]
             rref = rpcdist.remote(1, rf.ones, args=(3,))
@@ -59,21 +58,21 @@ def test_debug_info_reports_calls_collectives_rrefs_and_lost_workers():
             assert rpcdist.debug_info()["rref"]["rref_users"] >= 1
             del rref
         assert coll["issued"] == 1 and coll["completed"] == 1 and coll["running"] is None
-        _on_all(agents, lambda r: detach(agents[r]))
+        ok(on_all(agents, lambda r: detach(agents[r])))
 
 
 def test_a_collective_with_a_lost_member_fails_naming_it(released):
     with local_agents(3, options=FAST) as agents:
-        _on_all(agents, lambda r: attach(agents[r], "ring", 60))
-        _on_all(agents, lambda r: dist.all_reduce(np.ones(8)))
+        ok(on_all(agents, lambda r: attach(agents[r], "ring", 60)))
+        ok(on_all(agents, lambda r: dist.all_reduce(np.ones(8))))
         agents[0].rpc_async(2, rf.block_loop, args=(60,))  # rank 2 hangs
         assert rf.BLOCKING.wait(10)
-        out = _on_all(agents[:2], lambda r: dist.all_reduce(np.ones(8)), raise_first=False)
+        out = on_all(agents[:2], lambda r: dist.all_reduce(np.ones(8)))
         for err in out:
             assert isinstance(err, rpcdist.CollectiveError), out
             assert "lost rank 2" in str(err) and "worker2" in str(err)
         rf.RELEASE.set()
-        _on_all(agents, lambda r: detach(agents[r]), raise_first=False)
+        on_all(agents, lambda r: detach(agents[r]))
 
 
 @pytest.mark.multiprocess
@@ -84,26 +83,3 @@ def test_a_peer_killed_mid_call_on_grpc_is_a_lost_worker():
     assert got["error"] == "WorkerLostError", got
     assert "'w1'" in got["message"]
     assert got["lost"] == ["w1"]
-
-
-def _on_all(agents, fn, raise_first: bool = True):
-    out: list = [None] * len(agents)
-
-    def run(i: int) -> None:
-        with as_current(agents[i]):
-            try:
-                out[i] = fn(i)
-            except BaseException as e:
-                out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(agents))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if raise_first:
-        for r in out:
-            if isinstance(r, BaseException):
-                raise r
-    return out

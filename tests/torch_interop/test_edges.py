@@ -10,7 +10,7 @@ import sys
 import pytest
 import tfuncs as tf
 import torch
-from ad_support import contexts_settled
+from agent_support import contexts_settled
 
 import rpcdist.torch.autograd as dist_autograd
 import rpcdist.torch.rpc as rpc
