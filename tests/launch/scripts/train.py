@@ -66,6 +66,17 @@ def _rank_step(spec: str | None) -> tuple[int, int] | None:
     return int(rank), int(at)
 
 
+def hold_here(directory: str, world: int) -> None:
+    """Write ``holding.json`` (this worker's and its launcher's pids, the world
+    size) atomically, then wait until the launcher stops this worker."""
+    record = {"pid": os.getpid(), "launcher": os.getppid(), "world": world}
+    with open(os.path.join(directory, "holding.tmp"), "w") as f:
+        json.dump(record, f)
+    os.replace(os.path.join(directory, "holding.tmp"), os.path.join(directory, "holding.json"))
+    while True:
+        time.sleep(1)
+
+
 def main() -> int:
     import rpcdist
     from rpcdist import collectives as dist
@@ -94,14 +105,7 @@ def main() -> int:
         if crash == (rank, i):
             return 1
         if hold == (rank, i):
-            record = {"pid": os.getpid(), "launcher": os.getppid(), "world": world}
-            with open(os.path.join(args.dir, "holding.tmp"), "w") as f:
-                json.dump(record, f)
-            os.replace(
-                os.path.join(args.dir, "holding.tmp"), os.path.join(args.dir, "holding.json")
-            )
-            while True:  # until the launcher stops this worker
-                time.sleep(1)
+            hold_here(args.dir, world)
         total = shard_gradient(w, rank, world)
         dist.all_reduce(total)
         w = step(w, total)

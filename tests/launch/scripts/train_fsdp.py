@@ -19,17 +19,15 @@ holds on the first attempt with ``--hold``, and rank 0 saves ``DIR/final``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train import ROWS, data
+from train import ROWS, data, hold_here
 
 
 def model() -> Any:
@@ -113,14 +111,7 @@ def main() -> int:
         f.write(f"{restart} {world} {rank} {first}\n")
     for i in range(first, args.steps):
         if hold == (rank, i):
-            record = {"pid": os.getpid(), "launcher": os.getppid(), "world": world}
-            with open(os.path.join(args.dir, "holding.tmp"), "w") as f:
-                json.dump(record, f)
-            os.replace(
-                os.path.join(args.dir, "holding.tmp"), os.path.join(args.dir, "holding.json")
-            )
-            while True:  # until the launcher stops this worker
-                time.sleep(1)
+            hold_here(args.dir, world)
         opt.zero_grad()
         loss(wrapped, rank, world).backward()
         opt.step()
