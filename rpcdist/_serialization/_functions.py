@@ -247,14 +247,13 @@ def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Call
     early = policy.refusal(name, None, [])
     if early is not None:
         raise _refused(name, early)
-    target: object = sys.modules.get(module_name)
-    if target is None:
-        try:
-            target = importlib.import_module(module_name)
-        except Exception as exc:
-            raise SerializationError(
-                f"{prefix}: cannot import module '{module_name}': {exc}"
-            ) from exc
+    # Always through the import system, even when the module is in sys.modules:
+    # another thread may be importing it still (two first calls at once), and
+    # only import_module waits for that to finish.
+    try:
+        target: object = importlib.import_module(module_name)
+    except Exception as exc:
+        raise SerializationError(f"{prefix}: cannot import module '{module_name}': {exc}") from exc
     walked: list[str] = []
     for part in qualname.split("."):
         if isinstance(target, types.ModuleType):

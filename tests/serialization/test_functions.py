@@ -6,6 +6,7 @@ import functools
 import math
 import operator
 import sys
+import threading
 import types
 from typing import Any
 
@@ -193,3 +194,36 @@ def test_exception_values_round_trip_inside_messages() -> None:
     first, second = out["errors"]
     assert type(first) is KeyError and first.args == ("k",)
     assert type(second) is CustomError and second.code == 2
+
+
+def test_a_module_being_imported_by_another_thread_is_waited_for(tmp_path, monkeypatch):
+    """Two first calls into one module at once: the second waits for the first's
+    import instead of finding the module half made."""
+    entered, gate = threading.Event(), threading.Event()
+    monkeypatch.setitem(sys.modules, "_rpcdist_test_gate", types.SimpleNamespace(
+        entered=entered, gate=gate))  # fmt: skip
+    (tmp_path / "_rpcdist_slow_mod.py").write_text(
+        "import _rpcdist_test_gate as g\ng.entered.set()\ng.gate.wait(30)\n\n"
+        "def f():\n    return 7\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results: list[object] = []
+
+    def resolve() -> None:
+        try:
+            results.append(resolve_function("_rpcdist_slow_mod:f")())
+        except Exception as e:
+            results.append(e)
+
+    first, second = threading.Thread(target=resolve), threading.Thread(target=resolve)
+    try:
+        first.start()
+        assert entered.wait(30)  # the first is inside the module's import
+        second.start()
+        second.join(1.0)  # (with the race it fails at once, before the gate opens)
+    finally:
+        gate.set()
+        first.join(30)
+        second.join(30)
+        sys.modules.pop("_rpcdist_slow_mod", None)
+    assert results == [7, 7]
