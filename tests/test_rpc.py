@@ -64,6 +64,31 @@ def test_thousand_concurrent_calls_all_correct_and_ordered(agents2):
     assert a.statistics()["pending_calls"] == 0
 
 
+def test_a_call_waiting_for_the_loop_counts_as_pending(agents2):
+    # A call made from a user thread while calls are in flight goes to the
+    # loop; until the loop starts it, statistics() must still count it (an
+    # RRef test once read "idle" there and looked for a value not made yet).
+    a, _ = agents2
+    held, release = threading.Event(), threading.Event()
+
+    def hold_loop():
+        held.set()
+        release.wait(10)
+
+    with as_current(a):
+        slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.2, 1))
+        a.loop.call_soon_threadsafe(hold_loop)
+        assert held.wait(10)
+        try:
+            before = a.statistics()["pending_calls"]
+            fut = rpcdist.rpc_async("worker1", rf.add, args=(1, 2))
+            assert a.statistics()["pending_calls"] == before + 1
+        finally:
+            release.set()
+        assert fut.wait() == 3 and slow.wait() == 1
+    assert a.statistics()["pending_calls"] == 0
+
+
 def test_callbacks_and_chained_then(agents2):
     a, _ = agents2
     with as_current(a):

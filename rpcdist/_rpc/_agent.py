@@ -550,7 +550,8 @@ class Agent:
         """Counters for tests and debugging; every gauge is 0 when idle."""
         activity = self.activity
         stats = {
-            "pending_calls": len(self.calls) + self.sync.inflight,
+            # (calls handed to the loop count from the moment they are made)
+            "pending_calls": len(self.calls) + self.calls.queued + self.sync.inflight,
             "inflight_handlers": activity.inflight,
             "calls_sent": activity.sent,
             "calls_handled": activity.handled,

@@ -81,6 +81,11 @@ class Calls:
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def queued(self) -> int:
+        """Calls user threads handed to the loop that it has not started yet."""
+        return self._queued
+
     def outstanding(self) -> list[tuple[int, str, float, float | None]]:
         """``(peer, label, started, deadline)`` of each pending call (any thread)."""
         with self._lock:

@@ -27,14 +27,22 @@ _QUIET = ("rref_pending_users", "rref_pending_children", "rref_outbox", "pending
 workers = st.integers(0, 2)
 
 
-def quiesce(agents, timeout: float = 10.0) -> None:
-    """Wait until no RRef control traffic is pending anywhere."""
+def quiesce(agents, timeout: float = 30.0) -> None:
+    """Wait until no RRef control traffic or call is pending anywhere."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    while True:
         gc.collect()
-        if not any(a.statistics().get(k, 0) for a in agents for k in _QUIET):
+        busy = {a.name: {k: v for k in _QUIET if (v := a.statistics().get(k, 0))} for a in agents}
+        if not any(busy.values()):
             return
+        assert time.monotonic() < end, f"still busy after {timeout} s: {busy}"
         time.sleep(0.002)
+
+
+def state(agents) -> str:
+    """What each agent knows, for a failure's message."""
+    keys = ("lost_workers", "rref_owners", "rref_forks", "rref_control_failures")
+    return "; ".join(f"{a.name}: {({k: a.statistics().get(k) for k in keys})}" for a in agents)
 
 
 class RRefProtocol(RuleBasedStateMachine):
@@ -87,12 +95,14 @@ class RRefProtocol(RuleBasedStateMachine):
     def alive_exactly_while_referenced(self):
         held = set(self.model.values())
         # (values made by remote() exist only once created, hence ``seen``)
-        assert all(rf.alive(t) for t in held & self.seen), "a referenced value was freed"
+        gone = [t for t in held & self.seen if not rf.alive(t)]
+        assert not gone, f"referenced values {gone} were freed ({state(self.agents)})"
         quiesce(self.agents)
-        assert all(rf.alive(t) for t in held), "a referenced value was freed"
+        gone = [t for t in held if not rf.alive(t)]
+        assert not gone, f"referenced values {gone} were freed ({state(self.agents)})"
         self.seen |= held
         leaked = [t for t in self.created - held if rf.alive(t)]
-        assert not leaked, f"values {leaked} outlived every reference"
+        assert not leaked, f"values {leaked} outlived every reference ({state(self.agents)})"
 
     def teardown(self) -> None:
         for w, h in list(self.model):
