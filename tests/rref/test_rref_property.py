@@ -42,7 +42,11 @@ def quiesce(agents, timeout: float = 30.0) -> None:
 def state(agents) -> str:
     """What each agent knows, for a failure's message."""
     keys = ("lost_workers", "rref_owners", "rref_forks", "rref_control_failures")
-    return "; ".join(f"{a.name}: {({k: a.statistics().get(k) for k in keys})}" for a in agents)
+    return "; ".join(f"{a.name}: {_pick(a.statistics(), keys)}" for a in agents)
+
+
+def _pick(stats: dict, keys: tuple[str, ...]) -> dict:
+    return {k: stats.get(k) for k in keys}
 
 
 class RRefProtocol(RuleBasedStateMachine):
