@@ -49,6 +49,20 @@ def agents3() -> Iterator[list[Agent]]:
 
 
 @pytest.fixture(autouse=True)
+def _young_heap() -> Iterator[None]:
+    """Each test starts with what earlier tests left alive frozen out of the
+    cyclic collector, so that a test's own ``gc.collect()`` scans only what
+    it made. With the whole suite's heap (torch included) a full collection
+    took 0.75 s holding the GIL; the RRef tests, which collect in a loop
+    while in-process agents share that GIL, starved the agents until their
+    failure detectors declared one another lost (one test took 60 s in CI,
+    and failed there)."""
+    gc.collect()
+    gc.freeze()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_thread_leak() -> Iterator[None]:
     before = {t.ident for t in threading.enumerate()}
     yield
