@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgpack
 
 from .._errors import ConfigError, ConnectError
-from .._store import open_store
+from .._store import StoreTls, open_store
 from .._store._common import REFUSED_KEY
 
 if TYPE_CHECKING:
@@ -51,13 +51,15 @@ _SECRET_KEY = "rpc/secret"
 async def open_job_store(
     agent: Agent, spec: RendezvousSpec
 ) -> tuple[StoreClient, StoreServer | None]:
-    """Connect to (rank 0: serve) the job's store.
+    """Connect to (rank 0: serve) the job's store, over TLS when the job has
+    certificates.
 
     Raises:
         ConnectError: unreachable in time, or this rank's token was refused.
     """
     opts = agent.options
-    return await open_store(spec, token=opts.token, timeout=opts.init_timeout)
+    tls = StoreTls.of(opts)
+    return await open_store(spec, token=opts.token, timeout=opts.init_timeout, tls=tls)
 
 
 async def watching_refusals(agent: Agent, step: Awaitable[T]) -> T:

@@ -1,7 +1,7 @@
 """The rendezvous key-value store (served by rank 0 over gRPC) and ``init_method`` parsing."""
 
 from ._client import StoreClient
-from ._common import TOKEN_METADATA_KEY, format_address
+from ._common import TOKEN_METADATA_KEY, StoreTls, format_address
 from ._rendezvous import RendezvousSpec, open_store, parse_init_method
 from ._server import StoreServer
 
@@ -10,6 +10,7 @@ __all__ = [
     "RendezvousSpec",
     "StoreClient",
     "StoreServer",
+    "StoreTls",
     "format_address",
     "open_store",
     "parse_init_method",

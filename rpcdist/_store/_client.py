@@ -35,7 +35,7 @@ from .._proto import store_pb2 as pb
 from ._common import BARRIER_PREFIX as _BARRIER_PREFIX
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY
+from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY, StoreTls
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["StoreClient"]
@@ -96,9 +96,16 @@ class StoreClient:
     """
 
     def __init__(
-        self, address: str, *, token: str | None, timeout: float = 60.0, rank: int | None = None
+        self,
+        address: str,
+        *,
+        token: str | None,
+        timeout: float = 60.0,
+        rank: int | None = None,
+        tls: StoreTls | None = None,
     ) -> None:
         self._address = address
+        self._tls = tls
         metadata: list[tuple[str, str]] = []
         if token is not None:
             metadata.append((TOKEN_METADATA_KEY, token))
@@ -145,7 +152,15 @@ class StoreClient:
             if self._server_id is not None:
                 return
             if self._channel is None:
-                self._channel = grpc.aio.insecure_channel(self._address, options=_CLIENT_OPTIONS)
+                if self._tls is not None:
+                    creds = self._tls.channel_credentials()
+                    self._channel = grpc.aio.secure_channel(
+                        self._address, creds, options=_CLIENT_OPTIONS
+                    )
+                else:
+                    self._channel = grpc.aio.insecure_channel(
+                        self._address, options=_CLIENT_OPTIONS
+                    )
             limit = self._timeout if timeout is UNSET else timeout
             deadline = deadline_for(limit, None)
             delay = _RETRY_FIRST_DELAY
@@ -316,9 +331,21 @@ class StoreClient:
         if self._closed:
             return ClosedError(f"connect to the store at {self._address}: the client was closed")
         if code in _RETRYABLE:
+            details = str(exc.details())
+            hint = ""
+            if "Tls" in details or "SSL" in details or "ssl" in details:
+                hint = (
+                    "; TLS failed: every rank needs a certificate from the same CA "
+                    "(RpcOptions.tls_cert_file, tls_key_file, tls_ca_file)"
+                )
+            elif self._tls is None and "Socket closed" in details:
+                hint = (
+                    "; if the job uses TLS certificates, this rank must have them too "
+                    "(the store then speaks only TLS)"
+                )
             return ConnectError(
                 f"could not reach the store at {self._address} within {limit}s; "
-                f"last gRPC status {code.name}: {exc.details()}"
+                f"last gRPC status {code.name}: {details}{hint}"
             )
         return ConnectError(
             f"the server at {self._address} answered {code.name} ({exc.details()}); "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from .._deadline import deadline_for, remaining
 from .._errors import ConfigError, ConnectError
 from ._client import StoreClient
-from ._common import format_address
+from ._common import StoreTls, format_address
 from ._server import StoreServer
 
 __all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
@@ -215,12 +215,13 @@ def parse_init_method(
 
 
 async def open_store(
-    spec: RendezvousSpec, *, token: str | None, timeout: float
+    spec: RendezvousSpec, *, token: str | None, timeout: float, tls: StoreTls | None = None
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to the store ``spec`` names; rank 0 serves it first.
 
     Returns the client and, on rank 0, the server (the caller stops it after
-    closing the client). ``timeout`` bounds the whole rendezvous.
+    closing the client). ``timeout`` bounds the whole rendezvous. With
+    ``tls``, the store is served and reached over TLS.
 
     Raises:
         ConnectError: The store was not reached in time, rank 0 could not
@@ -232,17 +233,17 @@ async def open_store(
         if spec.path is None:
             raise ConfigError(f"file:// rendezvous without a path: {spec!r}")
         if spec.rank == 0:
-            return await _serve_file(spec, spec.path, token, timeout)
-        return await _join_file(spec.path, token, timeout, spec.rank), None
+            return await _serve_file(spec, spec.path, token, timeout, tls)
+        return await _join_file(spec.path, token, timeout, spec.rank, tls), None
     server = None
     address = spec.address
     if spec.rank == 0:
-        server = StoreServer(token=token)
+        server = StoreServer(token=token, tls=tls)
         port = await server.start(spec.host, spec.port)
         address = format_address(_WILDCARDS.get(spec.host, spec.host), port)
     elif spec.port == 0:
         raise ConfigError(f"rank {spec.rank} cannot find a store on port 0 ({spec!r})")
-    store = StoreClient(address, token=token, timeout=timeout, rank=spec.rank)
+    store = StoreClient(address, token=token, timeout=timeout, rank=spec.rank, tls=tls)
     try:
         await store.connect()
     except BaseException:
@@ -269,8 +270,8 @@ def _holds(path: str, server_id: str) -> bool:
 class _FileStoreServer(StoreServer):
     """A store server that removes its rendezvous file when it stops."""
 
-    def __init__(self, *, token: str | None, path: str) -> None:
-        super().__init__(token=token)
+    def __init__(self, *, token: str | None, path: str, tls: StoreTls | None = None) -> None:
+        super().__init__(token=token, tls=tls)
         self.path = path
 
     async def stop(self, grace: float | None = 0.5) -> None:
@@ -282,9 +283,9 @@ class _FileStoreServer(StoreServer):
 
 
 async def _serve_file(
-    spec: RendezvousSpec, path: str, token: str | None, timeout: float
+    spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: StoreTls | None
 ) -> tuple[StoreClient, StoreServer]:
-    server = _FileStoreServer(token=token, path=path)
+    server = _FileStoreServer(token=token, path=path, tls=tls)
     port = await server.start(spec.host, 0)
     advertised = socket.gethostname() if spec.host in _WILDCARDS else spec.host
     store = StoreClient(
@@ -292,6 +293,7 @@ async def _serve_file(
         token=token,
         timeout=timeout,
         rank=spec.rank,
+        tls=tls,
     )
     try:
         temporary = f"{path}.{server.server_id}.tmp"
@@ -330,7 +332,11 @@ def _read_file(path: str) -> tuple[str, str] | str:
 
 
 async def _join_file(
-    path: str, token: str | None, timeout: float, rank: int | None = None
+    path: str,
+    token: str | None,
+    timeout: float,
+    rank: int | None = None,
+    tls: StoreTls | None = None,
 ) -> StoreClient:
     """Connect to the store whose address rank 0 wrote to ``path``.
 
@@ -347,7 +353,7 @@ async def _join_file(
             problem = found
         else:
             address, server_id = found
-            store = StoreClient(address, token=token, timeout=timeout, rank=rank)
+            store = StoreClient(address, token=token, timeout=timeout, rank=rank, tls=tls)
             left = remaining(deadline)
             try:
                 attempt = (

@@ -29,7 +29,7 @@ from .._errors import (
 from .._proto import store_pb2 as pb
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, format_address
+from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, StoreTls, format_address
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["StoreServer"]
@@ -76,8 +76,9 @@ class StoreServer:
     awaits between reading and writing the table.
     """
 
-    def __init__(self, *, token: str | None) -> None:
+    def __init__(self, *, token: str | None, tls: StoreTls | None = None) -> None:
         self._token = None if token is None else token.encode()
+        self._tls = tls
         self._data: dict[str, bytes] = {}
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._server: Any = None
@@ -101,7 +102,10 @@ class StoreServer:
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         server.add_generic_rpc_handlers((self._generic_handler(),))
         try:
-            bound = server.add_insecure_port(address)
+            if self._tls is not None:
+                bound = server.add_secure_port(address, self._tls.server_credentials())
+            else:
+                bound = server.add_insecure_port(address)
         except RuntimeError as exc:
             reason = _bind_failure_reason(host, port)
             raise ConnectError(f"store server cannot listen on {address}: {reason}") from exc

@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from .._errors import ConfigError, ConnectError
-from .._store import StoreClient, StoreServer, format_address
+from .._options import RpcOptions
+from .._store import StoreClient, StoreServer, StoreTls, format_address
 from . import _records as rec
 from ._args import DEFAULT_ADDR, LaunchConfig
 from ._coordinator import Coordinator, RoundPolicy
@@ -202,6 +203,10 @@ async def join(config: LaunchConfig) -> AsyncIterator[Membership]:
         return
     assert config.master_port is not None  # parse_args requires it with several nodes
     address = format_address(config.master_addr, config.master_port)
+    # With certificates in the environment (RPCDIST_TLS_CERT, _KEY and _CA,
+    # which the workers inherit too), the launchers' store speaks only TLS:
+    # the job token node 0 makes travels through it.
+    tls = StoreTls.of(RpcOptions(token=None))
     server = None
     async with _same_port_lock(config.master_port):
         if config.elastic:  # whoever can listen there serves
@@ -209,7 +214,7 @@ async def join(config: LaunchConfig) -> AsyncIterator[Membership]:
         else:
             hosting = config.node_rank == 0
         if hosting:
-            server = StoreServer(token=config.token)
+            server = StoreServer(token=config.token, tls=tls)
             try:
                 await server.start(config.master_addr, config.master_port)
             except ConnectError as exc:
@@ -217,7 +222,7 @@ async def join(config: LaunchConfig) -> AsyncIterator[Membership]:
                     raise ConnectError(f"node 0 cannot serve the launchers' store: {exc}") from exc
                 logger.debug("another launcher serves the rendezvous (%s)", exc)
                 server = None
-    client = StoreClient(address, token=config.token, timeout=config.node_timeout)
+    client = StoreClient(address, token=config.token, timeout=config.node_timeout, tls=tls)
     try:
         try:
             await client.connect(timeout=config.rdzv_timeout)

@@ -112,10 +112,12 @@ class Launchers:
         self.tag = uuid.uuid4().hex
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, *args: str, separate: bool = False) -> subprocess.Popen[str]:
+    def start(
+        self, *args: str, separate: bool = False, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         """Start ``python -m rpcdist.launch ARGS``, its stdout and stderr captured
-        together (or apart, with ``separate``)."""
-        env = clean_env()
+        together (or apart, with ``separate``); ``env``: more variables."""
+        env = {**clean_env(), **(env or {})}
         env[TAG] = self.tag
         proc = subprocess.Popen(
             [sys.executable, "-m", "rpcdist.launch", *args],

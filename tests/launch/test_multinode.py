@@ -8,12 +8,19 @@ launchers' store, a port the OS picked) and the same ``--token``.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 from launch_util import CHILD, SCRIPTS, TRAIN, alive, node_args, read_pid, read_starts, train_module
 
 import rpcdist
+from rpcdist.launch import free_port
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "reliability"))
+from certs import make_ca, make_cert
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
@@ -120,3 +127,31 @@ def test_a_launcher_without_the_secret_cannot_join(tmp_path, launchers, port):
     assert "rejected this process's token" in out and "the same --master-addr" in out
     assert launchers.run(*base, "--node-rank", "1", "--token", "right", *job)[0] == 0
     assert launchers.finish(node0)[0] == 0
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="the openssl command line is missing")
+def test_with_certificates_in_the_environment_the_job_runs_over_tls_end_to_end(
+    tmp_path, launchers, port
+):
+    """The launchers' store, the workers' store and their connections all use
+    TLS from RPCDIST_TLS_*: the job token never travels in clear."""
+    make_ca(tmp_path, "ca")
+    files = make_cert(tmp_path, "ca", "node")
+    env = {
+        "RPCDIST_TLS_CERT": files["tls_cert_file"],
+        "RPCDIST_TLS_KEY": files["tls_key_file"],
+        "RPCDIST_TLS_CA": files["tls_ca_file"],
+    }
+    common = ["--nproc-per-node", "1", *node_args(port, "2"), str(SCRIPTS / "tls_probe.py")]
+    nodes = [launchers.start("--node-rank", str(k), *common, env=env) for k in (0, 1)]
+    for k, node in enumerate(nodes):
+        rc, out = launchers.finish(node, timeout=80)
+        assert rc == 0, out
+        assert f"[rank {k}] TLS store=True link=True" in out, out
+    # A launcher without the certificates cannot join: the store speaks only TLS.
+    port2 = free_port()
+    args = ["--nproc-per-node", "1", *node_args(port2, "2", "--rdzv-timeout", "3")]
+    node0 = launchers.start("--node-rank", "0", *args, str(SCRIPTS / "tls_probe.py"), env=env)
+    rc, out = launchers.run("--node-rank", "1", *args, str(SCRIPTS / "tls_probe.py"))
+    assert rc != 0 and "this rank must have them too" in out, out
+    node0.kill()

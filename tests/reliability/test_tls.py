@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import ssl
 import struct
@@ -14,6 +15,7 @@ import rel_funcs as rf
 from certs import HAVE_OPENSSL, make_ca, make_cert
 
 import rpcdist
+from rpcdist._store import StoreClient, StoreTls
 from rpcdist._transport import _tcp
 from rpcdist._transport._tcp_dial import tcp_connect
 from rpcdist._transport._tls import TlsStream, tls_contexts
@@ -119,6 +121,34 @@ def test_grpc_transport_keeps_tls_with_or_without_client_certificates(pki):
         opts = rpcdist.RpcOptions(token="t", transport="grpc", tls_mutual=mutual, **pki["worker"])
         with local_agents(2, options=opts) as (a, _):
             assert a.rpc_async(1, rf.add, args=(2, 3)).wait(10) == 5
+
+
+def test_the_rendezvous_store_is_served_over_tls_too(pki):
+    """The job token travels in every store request: with certificates the
+    store speaks only TLS, and (mutual) only to clients with one of the CA's."""
+    opts = rpcdist.RpcOptions(token="t", **pki["worker"])
+    rogue = rpcdist.RpcOptions(token="t", **pki["rogue"])
+    with local_agents(2, options=opts) as (a, _):
+        address = a.store.address
+
+        async def reach(tls: StoreTls | None) -> str:
+            client = StoreClient(address, token="t", timeout=1.0, tls=tls)
+            try:
+                await client.connect()
+                await client.set("test/tls", b"v")
+                return "ok" if await client.get("test/tls", timeout=1.0) == b"v" else "lost"
+            except rpcdist.ConnectError as e:
+                return str(e)
+            finally:
+                await client.close()
+
+        assert a.run(reach(StoreTls.of(opts))) == "ok"
+        # plaintext gRPC is not served; nor is a certificate of another CA
+        assert "this rank must have them too" in a.run(reach(None))
+        assert "same CA" in a.run(reach(StoreTls.of(rogue)))
+        # the CA's own certificate is not enough without the key to match
+        bare = dataclasses.replace(StoreTls.of(opts), cert=b"", key=b"")
+        assert a.run(reach(bare)) != "ok"
 
 
 # ----------------------------------------------------------------- raw peers
