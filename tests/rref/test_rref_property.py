@@ -122,8 +122,8 @@ def test_values_live_exactly_while_referenced(rrefs3):
         run_state_machine_as_test(
             RRefProtocol,
             settings=settings(
-                max_examples=8,
-                stateful_step_count=12,
+                max_examples=30,
+                stateful_step_count=15,
                 deadline=None,
                 database=None,
                 suppress_health_check=list(HealthCheck),
