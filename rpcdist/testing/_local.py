@@ -31,6 +31,11 @@ def local_agents(
 ) -> Iterator[list[Agent]]:
     """Start ``n`` agents in this process; shut them all down on exit.
 
+    The agents share this process's interpreter lock: a full garbage
+    collection over a large heap, repeated in a loop, can starve them all
+    until their failure detectors declare one another lost (see the RPC
+    guide, "Several workers in one process").
+
     Args:
         n: Number of agents.
         names: Their names (default ``worker0``, ``worker1``, ...).
