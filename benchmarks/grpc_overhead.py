@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import multiprocessing as mp
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from _report import median
@@ -40,6 +41,15 @@ STEPS = [
     ("user thread", "tasks", "thread"),
     ("handler pool", "pool", "thread"),
 ]
+
+
+async def _pump(write: Callable[[bytes], Awaitable[Any]], out: deque[bytes], wake: Any) -> None:
+    """A link's writer task: send what is queued each time it is woken."""
+    while True:
+        await wake.wait()
+        wake.clear()
+        while out:
+            await write(out.popleft())
 
 
 def _serve(port_q: Any, mode: str) -> None:
@@ -61,14 +71,7 @@ def _serve(port_q: Any, mode: str) -> None:
                 out.append(m)
                 wake.set()
 
-            async def writer() -> None:
-                while True:
-                    await wake.wait()
-                    wake.clear()
-                    while out:
-                        await ctx.write(out.popleft())
-
-            w = asyncio.ensure_future(writer())
+            w = asyncio.ensure_future(_pump(ctx.write, out, wake))
             while (m := await ctx.read()) is not grpc.aio.EOF:
                 if mode == "pool":
                     pool.submit(loop.call_soon_threadsafe, reply, m)
@@ -112,23 +115,19 @@ def _client(port: int, mode: str, calls: int) -> list[float]:
                 out.append(b"x")
                 wake.set()
 
-            async def writer() -> None:
-                while True:
-                    await wake.wait()
-                    wake.clear()
-                    while out:
-                        await call.write(out.popleft())
-
             async def reader() -> None:
                 while (await call.read()) is not grpc.aio.EOF:
                     waiters.popleft()()
 
-            pumps = [asyncio.ensure_future(writer()), asyncio.ensure_future(reader())]
+            pumps = [
+                asyncio.ensure_future(_pump(call.write, out, wake)),
+                asyncio.ensure_future(reader()),
+            ]
             if mode == "tasks":
                 for _ in range(calls):
                     t = time.perf_counter()
                     fut = loop.create_future()
-                    send(lambda f=fut: f.set_result(None))
+                    send(functools.partial(fut.set_result, None))
                     await fut
                     lat.append(time.perf_counter() - t)
             else:
