@@ -10,10 +10,10 @@ functions and classes by name on every worker.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
+from _report import time_steps
 
 WORKLOADS = ("ps-tiny", "ps-mlp", "rnn")
 BATCH = {"ps-tiny": 4, "ps-mlp": 128, "rnn": 20}
@@ -268,17 +268,6 @@ _make_th_classes()
 # ------------------------------------------------------------------ workers
 
 
-def timed(step: Any, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def rss_mb() -> float:
     """This process's resident set size in MB (Linux)."""
     with open("/proc/self/statm") as f:
@@ -309,7 +298,7 @@ def rd_worker(rank: int, world: int, init: str, plan: list[tuple[str, int, int]]
         out: dict[str, Any] = {}
         for name, iters, warmup in plan:
             if name != "leak":
-                out[name] = timed(rd_iteration_fn(name, True), iters, warmup)
+                out[name] = time_steps(rd_iteration_fn(name, True), warmup, iters)
                 continue
             step = rd_iteration_fn("ps-tiny", True)
             for _ in range(warmup):
@@ -337,7 +326,7 @@ def th_worker(rank: int, world: int, port: int, plan: list[tuple[str, int, int]]
     if rank == 0:
         out = {}
         for name, iters, warmup in plan:
-            out[name] = timed(th_iteration_fn(name, True), iters, warmup)
+            out[name] = time_steps(th_iteration_fn(name, True), warmup, iters)
         q.put(out)
     rpc.shutdown()
 

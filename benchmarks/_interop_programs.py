@@ -12,12 +12,14 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import time_steps
 
 M: Any = None
 
@@ -162,13 +164,7 @@ def _ps_worker(rank: int, world_size: int, flavor: str, iters: int, out: str) ->
                 M.dist_autograd.backward(cid, [loss])
                 opt.step(cid)
 
-        for _ in range(max(5, iters // 10)):
-            step()
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
+        times = time_steps(step, max(5, iters // 10), iters)
         with open(out, "w") as f:
             json.dump(times, f)
     else:

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _ad_workloads as wl
-from _report import free_port, median, table, write_section
+from _report import free_port, median, table, time_steps, write_section
 
 CROSSINGS = {"ps-tiny": 1, "ps-mlp": 1, "rnn": 2}
 GOALS = {"ps-tiny": 0.4, "ps-mlp": 0.7, "rnn": 1.0}
@@ -62,7 +62,7 @@ def _run_job(
 
 
 def _alone(fn: Any, plan: list[tuple[str, int, int]]) -> dict[str, list[float]]:
-    return {name: wl.timed(fn(name, False), iters, warmup) for name, iters, warmup in plan}
+    return {name: time_steps(fn(name, False), warmup, iters) for name, iters, warmup in plan}
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_funcs as bf
-from _report import free_port, median, percentile, table, write_section
+from _report import free_port, median, percentile, table, time_steps, write_section
 
 SIZES_MB = [1, 16, 64, 256]
 WINDOW = 64
@@ -37,14 +37,7 @@ WINDOW = 64
 
 
 def _latency(call: Any, n: int) -> list[float]:
-    for _ in range(min(200, n)):
-        call()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t)
-    return out
+    return time_steps(call, min(200, n), n)
 
 
 def _throughput(submit: Any, n: int, window: int = WINDOW) -> float:
