@@ -81,8 +81,11 @@ def test_demo_trains_with_distributed_autograd(tmp_path):
 
 @pytest.mark.parametrize("mode", ["sync", "hogwild"])
 def test_parameter_server_modes_learn(mode, tmp_path):
+    # Four epochs, not two: hogwild's order of updates differs run to run, and
+    # after two epochs its accuracy ranged 0.72-0.94 over repeated runs (one CI
+    # failure); after four it stayed within 0.958-0.969 over eight.
     out = run_example(
-        "parameter_server.py", "--mode", mode, "--epochs", "2", "--min-accuracy", "0.8",
+        "parameter_server.py", "--mode", mode, "--epochs", "4", "--min-accuracy", "0.8",
         "--out-dir", str(tmp_path),
     )  # fmt: skip
     assert re.search(rf"final test accuracy 0\.[89]\d+ \({mode} mode\)", out), out
