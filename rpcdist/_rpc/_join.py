@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgpack
 
 from .._errors import ConfigError, ConnectError
-from .._store import StoreTls, open_store
+from .._store import GrpcTls, open_store
 from .._store._common import REFUSED_KEY
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ async def open_job_store(
         ConnectError: unreachable in time, or this rank's token was refused.
     """
     opts = agent.options
-    tls = StoreTls.of(opts)
+    tls = GrpcTls.of(opts)
     return await open_store(spec, token=opts.token, timeout=opts.init_timeout, tls=tls)
 
 

@@ -35,7 +35,7 @@ from .._proto import store_pb2 as pb
 from ._common import BARRIER_PREFIX as _BARRIER_PREFIX
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY, StoreTls
+from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY, GrpcTls
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["StoreClient"]
@@ -102,7 +102,7 @@ class StoreClient:
         token: str | None,
         timeout: float = 60.0,
         rank: int | None = None,
-        tls: StoreTls | None = None,
+        tls: GrpcTls | None = None,
     ) -> None:
         self._address = address
         self._tls = tls

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from .._deadline import deadline_for, remaining
 from .._errors import ConfigError, ConnectError
 from ._client import StoreClient
-from ._common import StoreTls, format_address
+from ._common import GrpcTls, format_address
 from ._server import StoreServer
 
 __all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
@@ -215,7 +215,7 @@ def parse_init_method(
 
 
 async def open_store(
-    spec: RendezvousSpec, *, token: str | None, timeout: float, tls: StoreTls | None = None
+    spec: RendezvousSpec, *, token: str | None, timeout: float, tls: GrpcTls | None = None
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to the store ``spec`` names; rank 0 serves it first.
 
@@ -270,7 +270,7 @@ def _holds(path: str, server_id: str) -> bool:
 class _FileStoreServer(StoreServer):
     """A store server that removes its rendezvous file when it stops."""
 
-    def __init__(self, *, token: str | None, path: str, tls: StoreTls | None = None) -> None:
+    def __init__(self, *, token: str | None, path: str, tls: GrpcTls | None = None) -> None:
         super().__init__(token=token, tls=tls)
         self.path = path
 
@@ -283,7 +283,7 @@ class _FileStoreServer(StoreServer):
 
 
 async def _serve_file(
-    spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: StoreTls | None
+    spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: GrpcTls | None
 ) -> tuple[StoreClient, StoreServer]:
     server = _FileStoreServer(token=token, path=path, tls=tls)
     port = await server.start(spec.host, 0)
@@ -336,7 +336,7 @@ async def _join_file(
     token: str | None,
     timeout: float,
     rank: int | None = None,
-    tls: StoreTls | None = None,
+    tls: GrpcTls | None = None,
 ) -> StoreClient:
     """Connect to the store whose address rank 0 wrote to ``path``.
 

@@ -29,7 +29,7 @@ from .._errors import (
 from .._proto import store_pb2 as pb
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, StoreTls, format_address
+from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, GrpcTls, format_address
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["StoreServer"]
@@ -76,7 +76,7 @@ class StoreServer:
     awaits between reading and writing the table.
     """
 
-    def __init__(self, *, token: str | None, tls: StoreTls | None = None) -> None:
+    def __init__(self, *, token: str | None, tls: GrpcTls | None = None) -> None:
         self._token = None if token is None else token.encode()
         self._tls = tls
         self._data: dict[str, bytes] = {}

@@ -11,7 +11,6 @@ import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,6 +28,7 @@ from .._errors import (
 from .._options import RpcOptions
 from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
 from ._frames import pack_batch
+from ._grpc_tls import GrpcTls
 
 __all__ = ["GrpcLink", "GrpcTransport", "translate_rpc_error"]
 
@@ -201,6 +201,7 @@ class GrpcTransport(TransportBase):
         super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
         self._server: grpc.aio.Server | None = None
+        self._tls = GrpcTls.of(options)  # read once, for the server and every channel
 
     async def serve(self, validate: Validate, accept: Accept) -> dict[str, Any]:
         """Bind to ``listen_host`` on a port picked by the OS and start serving.
@@ -219,13 +220,8 @@ class GrpcTransport(TransportBase):
         host = opts.listen_host
         addr = f"[{host}]:0" if ":" in host and not host.startswith("[") else f"{host}:0"
         try:
-            if opts.tls:
-                creds = grpc.ssl_server_credentials(
-                    [(_read_file(opts.tls_key_file or ""), _read_file(opts.tls_cert_file or ""))],
-                    root_certificates=_read_file(opts.tls_ca_file or ""),
-                    require_client_auth=opts.tls_mutual,
-                )
-                port = server.add_secure_port(addr, creds)
+            if self._tls is not None:
+                port = server.add_secure_port(addr, self._tls.server_credentials())
             else:
                 port = server.add_insecure_port(addr)
         except (RuntimeError, OSError) as e:
@@ -273,7 +269,7 @@ class GrpcTransport(TransportBase):
             pass
 
     def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
-        channel = _open_channel(self._options, str(peer.info["addr"]))
+        channel = _open_channel(self._tls, str(peer.info["addr"]))
         md: list[tuple[str, str]] = [(MD_RANK, str(self._rank)), (MD_NAME, self._name)]
         if self._options.token is not None:
             md.append((MD_TOKEN, self._options.token))
@@ -313,17 +309,8 @@ class GrpcTransport(TransportBase):
             self.segments.cleanup()
 
 
-def _read_file(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
-def _open_channel(options: RpcOptions, address: str) -> grpc.aio.Channel:
+def _open_channel(tls: GrpcTls | None, address: str) -> grpc.aio.Channel:
     """A channel to a peer's server, TLS when configured."""
-    if options.tls:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read_file(options.tls_ca_file or ""),
-            private_key=_read_file(options.tls_key_file or ""),
-            certificate_chain=_read_file(options.tls_cert_file or ""),
-        )
-        return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

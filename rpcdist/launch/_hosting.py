@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .._errors import ConfigError, ConnectError
 from .._options import RpcOptions
-from .._store import StoreClient, StoreServer, StoreTls, format_address
+from .._store import GrpcTls, StoreClient, StoreServer, format_address
 from . import _records as rec
 from ._args import DEFAULT_ADDR, LaunchConfig
 from ._coordinator import Coordinator, RoundPolicy
@@ -206,7 +206,7 @@ async def join(config: LaunchConfig) -> AsyncIterator[Membership]:
     # With certificates in the environment (RPCDIST_TLS_CERT, _KEY and _CA,
     # which the workers inherit too), the launchers' store speaks only TLS:
     # the job token node 0 makes travels through it.
-    tls = StoreTls.of(RpcOptions(token=None))
+    tls = GrpcTls.of(RpcOptions(token=None))
     server = None
     async with _same_port_lock(config.master_port):
         if config.elastic:  # whoever can listen there serves

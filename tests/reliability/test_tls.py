@@ -15,7 +15,7 @@ import rel_funcs as rf
 from certs import HAVE_OPENSSL, make_ca, make_cert
 
 import rpcdist
-from rpcdist._store import StoreClient, StoreTls
+from rpcdist._store import GrpcTls, StoreClient
 from rpcdist._transport import _tcp
 from rpcdist._transport._tcp_dial import tcp_connect
 from rpcdist._transport._tls import TlsStream, tls_contexts
@@ -131,7 +131,7 @@ def test_the_rendezvous_store_is_served_over_tls_too(pki):
     with local_agents(2, options=opts) as (a, _):
         address = a.store.address
 
-        async def reach(tls: StoreTls | None) -> str:
+        async def reach(tls: GrpcTls | None) -> str:
             client = StoreClient(address, token="t", timeout=1.0, tls=tls)
             try:
                 await client.connect()
@@ -142,12 +142,12 @@ def test_the_rendezvous_store_is_served_over_tls_too(pki):
             finally:
                 await client.close()
 
-        assert a.run(reach(StoreTls.of(opts))) == "ok"
+        assert a.run(reach(GrpcTls.of(opts))) == "ok"
         # plaintext gRPC is not served; nor is a certificate of another CA
         assert "this rank must have them too" in a.run(reach(None))
-        assert "same CA" in a.run(reach(StoreTls.of(rogue)))
+        assert "same CA" in a.run(reach(GrpcTls.of(rogue)))
         # the CA's own certificate is not enough without the key to match
-        bare = dataclasses.replace(StoreTls.of(opts), cert=b"", key=b"")
+        bare = dataclasses.replace(GrpcTls.of(opts), cert=b"", key=b"")
         assert a.run(reach(bare)) != "ok"
 
 
