@@ -42,11 +42,11 @@ def quiesce(agents, timeout: float = 30.0) -> None:
 def state(agents) -> str:
     """What each agent knows, for a failure's message."""
     keys = ("lost_workers", "rref_owners", "rref_forks", "rref_control_failures")
-    return "; ".join(f"{a.name}: {_pick(a.statistics(), keys)}" for a in agents)
-
-
-def _pick(stats: dict, keys: tuple[str, ...]) -> dict:
-    return {k: stats.get(k) for k in keys}
+    parts = []
+    for a in agents:
+        stats = a.statistics()
+        parts.append(f"{a.name}: {dict((k, stats.get(k)) for k in keys)}")
+    return "; ".join(parts)
 
 
 class RRefProtocol(RuleBasedStateMachine):
