@@ -329,6 +329,7 @@ Goal: TLS echo at 64 MB ≥ 60% of plaintext.
 grpc.aio's own bidirectional-stream ping-pong, same run: {median(floor):.0f}
 µs; ratio **{median(ours) / median(floor):.2f}** (goal ≤ 1.2×; medians of
 {len(ours)} runs).
+
 Where the difference goes: `python benchmarks/grpc_overhead.py` builds a
 grpc.aio stream echo up to this structure one step at a time (reader and
 writer tasks, a user thread handing each call to the event loop, handlers
