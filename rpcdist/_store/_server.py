@@ -188,7 +188,7 @@ class StoreServer:
         rank = metadata.get(RANK_METADATA_KEY)
         who = f"rank {rank}" if isinstance(rank, str) and rank.isdigit() else "a process"
         text = f"{who} was refused by the rendezvous store: {why}"
-        logger.warning("store %s: %s", self.server_id, text)
+        logger.warning("%s", text)
         self.refused = text.encode()
         self._wake(REFUSED_KEY)
 
@@ -197,10 +197,11 @@ class StoreServer:
             metadata = dict(context.invocation_metadata() or ())
             why = self._refusal(metadata)
             if why is not None:
+                # One text for the refused caller and (through REFUSED_KEY)
+                # for the ranks that were let in, whichever reports first.
+                why = f"{why} [store {self.server_id}]"
                 self._refuse(metadata, why)
-                await _abort(
-                    context, grpc.StatusCode.UNAUTHENTICATED, f"{why} [store {self.server_id}]"
-                )
+                await _abort(context, grpc.StatusCode.UNAUTHENTICATED, why)
             if self._closing:
                 await _abort(context, grpc.StatusCode.UNAVAILABLE, "store server is shutting down")
             return await handler(request, context)

@@ -108,6 +108,15 @@ def test_a_token_mismatch_is_reported_on_both_sides_naming_the_rank(tmp_path, sc
     assert "rank 1 was refused by the rendezvous store" in str(errors[0])
 
 
+def test_both_sides_of_a_token_mismatch_end_with_the_same_reason(tmp_path):
+    # Either rank's error may reach the user first (local_agents re-raises
+    # whichever comes): both end with the store's one refusal text.
+    errors = _start_pair(f"file://{tmp_path}/rdv", ("a", "b"))
+    reasons = {str(errors[r]).split(": ")[-1] for r in (0, 1)}
+    assert len(reasons) == 1, errors
+    assert reasons.pop().startswith("every rank must use the same RPCDIST_TOKEN [store ")
+
+
 def test_listening_beyond_loopback_needs_a_token_tls_or_an_explicit_option():
     with pytest.raises(rpcdist.ConfigError, match="beyond this host"):
         rpcdist.RpcOptions(token=None, listen_host="0.0.0.0").validated()
