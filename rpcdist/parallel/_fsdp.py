@@ -105,7 +105,10 @@ class FullyShardedDataParallel(Module, Joinable):
             describe(params, "parameter") + describe(buffers, "buffer"), process_group, _WHAT
         )
         broadcast_tensors([p for _, p in params] + [b for _, b in buffers], 0, process_group)
-        shared = Shared(process_group, rank, world, sharding_strategy, mp)
+        first = next((t.data for _, t in params + buffers), None)
+        shared = Shared(
+            process_group, rank, world, sharding_strategy, mp, np if first is None else xp_of(first)
+        )
         names = {id(p): n for n, p in params}
         claimed: set[int] = set()
         self.process_group = process_group
@@ -383,8 +386,8 @@ def _make_unit(
             object.__setattr__(mod, attr, None)
     if plist:
         full = xp_of(plist[0].data).concatenate([p.data.reshape(-1) for p in plist])
-    else:
-        full = np.zeros(0, np.float32)
+    else:  # every parameter went to nested units: an empty unit on the model's device
+        full = shared.xp.zeros(0, np.float32)
     unit = FlatUnit(0, slots, full, shared)
     unit.shard.requires_grad = not plist or plist[0].requires_grad
     return unit

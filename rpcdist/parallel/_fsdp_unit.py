@@ -56,6 +56,7 @@ class Shared:
     world: int
     strategy: str
     mp: MixedPrecision | None
+    xp: Any = np  # the model's array module: an empty unit is made with it
     units: list[FlatUnit] = field(default_factory=list)
     sync: bool = True
     kept: bool = False
