@@ -37,6 +37,7 @@ __all__ = [
     "TorchSend",
     "TorchState",
     "install",
+    "receive",
     "state",
 ]
 
@@ -111,6 +112,71 @@ class RecvFunction(torch.autograd.Function):  # type: ignore[misc]  # Any withou
         return None, None, None, None
 
 
+class _StashFunction(torch.autograd.Function):  # type: ignore[misc]  # Any without torch
+    """The device half of a received CUDA tensor's edge: identity forward; its
+    backward, which torch runs on its own thread for that device, only leaves
+    the gradient in ``box`` for :class:`_DeliverFunction`."""
+
+    @staticmethod
+    def forward(ctx: Any, link: torch.Tensor, data: torch.Tensor, box: list[Any]) -> torch.Tensor:
+        ctx.box = box
+        return data.view_as(data)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.box.append(grad)
+        return torch.zeros(()), None, None
+
+
+class _DeliverFunction(torch.autograd.Function):  # type: ignore[misc]  # Any without torch
+    """The CPU half: its output (a scalar) links the anchor to the device half,
+    so its backward runs after that one's, on the thread that runs the pass,
+    and sends the gradient the device half left in ``box`` home."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, box: list[Any], deliver: Any,
+                index: int) -> torch.Tensor:  # fmt: skip
+        ctx.box = box
+        ctx.deliver = deliver
+        ctx.index = index
+        return torch.zeros((), dtype=anchor.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, _link: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.deliver(ctx.index, ctx.box.pop())
+        return None, None, None, None
+
+
+def _on_device_thread(tensor: torch.Tensor) -> bool:
+    """Whether torch's engine runs the backward of an op on ``tensor`` on a
+    device thread of its own (every device but the CPU)."""
+    return tensor.device.type != "cpu"
+
+
+def receive(anchor: torch.Tensor, tensor: torch.Tensor, deliver: Any, index: int) -> torch.Tensor:
+    """``tensor`` as the output of a receive edge whose backward calls
+    ``deliver(index, grad)``.
+
+    Sending a gradient home waits for the whole pass below it, which may come
+    back to this process (a round trip: this worker's tensor went out and a
+    result came back). Torch runs every backward op on a CUDA tensor on one
+    thread per device, so a receive edge that waited there would keep that
+    round trip's own CUDA work from running: a deadlock until the timeout. A
+    CUDA tensor's edge is therefore two nodes: the device half only hands the
+    gradient over, and the CPU half (run on the pass's own thread) sends it
+    and waits.
+    """
+    if not _on_device_thread(tensor):
+        out: torch.Tensor = RecvFunction.apply(  # type: ignore[no-untyped-call]
+            anchor, tensor, deliver, index
+        )
+        return out
+    box: list[Any] = []
+    link = _DeliverFunction.apply(anchor, box, deliver, index)  # type: ignore[no-untyped-call]
+    out = _StashFunction.apply(link, tensor, box)  # type: ignore[no-untyped-call]
+    return out
+
+
 class _Hook:
     """What the codec calls for torch tensors that require grad."""
 
@@ -165,10 +231,7 @@ class _Hook:
         from ._backward import deliverer  # here: _backward imports this module
 
         with torch.enable_grad():
-            out: torch.Tensor = RecvFunction.apply(  # type: ignore[no-untyped-call]
-                recv.anchor, tensor, deliverer(agent, context_id, recv), index
-            )
-        return out
+            return receive(recv.anchor, tensor, deliverer(agent, context_id, recv), index)
 
 
 def _forget(st: TorchState, message_id: int) -> None:

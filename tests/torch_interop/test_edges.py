@@ -29,6 +29,17 @@ def agents():
         assert contexts_settled(ags)
 
 
+@pytest.fixture(params=["one-node", "device-split"])
+def edge(request, monkeypatch):
+    """Receive edges as on the CPU (one node) or as on a CUDA device (a device
+    node handing the gradient to a CPU node that sends it), here on the CPU."""
+    from rpcdist.torch import _edges
+
+    if request.param == "device-split":
+        monkeypatch.setattr(_edges, "_on_device_thread", lambda t: True)
+    return request.param
+
+
 def _oracle(x0, names):
     x = x0.detach().clone().requires_grad_()
     ws = {n: tf.PARAMS[n].detach().clone().requires_grad_() for n in names}
@@ -40,7 +51,7 @@ def _oracle(x0, names):
     return x.grad, {n: w.grad for n, w in ws.items()}
 
 
-def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents):
+def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents, edge):
     x0 = tf.param(9, (2, 3))
     with as_current(agents[0]):
         x = x0.detach().clone().requires_grad_()
@@ -62,7 +73,7 @@ def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents):
         assert tf.PARAMS[n].grad is None
 
 
-def test_two_outputs_of_one_message_and_two_backward_passes_accumulate(agents):
+def test_two_outputs_of_one_message_and_two_backward_passes_accumulate(agents, edge):
     x0 = tf.param(4, (2, 3))
     with as_current(agents[0]):
         x = x0.detach().clone().requires_grad_()
