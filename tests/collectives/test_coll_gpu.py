@@ -66,3 +66,70 @@ def test_cupy_buffers_on_the_cpu_engines(backend):
 @pytest.mark.timeout(180)
 def test_cupy_buffers_through_nccl():
     run_workers(cupy_worker, 2, args=("nccl", True), timeout=150)
+
+
+def _has_nccl() -> bool:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception:
+        return False
+    return cuda_devices() >= 1
+
+
+@pytest.mark.skipif(not _has_nccl(), reason="needs CuPy with NCCL and a CUDA device")
+def test_the_nccl_engine_drives_a_real_communicator_of_one_rank():
+    """The calls into ``cupy.cuda.nccl`` (pointers, counts, datatypes, complex as
+    float pairs, AVG's divide, the completion event), on a communicator of one
+    rank: one GPU cannot hold two NCCL ranks. Outputs are separate buffers
+    wherever the op allows, so a wrong count or pointer shows as garbage."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import cupy
+    from cupy.cuda import nccl
+
+    from rpcdist.collectives import ReduceOp
+    from rpcdist.collectives._engine import NcclEngineOps
+    from rpcdist.collectives._nccl import NcclEngine
+    from rpcdist.collectives._ops import Meta, xp_for
+
+    with cupy.cuda.Device(0):
+        comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+        engine = NcclEngine(comm, nccl, cupy, 1, 0)
+        group = SimpleNamespace(run_async=asyncio.run, timeout=30.0)
+        ops = NcclEngineOps(engine, group, cupy.cuda.get_current_stream(), 0)
+        try:
+            for dtype, op in (
+                ("float32", ReduceOp.SUM),
+                ("float64", ReduceOp.AVG),
+                ("int64", ReduceOp.MAX),
+                ("complex64", ReduceOp.SUM),
+                ("float16", ReduceOp.MIN),
+            ):
+                src = (cupy.arange(1001) - 500).astype(dtype)
+                if dtype.startswith("complex"):
+                    src = src + 1j * src[::-1]
+                meta = Meta("all_reduce", 0, op, -1, dtype, src.shape)
+                dst = cupy.full_like(src, 7)
+                ops.all_reduce(0, xp_for(src), src, dst, op, meta)
+                assert bool((dst == src).all()), (dtype, op)
+
+                buf = src.copy()
+                ops.broadcast(1, buf, 0, Meta("broadcast", 1, 0, 0, dtype, buf.shape))
+                assert bool((buf == src).all()), dtype
+
+                red = src.copy()
+                ops.reduce(2, xp_for(red), red, red, 0, op, Meta("reduce", 2, op, 0, dtype, ()))
+                assert bool((red == src).all()), (dtype, op)
+
+                out = cupy.full_like(src, 7)
+                ops.all_gather(3, src, [out], Meta("all_gather", 3, 0, -1, dtype, src.shape))
+                assert bool((out == src).all()), dtype
+
+                rs = cupy.full_like(src, 7)
+                ops.reduce_scatter(
+                    4, xp_for(src), [src], rs, op, Meta("reduce_scatter", 4, op, -1, dtype, ())
+                )
+                assert bool((rs == src).all()), (dtype, op)
+        finally:
+            engine.close()
