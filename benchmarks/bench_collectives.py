@@ -12,7 +12,12 @@ back (about 20 ms of work, at least 3 calls, at most 200); a row is the
 median over samples of the time per call, as measured on rank 0. Gloo runs through ``torch.distributed``
 (CPU, rendezvous over 127.0.0.1) when torch imports.
 
-Usage: ``python benchmarks/bench_collectives.py [--quick] [--no-write]``.
+With ``--device cuda`` the buffers live on the GPU (CuPy arrays for rpcdist,
+CUDA tensors for Gloo, every rank on device 0) and each sample ends with a
+device synchronisation, so a row counts the staging through host memory that
+both libraries do on one GPU; that table goes to its own section.
+
+Usage: ``python benchmarks/bench_collectives.py [--quick] [--no-write] [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -43,18 +48,31 @@ def _loops(nbytes: int) -> int:
     return max(3, min(200, (64 << 20) // max(nbytes, 1) * 3))
 
 
-def _sample(fn: Callable[[], None], barrier: Callable[[], None], loops: int, reps: int) -> float:
-    """Median seconds per call of ``fn`` over ``reps`` samples of ``loops`` calls."""
+def _sample(
+    fn: Callable[[], None],
+    barrier: Callable[[], None],
+    loops: int,
+    reps: int,
+    sync: Callable[[], None],
+) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples of ``loops`` calls
+    (``sync`` waits for the device's queued work before a sample's clock stops)."""
     for _ in range(2):
         fn()
     samples = []
     for _ in range(reps):
+        sync()
         barrier()
         t = time.perf_counter()
         for _ in range(loops):
             fn()
+        sync()
         samples.append((time.perf_counter() - t) / loops)
     return median(samples)
+
+
+def _no_sync() -> None:
+    pass
 
 
 def _measure(
@@ -64,24 +82,33 @@ def _measure(
     make: Callable[[int], Any],
     sizes: list[int],
     reps: int,
+    sync: Callable[[], None] = _no_sync,
 ) -> dict[str, float]:
     """Seconds per operation, keyed by name."""
     out: dict[str, float] = {}
     for n in sizes:
         buf = make(n)
-        out[f"ar{n}"] = _sample(lambda b=buf: all_reduce(b), barrier, _loops(n), reps)
+        out[f"ar{n}"] = _sample(lambda b=buf: all_reduce(b), barrier, _loops(n), reps, sync)
     buf = make(BCAST)
-    out["bcast"] = _sample(lambda: broadcast(buf), barrier, _loops(BCAST), reps)
+    out["bcast"] = _sample(lambda: broadcast(buf), barrier, _loops(BCAST), reps, sync)
     small = make(KB4)
-    out["lat_ar"] = _sample(lambda: all_reduce(small), barrier, 200, reps)
-    out["lat_barrier"] = _sample(barrier, barrier, 200, reps)
+    out["lat_ar"] = _sample(lambda: all_reduce(small), barrier, 200, reps, sync)
+    out["lat_barrier"] = _sample(barrier, barrier, 200, reps, _no_sync)
     return out
 
 
 def rpcdist_worker(
-    rank: int, world: int, init: str, backend: str, sizes: list[int], reps: int
+    rank: int, world: int, init: str, backend: str, sizes: list[int], reps: int, device: str
 ) -> Any:
     from rpcdist import collectives as dist
+
+    make: Callable[[int], Any] = lambda n: np.zeros(n // 4, np.float32)  # noqa: E731
+    sync = _no_sync
+    if device == "cuda":
+        import cupy
+
+        make = lambda n: cupy.zeros(n // 4, cupy.float32)  # noqa: E731
+        sync = cupy.cuda.Device().synchronize
 
     # "tcp": the ring backend forced onto loopback TCP, as between hosts;
     # "unix": the same ring over the same-host Unix sockets the agent uses
@@ -95,9 +122,10 @@ def rpcdist_worker(
             lambda b: dist.all_reduce(b),
             lambda b: dist.broadcast(b, 0),
             dist.barrier,
-            lambda n: np.zeros(n // 4, np.float32),
+            make,
             sizes,
             reps,
+            sync,
         )
         assert dist.get_backend() == backend
         return got if rank == 0 else None
@@ -105,11 +133,14 @@ def rpcdist_worker(
         dist.destroy_process_group()
 
 
-def gloo_worker(rank: int, world: int, _init: str, port: int, sizes: list[int], reps: int) -> Any:
+def gloo_worker(
+    rank: int, world: int, _init: str, port: int, sizes: list[int], reps: int, device: str
+) -> Any:
     import torch
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if device == "cuda" else _no_sync
     tdist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -118,9 +149,10 @@ def gloo_worker(rank: int, world: int, _init: str, port: int, sizes: list[int], 
             lambda b: tdist.all_reduce(b),
             lambda b: tdist.broadcast(b, 0),
             tdist.barrier,
-            lambda n: torch.zeros(n // 4, dtype=torch.float32),
+            lambda n: torch.zeros(n // 4, dtype=torch.float32, device=device),
             sizes,
             reps,
+            sync,
         )
         return got if rank == 0 else None
     finally:
@@ -139,20 +171,30 @@ def main() -> None:
         "--impl", default="shm,tcp,unix,gloo", help="shm, tcp, unix, gloo ('grpc': tcp's old name)"
     )
     ap.add_argument("--p", default="2,4")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     sizes = [KB4, 1 << 20, 16 << 20] if args.quick else SIZES
     worlds = [2] if args.quick else [int(x) for x in args.p.split(",")]
     names = ["tcp" if i == "grpc" else i for i in args.impl.split(",")]
     impls = [i for i in names if i != "gloo" or have_torch_distributed()]
+    gpu = ""
+    if args.device == "cuda":
+        import cupy
+
+        gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     reps = 5
     results: dict[tuple[str, int], dict[str, float]] = {}
     for p in worlds:
         for impl in impls:
             t0 = time.perf_counter()
             if impl == "gloo":
-                got = run_workers(gloo_worker, p, args=(free_port(), sizes, reps), timeout=600)
+                got = run_workers(
+                    gloo_worker, p, args=(free_port(), sizes, reps, args.device), timeout=600
+                )
             else:
-                got = run_workers(rpcdist_worker, p, args=(impl, sizes, reps), timeout=600)
+                got = run_workers(
+                    rpcdist_worker, p, args=(impl, sizes, reps, args.device), timeout=600
+                )
             results[(impl, p)] = got[0]
             print(f"{impl} p={p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rows = []
@@ -179,8 +221,14 @@ def main() -> None:
                 row += [us[i] / us["gloo"] for i in impls if i != "gloo"]
             lat_rows.append(row)
     ratio_cols = [f"{i} / gloo" for i in impls if i != "gloo"] if "gloo" in impls else []
+    where = (
+        f"Buffers on the GPU ({gpu}, all ranks on device 0; CuPy arrays for rpcdist, "
+        "CUDA tensors for Gloo), each sample ending with a device synchronisation. "
+        if gpu
+        else ""
+    )
     body = (
-        "Bus bandwidth in GB/s (higher is better; all_reduce busbw = algbw * 2(p-1)/p, "
+        where + "Bus bandwidth in GB/s (higher is better; all_reduce busbw = algbw * 2(p-1)/p, "
         "broadcast busbw = algbw), float32 buffers, median of timed samples on rank 0.\n\n"
         + table(["p", "operation", *[f"{i} GB/s" for i in impls], *ratio_cols], rows)
         + "\n\nLatency in microseconds per operation (lower is better; mean over loops "
@@ -189,12 +237,20 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
-        write_section(
-            "collectives",
-            "Collectives: rpcdist's shared memory and ring (TCP, Unix sockets) against Gloo",
-            body,
-            "python benchmarks/bench_collectives.py",
-        )
+        if gpu:
+            write_section(
+                "collectives-gpu",
+                "Collectives on GPU buffers (one GPU shared by the ranks) against Gloo",
+                body,
+                "python benchmarks/bench_collectives.py --device cuda",
+            )
+        else:
+            write_section(
+                "collectives",
+                "Collectives: rpcdist's shared memory and ring (TCP, Unix sockets) against Gloo",
+                body,
+                "python benchmarks/bench_collectives.py",
+            )
 
 
 if __name__ == "__main__":
