@@ -159,6 +159,15 @@ def gloo_worker(
         tdist.destroy_process_group()
 
 
+_GPU_NOTE = (
+    "\n\nBoth libraries stage GPU buffers through host memory here: rpcdist copies "
+    "each piece between the GPU and its shared-memory slots (or socket buffers), which "
+    "are ordinary pageable memory, and reduces on the GPU; Gloo copies into pinned "
+    'buffers it keeps. Ranks with a GPU each take NCCL instead (`backend="auto"`), '
+    "which one GPU cannot show."
+)
+
+
 def _label(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
@@ -234,6 +243,7 @@ def main() -> None:
         + "\n\nLatency in microseconds per operation (lower is better; mean over loops "
         "of 200 calls, median of 5 samples).\n\n"
         + table(["p", "operation", *[f"{i} us" for i in impls], *ratio_cols], lat_rows)
+        + (_GPU_NOTE if gpu else "")
     )
     print(body)
     if not args.no_write:
