@@ -160,10 +160,11 @@ def gloo_worker(
 
 
 _GPU_NOTE = (
-    "\n\nBoth libraries stage GPU buffers through host memory here: rpcdist copies "
-    "each piece between the GPU and its shared-memory slots (or socket buffers), which "
-    "are ordinary pageable memory, and reduces on the GPU; Gloo copies into pinned "
-    'buffers it keeps. Ranks with a GPU each take NCCL instead (`backend="auto"`), '
+    "\n\nBoth libraries stage GPU buffers through host memory here. rpcdist copies "
+    "each piece between the GPU and the shared-memory slots, which it page-locks for "
+    "the device at the group's first CuPy collective, and reduces on the GPU (the "
+    "message ring, `unix`, stages through ordinary memory); Gloo copies into pinned "
+    "buffers it keeps. With one GPU per rank the default backend is NCCL instead, "
     "which one GPU cannot show."
 )
 

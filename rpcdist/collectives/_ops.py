@@ -8,6 +8,7 @@ memory, while reductions run where the buffer lives (on the GPU for CuPy).
 from __future__ import annotations
 
 import enum
+import logging
 import sys
 from typing import Any
 
@@ -15,6 +16,8 @@ import msgpack
 import numpy as np
 
 from .._errors import CollectiveError, ConfigError
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "Meta",
@@ -167,9 +170,27 @@ class Xp:
     def copy(self, dst: Any, src: Any) -> None:
         self.module.copyto(dst, src)
 
+    def pin(self, region: np.ndarray) -> bool:
+        """Page-lock the host memory under ``region`` for the device's copies
+        (False: not applicable, as for NumPy buffers, or refused)."""
+        return False
+
+    def unpin(self, region: np.ndarray) -> None:
+        """Undo :meth:`pin`."""
+
+    def fence(self, like: Any) -> None:
+        """Wait for the copies issued so far on ``like``'s device and stream
+        (a copy from page-locked host memory reads it in the background)."""
+
 
 class _CupyXp(Xp):
-    """CuPy buffers: reductions on the GPU, data staged through host memory."""
+    """CuPy buffers: reductions on the GPU, data staged through host memory.
+
+    Copies to the host finish before they return. Copies from the host may
+    still be reading their source after they return when it is page-locked
+    (:meth:`pin`): an algorithm that reads page-locked slots calls
+    :meth:`fence` before it lets their owners rewrite them.
+    """
 
     host = False
 
@@ -197,6 +218,24 @@ class _CupyXp(Xp):
 
     def host_view(self, a: Any) -> np.ndarray:
         return a.get()  # type: ignore[no-any-return]
+
+    def pin(self, region: np.ndarray) -> bool:
+        try:  # cudaHostRegisterPortable: page-locked for every device's context
+            self.module.cuda.runtime.hostRegister(region.ctypes.data, region.nbytes, 1)
+        except Exception as e:  # CUDARuntimeError: not supported, out of resources
+            _log.debug("page-locking %d bytes of shared memory failed: %s", region.nbytes, e)
+            return False
+        return True
+
+    def unpin(self, region: np.ndarray) -> None:
+        try:
+            self.module.cuda.runtime.hostUnregister(region.ctypes.data)
+        except Exception as e:  # the context may be gone at interpreter exit
+            _log.debug("unregistering shared memory failed: %s", e)
+
+    def fence(self, like: Any) -> None:
+        with like.device:
+            self.module.cuda.get_current_stream().synchronize()
 
 
 _NUMPY_XP = Xp()

@@ -119,6 +119,8 @@ class Segments:
         #: Called while waiting; raises to end the wait (set by the group).
         self.check: Callable[[bool], None] = lambda full: None
         self._closed = False
+        self._xp: Any = None  # the device adapter that page-locked the data regions
+        self._pinned: list[np.ndarray] = []
 
     # --------------------------------------------------------------- access
 
@@ -126,6 +128,41 @@ class Segments:
         """Rank ``q``'s data slot for round ``g`` (bytes)."""
         s = (g % SLOTS) * self.slot_bytes
         return self._data[q][s : s + self.slot_bytes]
+
+    # -------------------------------------------------------- device copies
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the data regions are page-locked for device copies."""
+        return bool(self._pinned)
+
+    def pin(self, xp: Any) -> bool:
+        """Page-lock every mapped data region for ``xp``'s device copies (once).
+
+        Copies between GPU buffers and page-locked slots run at the bus's
+        speed instead of through the driver's bounce buffers; a copy from
+        such a slot may still be reading after the call that issued it, so
+        the algorithms call ``xp.fence`` before each sync that lets a slot's
+        owner rewrite it. Returns whether the regions are pinned; if any
+        region is refused, none stays pinned (plain copies still work).
+        """
+        if self._xp is not None or self._closed:
+            return self.pinned
+        self._xp = xp
+        for region in self._data:
+            if not xp.pin(region):
+                for done in self._pinned:
+                    xp.unpin(done)
+                self._pinned = []
+                return False
+            self._pinned.append(region)
+        return True
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            for region in self._pinned:
+                self._xp.unpin(region)
+            self._pinned = []
 
     # ------------------------------------------------------------- the sync
 
@@ -237,6 +274,9 @@ class Segments:
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(Exception):  # a failed device must not keep the pages mapped
+            self._unpin()
+        self._pinned = []
         self._sock.close()
         self._ctrl = self._peer_ctrl = self._meta = []
         self._data = []

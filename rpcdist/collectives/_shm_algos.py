@@ -81,6 +81,8 @@ class ShmEngine:
     ) -> None:
         """Reduce ``src`` over the group into ``out`` on every rank (``root < 0``) or at ``root``."""
         seg, p, r = self.seg, self.size, self.rank
+        if not xp.host:
+            seg.pin(xp)
         dtype = src.dtype
         per = max(1, seg.round_bytes // dtype.itemsize)
         n = src.size
@@ -136,11 +138,13 @@ class ShmEngine:
             b_phase(j)
             if j + 1 < count:
                 a_phase(j + 1)
+            xp.fence(src)  # device copies from peers' slots are done before we sync
             n = seg.signal()  # peers may go on while this rank copies out
             if j >= 1:
                 c_phase(j - 1)
             seg.wait(n)
         c_phase(count - 1)
+        xp.fence(src)  # ... also before the next collective's first sync
 
     def all_reduce(self, seq: int, xp: Xp, src: Any, dst: Any, op: ReduceOp, meta: Meta) -> None:
         """Shared-memory all-reduce of the 1-D ``src`` into ``dst`` (may be ``src``)."""
@@ -305,6 +309,8 @@ class ShmEngine:
     ) -> None:
         """Each rank publishes its contribution to every piece; rank ``r`` reduces piece ``r``."""
         dt, r, p = out.dtype, self.rank, self.size
+        if not xp.host:
+            self.seg.pin(xp)
         pb = self._piece_bytes()
         per = max(1, pb // dt.itemsize)
 
@@ -324,6 +330,7 @@ class ShmEngine:
                 xp.reduce_into(op, acc, first, self._view(q, g, r * pb, b - a, dt))
                 first = acc
             xp.finish(op, acc, p)
+            xp.fence(out)  # the copies from peers' slots are done before the next sync
 
         self._rounds(seq, meta, lambda _m: _rounds_for([x.size for x in ins], per), write, read)
 

@@ -47,10 +47,12 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
         dist.reduce(red, 0, ReduceOp.PROD)
         if rank == 0:
             assert float(red[0]) == 2.0**world
-        if own_gpu:  # every rank has its own GPU: the default group went through NCCL
-            from rpcdist.collectives._api import resolve
+        from rpcdist.collectives._api import resolve
 
+        if own_gpu:  # every rank has its own GPU: the default group went through NCCL
             assert resolve(None).extra.get("nccl") is not None
+        elif backend == "shm":  # CuPy copies go straight to page-locked slots
+            assert resolve(None).engine.inner.seg.pinned
     finally:
         dist.destroy_process_group()
 

@@ -276,3 +276,76 @@ def test_nccl_engine_translates_calls():
     assert calls[3] == ("reduce", (1, 1, 10, 7, 0, 1, 99))
     with pytest.raises(CollectiveError, match="does not run"):
         asyncio.run(eng.run("all_to_all", {"device": 0}, stream, 5, "x"))
+
+
+# ------------------------------------------------- page-locked shared memory
+
+
+class _PinRecorder:
+    """A device adapter that records which host regions are page-locked."""
+
+    def __init__(self, refuse_at: int = 0, unpin_fails: bool = False) -> None:
+        self.refuse_at = refuse_at
+        self.unpin_fails = unpin_fails
+        self.tries = 0
+        self.locked: set[int] = set()
+
+    def pin(self, region: np.ndarray) -> bool:
+        self.tries += 1
+        if self.tries == self.refuse_at:
+            return False
+        self.locked.add(region.ctypes.data)
+        return True
+
+    def unpin(self, region: np.ndarray) -> None:
+        if self.unpin_fails:
+            raise RuntimeError("device gone")
+        self.locked.remove(region.ctypes.data)
+
+
+def _segments(world: int = 3):
+    import mmap
+    import socket
+
+    from rpcdist.collectives._shm import _CTRL, SLOTS, Segments
+
+    slot = 4096
+    maps = [mmap.mmap(-1, _CTRL + SLOTS * slot) for _ in range(world)]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    return Segments(0, maps, sock, [f"pin-test-{q}" for q in range(world)], slot), maps
+
+
+def test_shared_memory_is_page_locked_once_per_group_and_released_at_close():
+    seg, maps = _segments(3)
+    xp = _PinRecorder()
+    assert seg.pin(xp) and seg.pinned
+    assert len(xp.locked) == 3  # every member's data region, each once
+    assert seg.pin(xp) and xp.tries == 3  # later collectives do not pin again
+    seg.close()
+    assert xp.locked == set() and not seg.pinned
+    assert all(m.closed for m in maps)
+
+
+def test_a_refused_region_leaves_no_region_page_locked_and_is_not_retried():
+    seg, maps = _segments(3)
+    xp = _PinRecorder(refuse_at=2)
+    assert not seg.pin(xp) and not seg.pinned
+    assert xp.locked == set()
+    assert not seg.pin(xp) and xp.tries == 2
+    seg.close()
+    assert all(m.closed for m in maps)
+
+
+def test_a_device_that_fails_at_close_still_lets_the_segments_unmap():
+    seg, maps = _segments(2)
+    assert seg.pin(_PinRecorder(unpin_fails=True))
+    seg.close()
+    assert all(m.closed for m in maps) and not seg.pinned
+
+
+def test_host_buffers_are_never_page_locked():
+    from rpcdist.collectives._ops import xp_for
+
+    seg, _ = _segments(2)
+    assert not seg.pin(xp_for(np.zeros(3))) and not seg.pinned
+    seg.close()
