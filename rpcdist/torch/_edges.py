@@ -150,7 +150,7 @@ class _DeliverFunction(torch.autograd.Function):  # type: ignore[misc]  # Any wi
 def _on_device_thread(tensor: torch.Tensor) -> bool:
     """Whether torch's engine runs the backward of an op on ``tensor`` on a
     device thread of its own (every device but the CPU)."""
-    return tensor.device.type != "cpu"
+    return bool(tensor.device.type != "cpu")
 
 
 def receive(anchor: torch.Tensor, tensor: torch.Tensor, deliver: Any, index: int) -> torch.Tensor:
