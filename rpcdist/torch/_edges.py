@@ -8,7 +8,8 @@ the tensor travels with its index there; the receiver makes it the output of
 :class:`RecvFunction`, a ``torch.autograd.Function`` whose one input is the
 message's *anchor* (a scalar leaf that only ties the receive edges into the
 graph). When torch's engine reaches that node during a backward pass, its
-``backward`` hands the gradient to the sender (:mod:`._backward`).
+``backward`` hands the gradient to the sender (:mod:`._backward`). A CUDA
+tensor's edge is two nodes instead (:func:`receive` says why).
 
 Everything sits in the rpcdist context (``DistContext.extras["torch"]``), so
 leaving ``with context()`` frees it here and on every worker it touched, by
