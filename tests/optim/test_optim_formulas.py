@@ -216,3 +216,33 @@ def test_public_api_documented() -> None:
     for name in optim.__all__:
         obj = getattr(optim, name)
         assert obj.__doc__ and obj.__module__ == "rpcdist.optim", name
+
+
+@pytest.mark.parametrize(("name", "cls", "kw", "ref"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_in_place_updates_give_the_bits_of_the_plain_expressions(
+    device: str, name: str, cls: Any, kw: dict[str, Any], ref: Any, dtype: Any, monkeypatch
+) -> None:
+    """The updates run in one scratch buffer per step (no temporaries); they
+    must equal, bit for bit, the same formulas written as NumPy expressions,
+    which is what they fall back to when a gradient's dtype or shape differs."""
+    from rpcdist.optim import _optimizer
+
+    shapes = [(5, 4), (4,), (), (2, 3, 2)]
+    rng = np.random.default_rng(7)
+    inits = [rng.normal(size=s).astype(dtype) for s in shapes]
+    grads = [[rng.normal(size=s).astype(dtype) for s in shapes] for _ in range(STEPS)]
+
+    def run() -> list[np.ndarray]:
+        params = [nn.Parameter(rt.tensor(x.copy(), device=device)) for x in inits]
+        opt = cls(params, **kw)
+        for gs in grads:
+            opt.step(grads=gs)
+        return [p.numpy() for p in params]
+
+    fast = run()
+    monkeypatch.setattr(_optimizer.Scratch, "like", lambda self, data, grad: None)
+    plain = run()
+    for a, b in zip(fast, plain):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(a, b)
