@@ -237,3 +237,31 @@ def test_a_callee_shut_down_mid_call_fails_the_blocking_call():
             assert len(errors) == 1 and isinstance(errors[0], rpcdist.WorkerLostError), errors
     finally:
         rf.release.set()
+
+
+def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents2):
+    """Idempotent control messages (RRef protocol, autograd releases) are not
+    ordered with user calls: while one waits for its acknowledgement, rpc_sync
+    still takes a connection of its own (an autograd iteration's release used
+    to push the next iteration's calls through the loop)."""
+    import asyncio
+
+    a, b = agents2
+    gate = threading.Event()
+
+    async def held_ack(agent, src, payload):
+        while not gate.is_set():
+            await asyncio.sleep(0.005)
+        return payload
+
+    b.registry.add_handler("test.held_ack", held_ack)
+    acked = a._lt.submit(a.send_control(1, "test.held_ack", "ok"))
+    try:
+        _wait_until(lambda: a.statistics()["pending_calls"] == 1)
+        assert not a.calls.busy()
+        with as_current(a):
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(2, 3)) == 5
+        assert _direct(a) == 1
+    finally:
+        gate.set()
+    assert acked.wait(10) == "ok"

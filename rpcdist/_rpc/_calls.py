@@ -331,8 +331,9 @@ async def send_control(
             deadline = time.monotonic() + min(interval, max(left, 1e-3))
             try:
                 return await agent.call(
-                    dst, method, payload, deadline=deadline, meta=None, internal=True
-                )
+                    dst, method, payload, deadline=deadline, meta=None, internal=True,
+                    control=True,  # unordered: it holds no user call off the direct paths
+                )  # fmt: skip
             except (RpcTimeoutError, TransportError) as e:
                 if time.monotonic() >= end or agent.closed:
                     raise
