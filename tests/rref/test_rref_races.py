@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import rref_funcs as rf
-from conftest import settle
+from rref_support import settle
 
 import rpcdist
 from rpcdist import RRef

@@ -8,7 +8,7 @@ import os
 import pytest
 import rref_funcs as rf
 import rref_mp
-from conftest import options
+from rref_support import options
 
 import rpcdist
 from rpcdist import ClosedError, RRef, RRefError
