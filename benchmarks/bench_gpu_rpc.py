@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _bench_funcs as bf
-from _report import free_port, median, table, write_section
+from _report import free_port, median, table, time_steps, write_section
 
 from rpcdist.testing import WorkerFailed, run_workers
 
@@ -37,16 +37,11 @@ SIZES = [1 << 20, 16 << 20, 64 << 20]
 
 
 def _echo_gbps(call: Callable[[], Any], sync: Callable[[], None], nbytes: int, reps: int) -> float:
-    for _ in range(2):
-        call()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    def step() -> None:
         call()
         sync()
-        times.append(time.perf_counter() - t)
-    return nbytes / (median(times) / 2) / 1e9
+
+    return nbytes / (median(time_steps(step, 2, reps)) / 2) / 1e9
 
 
 def _reps(nbytes: int, quick: bool) -> int:
