@@ -146,8 +146,8 @@ class Segments:
         owner rewrite it. Returns whether the regions are pinned; if any
         region is refused, none stays pinned (plain copies still work).
         """
-        if self._xp is not None or self._closed:
-            return self.pinned
+        if xp.host or self._xp is not None or self._closed:
+            return self.pinned  # host buffers never need it; a device tries once
         self._xp = xp
         for region in self._data:
             if not xp.pin(region):

@@ -81,8 +81,7 @@ class ShmEngine:
     ) -> None:
         """Reduce ``src`` over the group into ``out`` on every rank (``root < 0``) or at ``root``."""
         seg, p, r = self.seg, self.size, self.rank
-        if not xp.host:
-            seg.pin(xp)
+        seg.pin(xp)
         dtype = src.dtype
         per = max(1, seg.round_bytes // dtype.itemsize)
         n = src.size
@@ -309,8 +308,7 @@ class ShmEngine:
     ) -> None:
         """Each rank publishes its contribution to every piece; rank ``r`` reduces piece ``r``."""
         dt, r, p = out.dtype, self.rank, self.size
-        if not xp.host:
-            self.seg.pin(xp)
+        self.seg.pin(xp)
         pb = self._piece_bytes()
         per = max(1, pb // dt.itemsize)
 

@@ -284,6 +284,8 @@ def test_nccl_engine_translates_calls():
 class _PinRecorder:
     """A device adapter that records which host regions are page-locked."""
 
+    host = False
+
     def __init__(self, refuse_at: int = 0, unpin_fails: bool = False) -> None:
         self.refuse_at = refuse_at
         self.unpin_fails = unpin_fails
@@ -348,4 +350,5 @@ def test_host_buffers_are_never_page_locked():
 
     seg, _ = _segments(2)
     assert not seg.pin(xp_for(np.zeros(3))) and not seg.pinned
+    assert seg.pin(_PinRecorder())  # a later device collective still pins them
     seg.close()
