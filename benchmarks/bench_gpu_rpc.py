@@ -7,8 +7,9 @@ an array to w1, which returns it (the echo function); one-way GB/s = bytes /
 (round trip / 2), the median of the timed round trips after two untimed
 ones. Each timed round trip ends with a device synchronisation, so it counts
 the whole path: rpcdist stages a CuPy array through host memory on both
-sides; TensorPipe moves CUDA tensors with its CUDA channels where the
-machine allows them.
+sides, or with CUDA IPC (the default between processes of one host) copies
+it device to device into a staging block the receiver maps; TensorPipe moves
+CUDA tensors with its CUDA channels where the machine allows them.
 
 Needs CuPy and a CUDA device (and a CUDA build of torch for the baseline;
 without it that column reads n/a).
@@ -55,13 +56,15 @@ def rpcdist_worker(
 
     import rpcdist
 
-    rpcdist.init_rpc(f"w{rank}", rank, world, init_method=init, rpc_timeout=120)
+    ipc = device == "cuda"  # "cuda-host": CuPy arrays through host memory
+    opts = rpcdist.RpcOptions(cuda_ipc=ipc)
+    rpcdist.init_rpc(f"w{rank}", rank, world, init_method=init, rpc_timeout=120, options=opts)
     try:
         if rank != 0:
             return None
         out = {}
         for n in sizes:
-            if device == "cuda":
+            if device.startswith("cuda"):
                 import cupy
 
                 x: Any = cupy.ones(n // 4, cupy.float32)
@@ -71,9 +74,17 @@ def rpcdist_worker(
                 sync = bf.noop
             back = rpcdist.rpc_sync("w1", bf.echo, args=(x,))
             assert type(back) is type(x) and back.shape == x.shape
+            end = time.monotonic() + 20  # the first arrays go by host while the probes run
+            while ipc and time.monotonic() < end:
+                got = rpcdist.statistics()
+                if got["cuda_ipc_sent"] and got["cuda_ipc_received"]:
+                    break
+                rpcdist.rpc_sync("w1", bf.echo, args=(x,))
             out[n] = _echo_gbps(
                 lambda x=x: rpcdist.rpc_sync("w1", bf.echo, args=(x,)), sync, n, _reps(n, quick)
             )
+        if ipc:
+            out[-1] = rpcdist.statistics()["cuda_ipc_sent"]
         return out
     finally:
         rpcdist.shutdown()
@@ -136,7 +147,9 @@ def main() -> int:
     sizes = SIZES
     t0 = time.perf_counter()
     host = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cpu"), timeout=600)[0]
+    staged = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cuda-host"), timeout=600)[0]
     dev = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cuda"), timeout=600)[0]
+    lent = int(dev.pop(-1))
     baseline: dict[int, float] = {}
     why = "torch with CUDA is not installed"
     if _torch_cuda():
@@ -151,7 +164,7 @@ def main() -> int:
     rows = []
     for n in sizes:
         ratio = dev[n] / baseline[n] if n in baseline else nan
-        rows.append([f"{n >> 20} MB", host[n], dev[n], baseline.get(n, nan), ratio])
+        rows.append([f"{n >> 20} MB", host[n], staged[n], dev[n], baseline.get(n, nan), ratio])
     body = (
         f"Array echo between two processes on one GPU ({gpu}), one-way GB/s "
         "(higher is better; median of timed round trips, each ending with a device "
@@ -160,16 +173,21 @@ def main() -> int:
             [
                 "size",
                 "rpcdist NumPy",
-                "rpcdist CuPy",
+                "rpcdist CuPy, host path",
+                "rpcdist CuPy, CUDA IPC",
                 "PyTorch RPC CUDA tensors",
-                "rpcdist CuPy / PyTorch",
+                "CUDA IPC / PyTorch",
             ],
             rows,
         )
         + (f"\n\nPyTorch column: n/a ({why})." if not baseline else "")
-        + "\n\nrpcdist stages a CuPy array through host memory on each side (device to "
-        "host, the same wire as a NumPy array, host to device); PyTorch's TensorPipe "
-        "uses its CUDA channels between processes of one machine where it can."
+        + "\n\nrpcdist's host path (`RpcOptions(cuda_ipc=False)`) stages a CuPy array "
+        "through host memory on each side (device to host, the same wire as a NumPy array, "
+        "host to device). With CUDA IPC (the default between processes of one host) the "
+        "sender copies it into a staging block of device memory and sends the block's "
+        "handle; the receiver copies it out device to device and releases the block "
+        f"({lent} arrays went by handle in that run). PyTorch's TensorPipe uses its CUDA "
+        "channels between processes of one machine where it can."
     )
     print(body)
     if not args.no_write:

@@ -161,6 +161,11 @@ class RpcOptions:
         allowed_callables: Functions, classes or modules (or their names,
             ``"module"`` / ``"module:qualname"``) peers may call even where
             the policy would refuse them; with ``"allowlist"``, the only ones.
+        cuda_ipc: Send large CuPy arrays to workers on the same host through
+            CUDA IPC (device to device, no copy through host memory), once a
+            probe has shown the peer can map this worker's device memory;
+            otherwise, and when off, they travel through host memory.
+            Defaults to ``RPCDIST_CUDA_IPC`` or on.
     """
 
     token: str | None = field(default_factory=lambda: os.environ.get("RPCDIST_TOKEN") or None)
@@ -192,6 +197,7 @@ class RpcOptions:
     peer_timeout: float | None = 3.0
     callable_policy: str = "denylist"
     allowed_callables: tuple[Any, ...] = ()
+    cuda_ipc: bool = field(default_factory=lambda: os.environ.get("RPCDIST_CUDA_IPC", "1") != "0")
 
     __module__ = "rpcdist"
 

@@ -288,11 +288,13 @@ def statistics() -> dict[str, int]:
     ``rref_users``, ``rref_pending_users`` and ``rref_pending_children``
     (forks waiting for the owner's confirmation), ``rref_outbox``;
     collectives (when a process group is up): ``collectives_queued`` and
-    ``collectives_inflight``; distributed autograd: ``autograd_contexts``.
+    ``collectives_inflight``; distributed autograd: ``autograd_contexts``;
+    CUDA IPC: ``cuda_ipc_lends`` (CuPy arrays sent by handle whose receiver
+    has not yet released them).
     ``lost_workers``: workers declared lost (it stays up after a loss).
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
-    ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``
-    and others. ``debug_info()`` says more about what is outstanding.
+    ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``,
+    ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()`` says more about what is outstanding.
 
     Raises:
         NotInitializedError: no agent is running in this process.

@@ -60,6 +60,7 @@ E = TypeVar("E", bound="Extension")
 BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
+    "rpcdist._rpc._cuda_ipc:install",
 )
 
 InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]

@@ -58,6 +58,17 @@ def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
     return [dtype.str, list(array.shape), index, order]
 
 
+def _check_shape(shape: object, order: object, what: str) -> None:
+    if (
+        type(shape) is not list
+        or len(shape) > _MAX_DIMS
+        or not all(type(n) is int and n >= 0 for n in shape)
+        or order not in (0, 1)
+        or type(order) is not int
+    ):
+        raise SerializationError(f"malformed {what} payload: bad shape or order")
+
+
 def _dtype(text: object) -> np.dtype[Any]:
     if type(text) is not str:
         raise SerializationError(f"malformed array payload: bad dtype {text!r}")
@@ -84,14 +95,7 @@ def _array_from_fields(state: DecodeState, fields: list[Any]) -> np.ndarray[Any,
     """Rebuild an array from ``[dtype, shape, index, order]`` over its buffer (no copy)."""
     text, shape, index, order = fields
     dtype = _dtype(text)
-    if (
-        type(shape) is not list
-        or len(shape) > _MAX_DIMS
-        or not all(type(n) is int and n >= 0 for n in shape)
-        or order not in (0, 1)
-        or type(order) is not int
-    ):
-        raise SerializationError("malformed array payload: bad shape or order")
+    _check_shape(shape, order, "array")
     view = state.take_buffer(index)
     count = math.prod(shape)
     if count * dtype.itemsize != view.nbytes:
@@ -150,20 +154,65 @@ def _import(name: str, what: str) -> Any:
         ) from exc
 
 
+class CupyIpcHook(Protocol):
+    """Sends large CuPy arrays between workers of one host by CUDA IPC handle
+    (installed by ``rpcdist._rpc._cuda_ipc``)."""
+
+    def lend(self, context: object, array: Any) -> list[Any] | None:
+        """Fields that stand for C-contiguous ``array``, or ``None``: send its bytes."""
+        ...
+
+    def take(self, context: object, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
+        """The array ``lend``'s fields stand for, on this worker's current device."""
+        ...
+
+
+#: The installed hook (at most one).
+CUPY_IPC_HOOKS: list[CupyIpcHook] = []
+
+
 def _encode_cupy(state: EncodeState, obj: Any) -> list[Any]:
-    host = sys.modules["cupy"].asnumpy(obj)
+    if CUPY_IPC_HOOKS and state.context is not None and obj.dtype.kind in "biufc":
+        order = 0
+        if obj.flags.c_contiguous:
+            data = obj
+        elif obj.flags.f_contiguous:
+            data, order = obj.T, 1
+        else:
+            data = sys.modules["cupy"].ascontiguousarray(obj)
+        fields = CUPY_IPC_HOOKS[0].lend(state.context, data)
+        if fields is not None:  # [mark, dtype, shape, order, *the hook's fields]
+            return [MARKS[CUPY], obj.dtype.str, list(obj.shape), order, *fields]
+    cupy = sys.modules["cupy"]
+    if obj.ndim > 1 and obj.flags.f_contiguous and not obj.flags.c_contiguous:
+        host = cupy.asnumpy(obj.T).T  # (asnumpy makes C order)
+    else:
+        host = cupy.asnumpy(obj)
     return [MARKS[CUPY], *_array_fields(state, host)]
 
 
 def _decode_cupy(state: DecodeState, items: list[Any]) -> object:
     if len(items) != 5:
-        raise SerializationError("malformed CuPy array payload in message header")
+        return _decode_cupy_ipc(state, items)
     host = _array_from_fields(state, items[1:])
     cupy = _import("cupy", "a CuPy array")
     try:
+        if host.ndim > 1 and host.flags.f_contiguous and not host.flags.c_contiguous:
+            return cupy.asarray(host.T).T  # Fortran order, as sent
         return cupy.asarray(host)
     except Exception as exc:
         raise SerializationError(f"cannot place received CuPy array on the GPU: {exc}") from exc
+
+
+def _decode_cupy_ipc(state: DecodeState, items: list[Any]) -> object:
+    if len(items) < 5 or not CUPY_IPC_HOOKS:
+        raise SerializationError("malformed CuPy array payload in message header")
+    dtype = _dtype(items[1])
+    shape, order = items[2], items[3]
+    _check_shape(shape, order, "CuPy array")
+    dims = tuple(shape[::-1]) if order else tuple(shape)
+    out = CUPY_IPC_HOOKS[0].take(state.context, items[4:], dims, dtype)
+    return out.T if order else out
 
 
 def _find_cupy(obj: object) -> Handler | None:
@@ -203,58 +252,119 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
         raise Unsupported(f"only dense tensors can be sent, not layout {obj.layout}")
     data = obj.detach()
     device = data.device
+    ipc = None
     if device.type != "cpu":
         if device.type != "cuda":
             raise Unsupported(f"only CPU and CUDA tensors can be sent, not device {device}")
-        data = data.cpu()  # through host memory, as CuPy arrays travel
-    data = data.resolve_conj().resolve_neg()
-    if not data.is_contiguous():
-        data = data.contiguous()
+        ipc = _lend_tensor(state, torch, data)
+        if ipc is None:
+            data = data.cpu()  # through host memory, as CuPy arrays travel
     dtype_name = str(data.dtype).removeprefix("torch.")
-    try:
-        array = data.numpy()
-    except TypeError:  # no NumPy dtype (bfloat16, float8, ...): send the bits
-        size = _SAME_SIZE_INT.get(data.element_size())
-        if size is None:
-            raise
-        array = data.view(getattr(torch, size)).numpy()
+    if ipc is not None:
+        fields = [*ipc[:2], -1, 0]  # no buffer: the CUDA IPC fields follow the device
+    else:
+        fields = _array_fields(state, _tensor_bits(torch, data))
     is_parameter = isinstance(obj, torch.nn.Parameter)
-    fields = _array_fields(state, array)
     out = [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
     index = -1
     if obj.requires_grad and TENSOR_GRAD_HOOKS and state.context is not None:
         index = TENSOR_GRAD_HOOKS[0].record(state.context, obj)
     if device.type == "cuda":  # a 9th and 10th field: the index (or -1) and the device
         out += [index, f"cuda:{device.index if device.index is not None else 0}"]
+        if ipc is not None:
+            out += ipc[2]  # and the CUDA IPC fields
     elif index >= 0:
         out.append(index)  # a 9th field: recorded for distributed autograd
     return out
 
 
-def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
+def _tensor_bits(torch: Any, data: Any) -> Any:
+    """A contiguous CPU tensor as a NumPy array (of same-size ints for a dtype
+    NumPy lacks: bfloat16, float8, ...)."""
+    data = data.resolve_conj().resolve_neg()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    try:
+        return data.numpy()
+    except TypeError:
+        size = _SAME_SIZE_INT.get(data.element_size())
+        if size is None:
+            raise
+        return data.view(getattr(torch, size)).numpy()
+
+
+_NO_CUPY: list[bool] = []
+
+
+def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
+    """``[dtype, shape, fields]`` for a CUDA tensor sent by CUDA IPC (through a
+    CuPy view of it), or ``None``: send it through host memory."""
+    if not CUPY_IPC_HOOKS or state.context is None or _NO_CUPY:
+        return None
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        try:
+            cupy = importlib.import_module("cupy")
+        except Exception:  # not installed: the host path, without asking again
+            _NO_CUPY.append(True)
+            return None
+    data = data.resolve_conj().resolve_neg()
+    if not data.is_contiguous():
+        data = data.contiguous()
     if (
-        len(items) not in (8, 9, 10)
-        or (len(items) == 10 and (type(items[9]) is not str or not items[9].startswith("cuda:")))
+        data.dtype.is_floating_point
+        and data.element_size() != 8
+        and data.dtype
+        not in (
+            torch.float16,
+            torch.float32,
+        )
+    ):  # bfloat16, float8, ...: CuPy has no such dtype; send the bits
+        size = _SAME_SIZE_INT.get(data.element_size())
+        if size is None:
+            return None
+        data = data.view(getattr(torch, size))
+    try:
+        array = cupy.from_dlpack(data)
+    except Exception:
+        return None
+    fields = CUPY_IPC_HOOKS[0].lend(state.context, array)
+    if fields is None:
+        return None
+    return [array.dtype.str, list(array.shape), fields]
+
+
+def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
+    n = len(items)
+    if (
+        n not in (8, 9, 10, 15)
+        or (n >= 10 and (type(items[9]) is not str or not items[9].startswith("cuda:")))
         or type(items[5]) is not str
         or type(items[6]) is not bool
         or type(items[7]) is not bool
     ):
         raise SerializationError("malformed tensor payload in message header")
-    array = _array_from_fields(state, items[1:5])
     torch = _import("torch", "a torch tensor")
     dtype = getattr(torch, items[5], None)
     if not isinstance(dtype, torch.dtype):
         raise SerializationError(f"malformed tensor payload: unknown dtype {items[5]!r}")
-    if not array.flags.writeable:
-        array = array.copy()  # torch tensors are always writable
     try:
-        tensor = torch.from_numpy(array)
+        if n == 15:
+            tensor = _tensor_from_ipc(state, torch, items)
+        else:
+            array = _array_from_fields(state, items[1:5])
+            if not array.flags.writeable:
+                array = array.copy()  # torch tensors are always writable
+            tensor = torch.from_numpy(array)
         if tensor.dtype != dtype:
             tensor = tensor.view(dtype)
+    except SerializationError:
+        raise
     except Exception as exc:
         raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
-    if len(items) == 10:
-        tensor = _to_cuda(torch, tensor, items[9])
+    if n >= 10:
+        if n == 10:
+            tensor = _to_cuda(torch, tensor, items[9])
         if items[8] != -1:
             return _attach(state, tensor, items[8])
     elif len(items) == 9:
@@ -265,6 +375,21 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
         return tensor.requires_grad_(items[6])
     except Exception as exc:
         raise SerializationError(f"cannot rebuild received tensor: {exc}") from exc
+
+
+def _tensor_from_ipc(state: DecodeState, torch: Any, items: list[Any]) -> Any:
+    """A CUDA tensor sent by CUDA IPC, on the sender's device index."""
+    if not CUPY_IPC_HOOKS:
+        raise SerializationError("malformed tensor payload in message header")
+    dtype = _dtype(items[1])
+    _check_shape(items[2], items[4], "tensor")
+    index = items[9][5:]
+    if not index.isdigit():
+        raise SerializationError(f"malformed tensor payload: device {items[9]!r}")
+    cupy = _import("cupy", "a CUDA tensor sent by CUDA IPC")
+    with cupy.cuda.Device(int(index)):
+        array = CUPY_IPC_HOOKS[0].take(state.context, items[10:], tuple(items[2]), dtype)
+    return torch.from_dlpack(array)
 
 
 def _to_cuda(torch: Any, tensor: Any, device: str) -> Any:

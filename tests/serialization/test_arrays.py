@@ -105,12 +105,16 @@ class _FakeCupyArray:
     def __init__(self, host: np.ndarray[Any, Any]) -> None:
         self.host = host
 
+    ndim = property(lambda self: self.host.ndim)
+    flags = property(lambda self: self.host.flags)
+    T = property(lambda self: _FakeCupyArray(self.host.T))
+
 
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module = types.ModuleType("cupy")
     module.ndarray = _FakeCupyArray  # type: ignore[attr-defined]
-    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # type: ignore[attr-defined]
+    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # as CuPy's: C order  # type: ignore[attr-defined]
     module.asarray = lambda a: _FakeCupyArray(np.array(a))  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", module)
     return module
@@ -123,6 +127,13 @@ def test_cupy_arrays_travel_as_host_buffers(fake_cupy: types.ModuleType) -> None
     out = decode(header, buffers)["x"]  # type: ignore[index]
     assert isinstance(out, _FakeCupyArray)
     assert same(out.host, np.ascontiguousarray(device.host))
+
+
+def test_fortran_ordered_cupy_arrays_keep_their_order(fake_cupy: types.ModuleType) -> None:
+    device = _FakeCupyArray(np.asfortranarray(np.arange(12.0).reshape(3, 4)))
+    out = roundtrip(device)
+    assert out.host.flags.f_contiguous and not out.host.flags.c_contiguous
+    assert same(out.host, device.host)
 
 
 def test_cupy_array_refused_where_cupy_is_missing(

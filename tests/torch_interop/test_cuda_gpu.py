@@ -49,3 +49,46 @@ def test_distributed_backward_on_cuda_matches_the_local_gradients():
     assert got.device.type == "cuda" and remote.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), xs.grad)
     torch.testing.assert_close(remote.cpu(), ws[1].grad)
+
+
+def _cuda_ipc_worker(rank: int, world: int, init: str) -> dict[str, object] | None:
+    import rpcdist
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=60)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    try:
+        if rank != 0:
+            return None
+        warm = torch.ones(1 << 20, device="cuda:0")
+        for _ in range(200):  # the first tensors go by host while the probes run
+            rpc.rpc_sync("w1", tf.double_with_device, args=(warm,))
+            s = rpcdist.statistics()
+            if s["cuda_ipc_sent"] and s["cuda_ipc_received"]:
+                break
+        before = rpcdist.statistics()["cuda_ipc_sent"]
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        base = torch.randn(1 << 20, device="cuda:0", generator=g)
+        for x in (base, base.to(torch.bfloat16), base.reshape(1024, 1024).T, base.double()):
+            y, seen = rpc.rpc_sync("w1", tf.double_with_device, args=(x,))
+            assert seen == "cuda:0" and y.device == x.device and y.dtype == x.dtype
+            torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+        # One backward across both processes, the gradient crossing by handle.
+        x = base.reshape(1024, 1024)[:, :256].contiguous().requires_grad_()
+        with dist_autograd.context() as cid:
+            y, _ = rpc.rpc_sync("w1", tf.double_with_device, args=(x,))
+            dist_autograd.backward(cid, [(y * y).sum()])
+            grad = dist_autograd.get_gradients(cid)[x]
+        torch.testing.assert_close(grad, 8 * x.detach())
+        return {"sent": rpcdist.statistics()["cuda_ipc_sent"] - before}
+    finally:
+        rpc.shutdown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_cuda_tensors_cross_processes_by_cuda_ipc():
+    pytest.importorskip("cupy")
+    from rpcdist.testing import run_workers
+
+    out = run_workers(_cuda_ipc_worker, 2, timeout=150)[0]
+    assert out["sent"] >= 5  # the four tensors, the one in the context (and its gradient)

@@ -1,0 +1,532 @@
+"""CuPy arrays between workers of one host through CUDA IPC, not host memory.
+
+Without this, a CuPy array in a call or reply is copied to host memory,
+sent as bytes and uploaded again at the receiver. Between two workers on one
+host (the same boot id) whose devices can reach each other, a large array
+instead crosses in device memory:
+
+* the **sender** copies it into a *staging block* (device memory of its own,
+  exported once with ``cudaIpcGetMemHandle``) and sends the block's handle,
+  the array's dtype and shape, a lend id and the lend's expiry, instead of
+  its bytes. The copy is a snapshot: the caller may change its array as soon
+  as the call returns, as with host arrays;
+* the **receiver** maps the block (``cudaIpcOpenMemHandle``, once per block,
+  cached), copies it into a new array on its current device, and sends the
+  lend id back in an unordered control message (``cuda_ipc.release``, batched
+  per peer); the sender then reuses the block.
+
+What keeps this safe:
+
+* **A probe before first use.** The first large array for a peer (per device
+  of the sender's) travels through host memory while the sender asks the
+  peer (``cuda_ipc.probe``) to map a block and read a random pattern from
+  it. Only if it reads it back does the peer get handles from then on; a
+  peer without CuPy, on another host or device it cannot map, or in the same
+  process, keeps the host path. A message never depends on IPC working.
+* **Leases.** Every lend carries an expiry on the host's monotonic clock
+  (shared by every process of one host). The sender takes back a lend that
+  is neither released nor expired only when the peer is lost; an expired one
+  it takes back when it needs room. A receiver that would copy out of an
+  expired lend, or finishes its copy after the expiry, raises
+  ``SerializationError`` instead of returning what may be another array's
+  bytes. A message that is dropped undecoded therefore holds its block for
+  one lease at most.
+* **A cap.** An agent's staging blocks total ``CAP`` bytes at most; beyond
+  that arrays take the host path.
+
+Turned off by ``RpcOptions.cuda_ipc=False`` (or ``RPCDIST_CUDA_IPC=0``).
+CuPy is imported only when a CuPy array is sent or a probe arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from .._errors import RpcdistError, SerializationError
+from .._serialization import _arrays
+from .._worker import WorkerInfo
+from ._registry import BaseExtension
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["CudaIpc", "Runtime", "install"]
+
+_log = logging.getLogger(__name__)
+
+PROBE: Final = "cuda_ipc.probe"
+RELEASE: Final = "cuda_ipc.release"
+#: Arrays smaller than this take the host path (an IPC lend costs a control
+#: message and a device synchronisation on each side).
+MIN_BYTES: Final = 1 << 18
+#: The smallest staging block (blocks are powers of two from here).
+MIN_BLOCK: Final = 1 << 20
+#: Seconds a lend stays valid without a release.
+LEASE: Final = 120.0
+#: A receiver refuses a lend with less than this left of its lease.
+MARGIN: Final = 1.0
+#: Most bytes of staging blocks one agent keeps.
+CAP: Final = 4 << 30
+_PATTERN_BYTES: Final = 64
+
+
+class Runtime:
+    """The CUDA runtime calls this module makes, through CuPy (tests swap in a fake)."""
+
+    def __init__(self) -> None:
+        self.cupy: Any = sys.modules.get("cupy") or importlib.import_module("cupy")
+        self._rt = self.cupy.cuda.runtime
+
+    def current_device(self) -> int:
+        return int(self._rt.getDevice())
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        with self.cupy.cuda.Device(device):
+            return int(self._rt.malloc(nbytes))
+
+    def free(self, device: int, ptr: int) -> None:
+        with self.cupy.cuda.Device(device):
+            self._rt.free(ptr)
+
+    def export(self, device: int, ptr: int) -> bytes:
+        with self.cupy.cuda.Device(device):
+            return bytes(self._rt.ipcGetMemHandle(ptr))
+
+    def open(self, handle: bytes) -> int:
+        """Map an exported block into this process (on the current device)."""
+        return int(self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess))
+
+    def close(self, ptr: int) -> None:
+        self._rt.ipcCloseMemHandle(ptr)
+
+    def stage(self, array: Any, ptr: int) -> None:
+        """Copy C-contiguous ``array`` to device pointer ``ptr``; return when done."""
+        with array.device:
+            stream = self.cupy.cuda.get_current_stream()
+            self._rt.memcpyAsync(ptr, array.data.ptr, array.nbytes, 3, stream.ptr)
+            stream.synchronize()
+
+    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new array on the current device with the bytes at ``ptr``; done when returned."""
+        out = self.cupy.empty(shape, dtype)
+        stream = self.cupy.cuda.get_current_stream()
+        self._rt.memcpyAsync(out.data.ptr, ptr, out.nbytes, 4, stream.ptr)  # cudaMemcpyDefault
+        stream.synchronize()
+        return out
+
+    def write(self, device: int, ptr: int, data: bytes) -> None:
+        src = np.frombuffer(data, np.uint8)
+        with self.cupy.cuda.Device(device):
+            self._rt.memcpy(ptr, src.ctypes.data, src.nbytes, 1)  # host to device
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        dst = np.empty(nbytes, np.uint8)
+        self._rt.memcpy(dst.ctypes.data, ptr, nbytes, 4)
+        return dst.tobytes()
+
+    def device_of(self, array: Any) -> int:
+        return int(array.device.id)
+
+
+@dataclass(slots=True, eq=False)
+class _Block:
+    id: int
+    device: int
+    size: int
+    ptr: int
+    handle: bytes
+
+
+@dataclass(slots=True, eq=False)
+class _Lend:
+    block: _Block
+    peer: int
+    expiry: float
+
+
+def _block_size(nbytes: int) -> int:
+    return max(MIN_BLOCK, 1 << (nbytes - 1).bit_length())
+
+
+class CudaIpc(BaseExtension):
+    """One agent's staging blocks, lends, probes and mapped peer blocks."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, agent: Agent, runtime: Runtime | None = None) -> None:
+        self.agent = agent
+        self.enabled = bool(getattr(agent.options, "cuda_ipc", True))
+        self._runtime = runtime
+        self.token = secrets.token_bytes(8)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._blocks: list[_Block] = []
+        self._free: dict[tuple[int, int], list[_Block]] = {}
+        self._lends: dict[int, _Lend] = {}
+        self._held = 0  # bytes of blocks
+        #: (peer rank, device) -> True (use IPC), False (never), None (probing).
+        self._peers: dict[tuple[int, int], bool | None] = {}
+        self._same_host: dict[int, bool] = {}
+        #: (exporter token, block id, device) -> (mapped pointer, peer rank).
+        self._mapped: dict[tuple[bytes, int, int], tuple[int, int]] = {}
+        self._acks: dict[int, list[int]] = {}
+        self._flush_armed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.sent = 0
+        self.received = 0
+        self.closed = False
+
+    # ----------------------------------------------------------- runtime
+
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = Runtime()
+        return self._runtime
+
+    # ------------------------------------------------------------ sending
+
+    def lend(self, wire: Any, array: Any) -> list[Any] | None:
+        """Fields for ``array`` sent by handle, or ``None``: take the host path
+        (any thread; ``array`` is C-contiguous)."""
+        nbytes = int(array.nbytes)
+        if not self.enabled or self.closed or nbytes < MIN_BYTES or wire.extra.get("aborted"):
+            return None
+        peer = wire.peer.id
+        if peer == self.agent.rank or not self._on_this_host(peer):
+            return None
+        rt = self.runtime()
+        device = rt.device_of(array)
+        key = (peer, device)
+        if key not in self._peers:
+            self._start_probe(peer, device)
+            return None
+        if self._peers[key] is not True:  # probing, or refused
+            return None
+        block = self._take_block(device, nbytes)
+        if block is None:
+            return None
+        try:
+            rt.stage(array, block.ptr)
+        except Exception:
+            self._put_back(block)
+            raise
+        lend_id = next(self._ids)
+        expiry = time.monotonic() + LEASE
+        with self._lock:
+            self._lends[lend_id] = _Lend(block, peer, expiry)
+            self.sent += 1
+        wire.extra.setdefault("undo", []).append(lambda: self._release(peer, [lend_id]))
+        return [self.token, block.id, block.handle, lend_id, expiry]
+
+    def _on_this_host(self, peer: int) -> bool:
+        same = self._same_host.get(peer)
+        if same is None:
+            try:
+                same = self.agent.links.peer(peer).same_host
+            except Exception:
+                same = False
+            self._same_host[peer] = same
+        return same
+
+    def _take_block(self, device: int, nbytes: int) -> _Block | None:
+        size = _block_size(nbytes)
+        with self._lock:
+            free = self._free.get((device, size))
+            if free:
+                return free.pop()
+            if self._held + size > CAP:
+                self._reclaim_expired()
+                free = self._free.get((device, size))
+                if free:
+                    return free.pop()
+                if self._held + size > CAP:
+                    return None
+            self._held += size
+        rt = self.runtime()
+        try:
+            ptr = rt.malloc(device, size)
+        except Exception as e:  # out of device memory: the host path still works
+            _log.debug("no CUDA IPC staging block of %d bytes: %s", size, e)
+            with self._lock:
+                self._held -= size
+            return None
+        try:
+            handle = rt.export(device, ptr)
+        except Exception:
+            rt.free(device, ptr)
+            with self._lock:
+                self._held -= size
+            raise
+        block = _Block(next(self._ids), device, size, ptr, handle)
+        with self._lock:
+            self._blocks.append(block)
+        return block
+
+    def _put_back(self, block: _Block) -> None:
+        with self._lock:
+            self._free.setdefault((block.device, block.size), []).append(block)
+
+    def _reclaim_expired(self) -> None:
+        """Take back lends past their lease (with the lock held)."""
+        now = time.monotonic()
+        for lend_id, lend in list(self._lends.items()):
+            if lend.expiry <= now:
+                del self._lends[lend_id]
+                self._free.setdefault((lend.block.device, lend.block.size), []).append(lend.block)
+
+    def _release(self, peer: int, lend_ids: list[int]) -> None:
+        with self._lock:
+            for lend_id in lend_ids:
+                lend = self._lends.get(lend_id)
+                if lend is not None and lend.peer == peer:
+                    del self._lends[lend_id]
+                    self._free.setdefault((lend.block.device, lend.block.size), []).append(
+                        lend.block
+                    )
+
+    # ------------------------------------------------------------ probing
+
+    def _start_probe(self, peer: int, device: int) -> None:
+        with self._lock:
+            if (peer, device) in self._peers:
+                return
+            self._peers[(peer, device)] = None
+        try:
+            self.agent.loop.call_soon_threadsafe(self._spawn, self._probe(peer, device))
+        except RuntimeError:  # the loop is gone: the agent shut down
+            pass
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.agent.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, peer: int, device: int) -> None:
+        ok: bool = False
+        block = None
+        try:
+            block = self._take_block(device, MIN_BLOCK)
+            if block is None:
+                return
+            pattern = secrets.token_bytes(_PATTERN_BYTES)
+            self.runtime().write(device, block.ptr, pattern)
+            expiry = time.monotonic() + LEASE
+            answer = await self.agent.send_control(
+                peer, PROBE, [self.token, block.id, block.handle, pattern, expiry]
+            )
+            ok = answer is True
+            if not ok:
+                _log.debug("CUDA IPC to rank %d (device %d) not used: %s", peer, device, answer)
+        except Exception as e:
+            _log.debug("CUDA IPC probe of rank %d (device %d) failed: %r", peer, device, e)
+        finally:
+            if block is not None:
+                self._put_back(block)
+            with self._lock:
+                if (peer, device) in self._peers:
+                    self._peers[(peer, device)] = ok
+
+    def answer_probe(self, src: WorkerInfo, payload: Any) -> object:
+        """Map the prober's block and read its pattern: ``True``, or why not."""
+        if not self.enabled:
+            return "CUDA IPC is turned off here (RpcOptions.cuda_ipc)"
+        try:
+            token, block_id, handle, pattern, expiry = payload
+            rt = self.runtime()
+            ptr = self._map(src.id, token, block_id, handle, rt)
+            got = rt.read(ptr, len(pattern))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        if time.monotonic() >= expiry:
+            return "the probe's lease ran out"
+        return True if got == pattern else "the mapped block did not hold the pattern"
+
+    # ---------------------------------------------------------- receiving
+
+    def take(self, wire: Any, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
+        """The array a lend holds, copied onto this worker's current device."""
+        if len(fields) != 5:
+            raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
+        token, block_id, handle, lend_id, expiry = fields
+        if (
+            type(token) is not bytes
+            or type(block_id) is not int
+            or type(handle) is not bytes
+            or type(lend_id) is not int
+            or type(expiry) is not float
+        ):
+            raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
+        peer = wire.peer
+        try:
+            if time.monotonic() > expiry - MARGIN:
+                raise SerializationError(
+                    f"a CuPy array from {peer.name!r} arrived after its CUDA IPC lease "
+                    "ran out (the message was delayed too long)"
+                )
+            try:
+                rt = self.runtime()
+                ptr = self._map(peer.id, token, block_id, handle, rt)
+                out = rt.fetch(ptr, shape, dtype)
+            except Exception as e:
+                raise SerializationError(
+                    f"cannot copy a CuPy array from {peer.name!r} through CUDA IPC: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if time.monotonic() >= expiry:
+                raise SerializationError(
+                    f"copying a CuPy array from {peer.name!r} through CUDA IPC outlasted "
+                    "its lease: its bytes may have been reused"
+                )
+        finally:
+            self._ack(peer.id, lend_id)
+        with self._lock:
+            self.received += 1
+        return out
+
+    def _map(self, peer: int, token: bytes, block_id: int, handle: bytes, rt: Runtime) -> int:
+        key = (token, block_id, rt.current_device())
+        with self._lock:
+            hit = self._mapped.get(key)
+        if hit is not None:
+            return hit[0]
+        ptr = rt.open(handle)
+        with self._lock:
+            other = self._mapped.setdefault(key, (ptr, peer))
+        if other[0] != ptr:  # another thread mapped it first
+            rt.close(ptr)
+        return other[0]
+
+    def _ack(self, peer: int, lend_id: int) -> None:
+        with self._lock:
+            self._acks.setdefault(peer, []).append(lend_id)
+            if self._flush_armed:
+                return
+            self._flush_armed = True
+        try:
+            self.agent.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:
+            pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            acks, self._acks = self._acks, {}
+            self._flush_armed = False
+        for peer, ids in acks.items():
+            self._spawn(self._send_release(peer, ids))
+
+    async def _send_release(self, peer: int, ids: list[int]) -> None:
+        try:
+            await self.agent.send_control(peer, RELEASE, ids)
+        except RpcdistError as e:  # it is gone, and its lends with it
+            _log.debug("releasing CUDA IPC lends on rank %d: %s", peer, e)
+
+    # ---------------------------------------------------------- extension
+
+    def statistics(self) -> Mapping[str, int]:
+        return {
+            "cuda_ipc_lends": len(self._lends),
+            "cuda_ipc_sent": self.sent,
+            "cuda_ipc_received": self.received,
+        }
+
+    async def drain(self) -> None:
+        """Graceful shutdown: deliver the releases already due."""
+        if self._acks:
+            self._flush()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def peer_lost(self, rank: int) -> None:
+        """``rank`` is gone: its lends come back, its blocks are unmapped."""
+        with self._lock:
+            for lend_id, lend in list(self._lends.items()):
+                if lend.peer == rank:
+                    del self._lends[lend_id]
+                    self._free.setdefault((lend.block.device, lend.block.size), []).append(
+                        lend.block
+                    )
+            for key in [k for k in self._peers if k[0] == rank]:
+                self._peers[key] = False
+            unmap = [k for k, v in self._mapped.items() if v[1] == rank]
+            ptrs = [self._mapped.pop(k)[0] for k in unmap]
+            self._acks.pop(rank, None)
+        self._close_all(ptrs)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            blocks, self._blocks = self._blocks, []
+            self._free.clear()
+            self._lends.clear()
+            self._held = 0
+            ptrs = [v[0] for v in self._mapped.values()]
+            self._mapped.clear()
+        self._close_all(ptrs)
+        rt = self._runtime
+        for block in blocks:
+            try:
+                rt.free(block.device, block.ptr)  # type: ignore[union-attr]
+            except Exception as e:
+                _log.debug("freeing a CUDA IPC staging block: %r", e)
+
+    def _close_all(self, ptrs: list[int]) -> None:
+        rt = self._runtime
+        for ptr in ptrs:
+            try:
+                rt.close(ptr)  # type: ignore[union-attr]
+            except Exception as e:
+                _log.debug("unmapping a peer's CUDA IPC block: %r", e)
+
+
+def _ext(agent: Agent) -> CudaIpc:
+    return agent.extension("cuda_ipc", lambda: CudaIpc(agent))
+
+
+async def _on_probe(agent: Agent, src: WorkerInfo, payload: Any) -> object:
+    return _ext(agent).answer_probe(src, payload)
+
+
+async def _on_release(agent: Agent, src: WorkerInfo, payload: Any) -> None:
+    if type(payload) is list and all(type(i) is int for i in payload):
+        _ext(agent)._release(src.id, payload)
+
+
+class _Hook:
+    """What the codec calls for CuPy arrays (see ``_serialization._arrays``)."""
+
+    def lend(self, context: object, array: Any) -> list[Any] | None:
+        agent = getattr(context, "agent", None)
+        if agent is None or getattr(context, "peer", None) is None:
+            return None
+        return _ext(agent).lend(context, array)
+
+    def take(self, context: object, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
+        agent = getattr(context, "agent", None)
+        if agent is None or getattr(context, "peer", None) is None:
+            raise SerializationError("a CuPy array sent by CUDA IPC arrived outside an RPC message")
+        return _ext(agent).take(context, fields, shape, dtype)
+
+
+def install(agent: Agent) -> CudaIpc:
+    """Give ``agent`` CUDA IPC for CuPy arrays (a built-in extension, see ``_registry``)."""
+    if not _arrays.CUPY_IPC_HOOKS:
+        _arrays.CUPY_IPC_HOOKS.append(_Hook())
+
+    def make() -> CudaIpc:
+        agent.registry.add_handler(PROBE, _on_probe)
+        agent.registry.add_handler(RELEASE, _on_release)
+        return CudaIpc(agent)
+
+    return agent.extension("cuda_ipc", make)

@@ -1,0 +1,350 @@
+"""CuPy arrays between workers of one host by CUDA IPC handle (rpcdist._rpc._cuda_ipc).
+
+These tests run without a GPU: a fake ``cupy`` module stands for the arrays
+and a fake runtime for the CUDA calls, with one "driver" whose memory both
+agents' runtimes map, as two processes of one host would. The real thing is
+in ``test_cuda_ipc_gpu.py`` (two processes on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rpcdist
+from rpcdist import RpcOptions, SerializationError
+from rpcdist._rpc import _cuda_ipc
+from rpcdist.testing import as_current, local_agents
+
+
+class FakeArray:
+    """Stands in for cupy.ndarray: device memory that is host memory here."""
+
+    __module__ = "cupy"
+
+    def __init__(self, host: np.ndarray[Any, Any]) -> None:
+        self.host = host
+
+    dtype = property(lambda self: self.host.dtype)
+    ndim = property(lambda self: self.host.ndim)
+    shape = property(lambda self: self.host.shape)
+    nbytes = property(lambda self: self.host.nbytes)
+    flags = property(lambda self: self.host.flags)
+    T = property(lambda self: FakeArray(self.host.T))
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType("cupy")
+    module.ndarray = FakeArray  # type: ignore[attr-defined]
+    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # type: ignore[attr-defined]  # C order
+    module.asarray = lambda a: FakeArray(np.array(a))  # type: ignore[attr-defined]
+    module.ascontiguousarray = lambda a: FakeArray(np.ascontiguousarray(a.host))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    return module
+
+
+class Driver:
+    """Device memory of one host, shared by every fake runtime."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, bytearray] = {}
+        self.ptrs = itertools.count(0x1000, 0x1000)
+        self.freed: list[int] = []
+
+
+class FakeRuntime:
+    """One process's view of the driver; ``refuse`` makes every mapping fail."""
+
+    def __init__(self, driver: Driver, refuse: bool = False) -> None:
+        self.driver = driver
+        self.refuse = refuse
+        self.mapped: dict[int, int] = {}  # mapped pointer -> exported block
+        self.closed: list[int] = []
+        self.staged = 0
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_of(self, array: Any) -> int:
+        return 0
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        ptr = next(self.driver.ptrs)
+        self.driver.memory[ptr] = bytearray(nbytes)
+        return ptr
+
+    def free(self, device: int, ptr: int) -> None:
+        del self.driver.memory[ptr]
+        self.driver.freed.append(ptr)
+
+    def export(self, device: int, ptr: int) -> bytes:
+        return ptr.to_bytes(8, "little").ljust(64, b"\0")
+
+    def open(self, handle: bytes) -> int:
+        if self.refuse:
+            raise RuntimeError("cudaErrorInvalidContext: invalid device context")
+        ptr = next(self.driver.ptrs)
+        self.mapped[ptr] = int.from_bytes(handle[:8], "little")
+        return ptr
+
+    def close(self, ptr: int) -> None:
+        del self.mapped[ptr]
+        self.closed.append(ptr)
+
+    def stage(self, array: Any, ptr: int) -> None:
+        data = np.ascontiguousarray(array.host).reshape(-1).view(np.uint8)
+        self.driver.memory[ptr][: data.nbytes] = data.tobytes()
+        self.staged += 1
+
+    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        block = self.driver.memory[self.mapped[ptr]]
+        count = int(np.prod(shape))
+        return FakeArray(np.frombuffer(block, dtype, count).reshape(shape).copy())
+
+    def write(self, device: int, ptr: int, data: bytes) -> None:
+        self.driver.memory[ptr][: len(data)] = data
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return bytes(self.driver.memory[self.mapped[ptr]][:nbytes])
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def ext(agent: Any) -> _cuda_ipc.CudaIpc:
+    return agent.registry.extensions["cuda_ipc"]
+
+
+def until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+@pytest.fixture
+def pair(fake_cupy: types.ModuleType) -> Iterator[tuple[Any, Any, Driver]]:
+    driver = Driver()
+    with local_agents(2, options=RpcOptions(token=None)) as (a, b):
+        ext(a)._runtime = FakeRuntime(driver)
+        ext(b)._runtime = FakeRuntime(driver)
+        yield a, b, driver
+
+
+def big(seed: int = 0, n: int = 1 << 16) -> FakeArray:
+    return FakeArray(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+
+
+def probed(a: Any, peer: int = 1) -> bool | None:
+    return until(lambda: ext(a)._peers.get((peer, 0)) is not None) and ext(a)._peers[(peer, 0)]
+
+
+def test_large_arrays_cross_by_handle_once_the_probe_succeeds(pair: Any) -> None:
+    a, b, _ = pair
+    x = big()
+    with as_current(a):
+        first = rpcdist.rpc_sync("worker1", echo, args=(x,))  # host path; starts the probe
+        assert ext(a).sent == 0 and np.array_equal(first.host, x.host)
+        assert probed(a) is True and probed(b, 0) is True
+        for seed in range(1, 4):
+            y = big(seed)
+            back = rpcdist.rpc_sync("worker1", echo, args=(y,))
+            assert type(back) is FakeArray and np.array_equal(back.host, y.host)
+    # Both directions went by handle: the call's argument and the echoed reply.
+    assert ext(a).sent == 3 and ext(b).received == 3
+    assert ext(b).sent == 3 and ext(a).received == 3
+    # Every lend comes back (releases are control messages, a little later).
+    assert until(lambda: ext(a).statistics()["cuda_ipc_lends"] == 0)
+    assert until(lambda: ext(b).statistics()["cuda_ipc_lends"] == 0)
+    # Blocks are reused, and each is mapped once by the peer.
+    assert len(ext(a)._blocks) <= 2
+    assert len(ext(b)._runtime.mapped) == len(ext(a)._blocks)  # type: ignore[union-attr]
+
+
+def test_the_sender_may_change_its_array_once_the_call_returned(pair: Any) -> None:
+    a, b, _ = pair
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True
+        x = big(7)
+        fut = rpcdist.rpc_async("worker1", echo, args=(x,))
+        expected = x.host.copy()
+        x.host[:] = 0  # a snapshot was staged while encoding
+        assert np.array_equal(fut.wait().host, expected)
+
+
+def test_layouts_and_dtypes_survive(pair: Any) -> None:
+    a, _, _ = pair
+    f_order = FakeArray(np.asfortranarray(np.arange(512 * 256, dtype=np.float64).reshape(512, 256)))
+    strided = FakeArray(np.arange(4 * 1 << 16, dtype=np.int32).reshape(-1, 4)[:, 1])
+    cplx = FakeArray(np.full((300, 300), 1 - 2j, np.complex64))
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True
+        for x in (f_order, strided, cplx):
+            back = rpcdist.rpc_sync("worker1", echo, args=(x,))
+            assert back.dtype == x.dtype and back.shape == x.shape
+            assert np.array_equal(back.host, x.host)
+        assert rpcdist.rpc_sync("worker1", echo, args=(f_order,)).host.flags.f_contiguous
+    assert ext(a).sent == 4
+
+
+def test_small_arrays_always_take_the_host_path(pair: Any) -> None:
+    a, _, _ = pair
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True
+        small = FakeArray(np.ones(_cuda_ipc.MIN_BYTES // 4 - 1, np.float32))
+        assert np.array_equal(rpcdist.rpc_sync("worker1", echo, args=(small,)).host, small.host)
+    assert ext(a).sent == 0
+
+
+def test_a_peer_that_cannot_map_keeps_the_host_path(fake_cupy: types.ModuleType) -> None:
+    driver = Driver()
+    with local_agents(2, options=RpcOptions(token=None)) as (a, b):
+        ext(a)._runtime = FakeRuntime(driver)
+        ext(b)._runtime = FakeRuntime(driver, refuse=True)
+        with as_current(a):
+            for seed in range(3):
+                x = big(seed)
+                assert np.array_equal(rpcdist.rpc_sync("worker1", echo, args=(x,)).host, x.host)
+                if seed == 0:
+                    assert probed(a) is False
+        assert ext(a).sent == 0 and ext(b).received == 0
+        # The probe's block went back to the pool, and nothing is lent.
+        assert ext(a).statistics()["cuda_ipc_lends"] == 0
+        assert sum(map(len, ext(a)._free.values())) == len(ext(a)._blocks) == 1
+
+
+def test_turned_off_it_never_probes(fake_cupy: types.ModuleType) -> None:
+    driver = Driver()
+    opts = RpcOptions(token=None, cuda_ipc=False)
+    f_order = FakeArray(np.asfortranarray(np.arange(512 * 256, dtype=np.float64).reshape(512, 256)))
+    with local_agents(2, options=opts) as (a, b):
+        ext(a)._runtime = FakeRuntime(driver)
+        ext(b)._runtime = FakeRuntime(driver)
+        with as_current(a):
+            for x in (big(0), big(1), f_order):
+                back = rpcdist.rpc_sync("worker1", echo, args=(x,))
+                assert np.array_equal(back.host, x.host)
+            assert back.host.flags.f_contiguous  # the host path keeps the order too
+        assert ext(a)._peers == {} and not driver.memory
+
+
+def test_the_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPCDIST_CUDA_IPC", "0")
+    assert RpcOptions().cuda_ipc is False
+    monkeypatch.setenv("RPCDIST_CUDA_IPC", "1")
+    assert RpcOptions().cuda_ipc is True
+
+
+# ----------------------------------------------- lends, leases and losses
+
+
+@dataclasses.dataclass
+class Wire:
+    """The parts of a WireContext the extension reads."""
+
+    agent: Any
+    peer: Any
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def abort(self) -> None:
+        for undo in self.extra.pop("undo", ()):
+            undo()
+
+
+def ready(agent: Any, driver: Driver, peer: int = 1) -> _cuda_ipc.CudaIpc:
+    e = ext(agent)
+    e._runtime = FakeRuntime(driver)
+    e._peers[(peer, 0)] = True
+    return e
+
+
+def test_an_aborted_message_gives_its_lend_back(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    wire = Wire(a, a.workers[1])
+    assert e.lend(wire, big()) is not None
+    assert e.statistics()["cuda_ipc_lends"] == 1
+    wire.abort()
+    assert e.statistics()["cuda_ipc_lends"] == 0
+
+
+def test_a_lost_peer_gives_its_lends_back_and_its_blocks_are_unmapped(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None and e.statistics()["cuda_ipc_lends"] == 1
+    # The peer maps the block; then each loses the other.
+    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    assert np.array_equal(out.host, big().host)
+    assert len(ext(b)._runtime.mapped) == 1  # type: ignore[union-attr]
+    e.peer_lost(1)
+    ext(b).peer_lost(0)
+    assert e.statistics()["cuda_ipc_lends"] == 0 and e._peers[(1, 0)] is False
+    assert not ext(b)._runtime.mapped and ext(b)._mapped == {}  # type: ignore[union-attr]
+    assert e.lend(Wire(a, a.workers[1]), big()) is None  # no IPC to a lost peer
+
+
+def test_a_receiver_refuses_a_lend_past_its_lease(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None
+    fields[-1] = time.monotonic() + _cuda_ipc.MARGIN / 2  # as if it had been delayed
+    with pytest.raises(SerializationError, match="after its CUDA IPC lease ran out"):
+        ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    # Refused or not, the lend is released.
+    assert until(lambda: e.statistics()["cuda_ipc_lends"] == 0)
+
+
+def test_malformed_ipc_fields_are_refused(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None
+    for bad in (fields[:-1], [*fields[:3], "7", fields[4]], [*fields[:4], 1]):
+        with pytest.raises(SerializationError, match="malformed CuPy array payload"):
+            ext(b).take(Wire(b, b.workers[0]), bad, (1 << 16,), np.dtype(np.float32))
+
+
+def test_past_the_cap_arrays_take_the_host_path_and_expired_lends_come_back(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _, driver = pair
+    e = ready(a, driver)
+    monkeypatch.setattr(_cuda_ipc, "CAP", 2 * _cuda_ipc.MIN_BLOCK)
+    wires = [Wire(a, a.workers[1]) for _ in range(3)]
+    got = [e.lend(w, big()) for w in wires]
+    assert got[0] is not None and got[1] is not None and got[2] is None  # two blocks fit
+    assert len(driver.memory) == 2
+    e._lends[got[0][3]].expiry = time.monotonic() - 1  # as if never released
+    assert e.lend(Wire(a, a.workers[1]), big()) is not None  # the expired block is reused
+    assert len(driver.memory) == 2
+
+
+def test_close_frees_the_blocks_and_unmaps_the_peers(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None
+    ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    rt_b = ext(b)._runtime
+    ext(b).close()
+    e.close()
+    assert rt_b.closed and not rt_b.mapped  # type: ignore[union-attr]
+    assert not driver.memory and len(driver.freed) == 1
+    assert e.lend(Wire(a, a.workers[1]), big()) is None
