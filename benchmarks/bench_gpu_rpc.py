@@ -74,10 +74,8 @@ def rpcdist_worker(
                 sync = bf.noop
             back = rpcdist.rpc_sync("w1", bf.echo, args=(x,))
             assert type(back) is type(x) and back.shape == x.shape
-            end = time.monotonic() + 20  # the first arrays go by host while the probes run
-            while ipc and time.monotonic() < end:
-                got = rpcdist.statistics()
-                if got["cuda_ipc_sent"] and got["cuda_ipc_received"]:
+            for _ in range(50 if ipc else 0):  # the first go by host while the probes run
+                if bf.ipc_used():
                     break
                 rpcdist.rpc_sync("w1", bf.echo, args=(x,))
             out[n] = _echo_gbps(
@@ -122,6 +120,38 @@ def torch_worker(
         rpc.shutdown()
 
 
+def rpcdist_torch_worker(
+    rank: int, world: int, init: str, sizes: list[int], quick: bool
+) -> dict[int, float] | None:
+    """CUDA tensors through rpcdist.torch (a PyTorch RPC program with its imports swapped)."""
+    import torch
+
+    import rpcdist.torch.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=120)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    try:
+        if rank != 0:
+            return None
+        out = {}
+        for n in sizes:
+            x = torch.ones(n // 4, dtype=torch.float32, device="cuda:0")
+            for _ in range(50):  # the first tensors go by host while the probes run
+                back = rpc.rpc_sync("w1", bf.echo, args=(x,))
+                if bf.ipc_used():
+                    break
+            assert back.device == x.device and back.shape == x.shape
+            out[n] = _echo_gbps(
+                lambda x=x: rpc.rpc_sync("w1", bf.echo, args=(x,)),
+                torch.cuda.synchronize,
+                n,
+                _reps(n, quick),
+            )
+        return out
+    finally:
+        rpc.shutdown()
+
+
 def _torch_cuda() -> bool:
     try:
         import torch
@@ -151,8 +181,10 @@ def main() -> int:
     dev = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cuda"), timeout=600)[0]
     lent = int(dev.pop(-1))
     baseline: dict[int, float] = {}
+    ours_torch: dict[int, float] = {}
     why = "torch with CUDA is not installed"
     if _torch_cuda():
+        ours_torch = run_workers(rpcdist_torch_worker, 2, args=(sizes, args.quick), timeout=600)[0]
         try:
             baseline = run_workers(
                 torch_worker, 2, args=(free_port(), sizes, args.quick), timeout=600
@@ -164,7 +196,18 @@ def main() -> int:
     rows = []
     for n in sizes:
         ratio = dev[n] / baseline[n] if n in baseline else nan
-        rows.append([f"{n >> 20} MB", host[n], staged[n], dev[n], baseline.get(n, nan), ratio])
+        rows.append(
+            [
+                f"{n >> 20} MB",
+                host[n],
+                staged[n],
+                dev[n],
+                ours_torch.get(n, nan),
+                baseline.get(n, nan),
+                ratio,
+                ours_torch.get(n, nan) / baseline[n] if n in baseline else nan,
+            ]
+        )
     body = (
         f"Array echo between two processes on one GPU ({gpu}), one-way GB/s "
         "(higher is better; median of timed round trips, each ending with a device "
@@ -175,8 +218,10 @@ def main() -> int:
                 "rpcdist NumPy",
                 "rpcdist CuPy, host path",
                 "rpcdist CuPy, CUDA IPC",
+                "rpcdist.torch CUDA tensors",
                 "PyTorch RPC CUDA tensors",
-                "CUDA IPC / PyTorch",
+                "CuPy IPC / PyTorch",
+                "rpcdist.torch / PyTorch",
             ],
             rows,
         )
@@ -186,8 +231,10 @@ def main() -> int:
         "host to device). With CUDA IPC (the default between processes of one host) the "
         "sender copies it into a staging block of device memory and sends the block's "
         "handle; the receiver copies it out device to device and releases the block "
-        f"({lent} arrays went by handle in that run). PyTorch's TensorPipe uses its CUDA "
-        "channels between processes of one machine where it can."
+        f"({lent} arrays went by handle in that run). rpcdist.torch sends a CUDA tensor "
+        "the same way, through a CuPy view of it (DLPack), when CuPy is installed. "
+        "PyTorch's TensorPipe uses its CUDA channels between processes of one machine "
+        "where it can."
     )
     print(body)
     if not args.no_write:
