@@ -2,10 +2,16 @@
 
 An array's header fields are ``[dtype.str, shape, buffer index, order]``; its
 bytes are one out-of-band buffer, a zero-copy view of C-contiguous (or
-Fortran-contiguous, ``order`` 1) data. CuPy and torch are never imported to
-encode: a value can only be one of theirs if its library is already loaded.
+Fortran-contiguous, ``order`` 1) data. torch is never imported to encode: a
+value can only be a tensor if torch is already loaded; CuPy is imported to
+encode only a CUDA tensor, and only once CUDA IPC is installed.
+
 CuPy arrays and CUDA tensors travel through host memory and are put back on a
-device at the receiver (CUDA tensors on the same device index as the sender's).
+device at the receiver (CUDA tensors on the same device index as the sender's),
+unless the installed CUDA IPC hook (``rpcdist._rpc._cuda_ipc``) lends them by
+handle to a worker of the same host: a CuPy array's fields are then
+``[dtype.str, shape, order, *the hook's fields]``, and a CUDA tensor's buffer
+index is -1 with the hook's fields after its device.
 """
 
 from __future__ import annotations
