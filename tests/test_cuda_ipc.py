@@ -348,3 +348,32 @@ def test_close_frees_the_blocks_and_unmaps_the_peers(pair: Any) -> None:
     assert rt_b.closed and not rt_b.mapped  # type: ignore[union-attr]
     assert not driver.memory and len(driver.freed) == 1
     assert e.lend(Wire(a, a.workers[1]), big()) is None
+
+
+def test_idle_blocks_are_unmapped_by_their_peers_then_freed(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, driver = pair
+    monkeypatch.setattr(_cuda_ipc, "IDLE", 0.2)
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True and probed(b, 0) is True
+        back = rpcdist.rpc_sync("worker1", echo, args=(big(1),))
+        assert np.array_equal(back.host, big(1).host)
+    assert ext(a).sent == 1 and ext(b).sent == 1
+    # One lend stays out (as if its message were still on the way): its
+    # block must outlive the trimming; every other block goes.
+    held = ext(a).lend(Wire(a, a.workers[1]), big(2, 1 << 19))
+    assert held is not None
+    kept = held[1]
+    mapped_b = ext(b)._runtime.mapped  # type: ignore[union-attr]
+    mapped_a = ext(a)._runtime.mapped  # type: ignore[union-attr]
+    assert until(lambda: [blk.id for blk in ext(a)._blocks] == [kept] and not ext(b)._blocks)
+    assert until(lambda: not mapped_a and not ext(a)._mapped)
+    assert until(lambda: not mapped_b and not ext(b)._mapped)  # (the lent block is unmapped)
+    assert len(driver.memory) == 1 and len(driver.freed) >= 2
+    # The lent block still holds its array, and goes once released and idle.
+    out = ext(b).take(Wire(b, b.workers[0]), held, (1 << 19,), np.dtype(np.float32))
+    assert np.array_equal(out.host, big(2, 1 << 19).host)
+    assert until(lambda: not ext(a)._blocks and not driver.memory)
+    assert until(lambda: not ext(b)._mapped and not mapped_b)

@@ -31,8 +31,11 @@ What keeps this safe:
   ``SerializationError`` instead of returning what may be another array's
   bytes. A message that is dropped undecoded therefore holds its block for
   one lease at most.
-* **A cap.** An agent's staging blocks total ``CAP`` bytes at most; beyond
-  that arrays take the host path.
+* **A cap, and idle blocks go back.** An agent's staging blocks total
+  ``CAP`` bytes at most; beyond that arrays take the host path. A block
+  unused for ``IDLE`` seconds is retired: every peer it was lent to unmaps
+  it (``cuda_ipc.unmap``), then it is freed, so a burst of large arrays
+  does not hold device memory for the rest of the job.
 
 Turned off by ``RpcOptions.cuda_ipc=False`` (or ``RPCDIST_CUDA_IPC=0``).
 CuPy is imported only when a CuPy array is sent or a probe arrives.
@@ -49,7 +52,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -68,6 +71,7 @@ _log = logging.getLogger(__name__)
 
 PROBE: Final = "cuda_ipc.probe"
 RELEASE: Final = "cuda_ipc.release"
+UNMAP: Final = "cuda_ipc.unmap"
 #: Arrays smaller than this take the host path (an IPC lend costs a control
 #: message and a device synchronisation on each side).
 MIN_BYTES: Final = 1 << 18
@@ -79,6 +83,8 @@ LEASE: Final = 120.0
 MARGIN: Final = 1.0
 #: Most bytes of staging blocks one agent keeps.
 CAP: Final = 4 << 30
+#: Seconds a staging block may sit unused before it is unmapped and freed.
+IDLE: Final = 60.0
 _PATTERN_BYTES: Final = 64
 
 
@@ -147,6 +153,9 @@ class _Block:
     size: int
     ptr: int
     handle: bytes
+    #: The peers it was lent to (they may have it mapped).
+    peers: set[int] = field(default_factory=set)
+    idle_since: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -183,6 +192,7 @@ class CudaIpc(BaseExtension):
         self._mapped: dict[tuple[bytes, int, int], tuple[int, int]] = {}
         self._acks: dict[int, list[int]] = {}
         self._flush_armed = False
+        self._trim_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.sent = 0
         self.received = 0
@@ -225,6 +235,7 @@ class CudaIpc(BaseExtension):
         lend_id = next(self._ids)
         expiry = time.monotonic() + LEASE
         with self._lock:
+            block.peers.add(peer)
             self._lends[lend_id] = _Lend(block, peer, expiry)
             self.sent += 1
         wire.extra.setdefault("undo", []).append(lambda: self._release(peer, [lend_id]))
@@ -272,11 +283,20 @@ class CudaIpc(BaseExtension):
         block = _Block(next(self._ids), device, size, ptr, handle)
         with self._lock:
             self._blocks.append(block)
+        try:
+            self.agent.loop.call_soon_threadsafe(self._arm_trim)
+        except RuntimeError:  # the loop is gone: close() frees it
+            pass
         return block
 
     def _put_back(self, block: _Block) -> None:
         with self._lock:
-            self._free.setdefault((block.device, block.size), []).append(block)
+            self._freed(block)
+
+    def _freed(self, block: _Block) -> None:
+        """``block`` is free for another lend (with the lock held)."""
+        block.idle_since = time.monotonic()
+        self._free.setdefault((block.device, block.size), []).append(block)
 
     def _reclaim_expired(self) -> None:
         """Take back lends past their lease (with the lock held)."""
@@ -284,7 +304,7 @@ class CudaIpc(BaseExtension):
         for lend_id, lend in list(self._lends.items()):
             if lend.expiry <= now:
                 del self._lends[lend_id]
-                self._free.setdefault((lend.block.device, lend.block.size), []).append(lend.block)
+                self._freed(lend.block)
 
     def _release(self, peer: int, lend_ids: list[int]) -> None:
         with self._lock:
@@ -292,9 +312,7 @@ class CudaIpc(BaseExtension):
                 lend = self._lends.get(lend_id)
                 if lend is not None and lend.peer == peer:
                     del self._lends[lend_id]
-                    self._free.setdefault((lend.block.device, lend.block.size), []).append(
-                        lend.block
-                    )
+                    self._freed(lend.block)
 
     # ------------------------------------------------------------ probing
 
@@ -320,6 +338,7 @@ class CudaIpc(BaseExtension):
             block = self._take_block(device, MIN_BLOCK)
             if block is None:
                 return
+            block.peers.add(peer)
             pattern = secrets.token_bytes(_PATTERN_BYTES)
             self.runtime().write(device, block.ptr, pattern)
             expiry = time.monotonic() + LEASE
@@ -352,6 +371,52 @@ class CudaIpc(BaseExtension):
         if time.monotonic() >= expiry:
             return "the probe's lease ran out"
         return True if got == pattern else "the mapped block did not hold the pattern"
+
+    # ----------------------------------------------------------- trimming
+
+    def _arm_trim(self) -> None:
+        if self._trim_timer is None and not self.closed:
+            self._trim_timer = self.agent.loop.call_later(IDLE / 2, self._trim)
+
+    def _trim(self) -> None:
+        """Retire the blocks idle for ``IDLE`` seconds (on the loop)."""
+        self._trim_timer = None
+        now = time.monotonic()
+        with self._lock:
+            if self.closed:
+                return
+            idle = [b for free in self._free.values() for b in free if now - b.idle_since >= IDLE]
+            for b in idle:
+                self._free[(b.device, b.size)].remove(b)
+            more = len(self._blocks) > len(idle)
+        for block in idle:
+            self._spawn(self._retire(block))
+        if more:
+            self._arm_trim()
+
+    async def _retire(self, block: _Block) -> None:
+        """Have every peer that may map ``block`` unmap it, then free it."""
+        for peer in sorted(block.peers):
+            try:
+                await self.agent.send_control(peer, UNMAP, [self.token, block.id])
+            except RpcdistError as e:  # lost: its mapping went with its process
+                _log.debug("unmapping CUDA IPC block %d on rank %d: %s", block.id, peer, e)
+        with self._lock:
+            if self.closed or block not in self._blocks:
+                return  # close() frees it
+            self._blocks.remove(block)
+            self._held -= block.size
+        try:
+            self.runtime().free(block.device, block.ptr)
+        except Exception as e:
+            _log.debug("freeing a CUDA IPC staging block: %r", e)
+
+    def unmap(self, token: bytes, block_id: int) -> None:
+        """The exporter retires a block: unmap it here (on every device)."""
+        with self._lock:
+            keys = [k for k in self._mapped if k[0] == token and k[1] == block_id]
+            ptrs = [self._mapped.pop(k)[0] for k in keys]
+        self._close_all(ptrs)
 
     # ---------------------------------------------------------- receiving
 
@@ -454,9 +519,7 @@ class CudaIpc(BaseExtension):
             for lend_id, lend in list(self._lends.items()):
                 if lend.peer == rank:
                     del self._lends[lend_id]
-                    self._free.setdefault((lend.block.device, lend.block.size), []).append(
-                        lend.block
-                    )
+                    self._freed(lend.block)
             for key in [k for k in self._peers if k[0] == rank]:
                 self._peers[key] = False
             unmap = [k for k, v in self._mapped.items() if v[1] == rank]
@@ -465,6 +528,9 @@ class CudaIpc(BaseExtension):
         self._close_all(ptrs)
 
     def close(self) -> None:
+        if self._trim_timer is not None:
+            self._trim_timer.cancel()
+            self._trim_timer = None
         with self._lock:
             self.closed = True
             blocks, self._blocks = self._blocks, []
@@ -498,6 +564,11 @@ async def _on_probe(agent: Agent, src: WorkerInfo, payload: Any) -> object:
     return _ext(agent).answer_probe(src, payload)
 
 
+async def _on_unmap(agent: Agent, src: WorkerInfo, payload: Any) -> None:
+    if type(payload) is list and len(payload) == 2:
+        _ext(agent).unmap(payload[0], payload[1])
+
+
 async def _on_release(agent: Agent, src: WorkerInfo, payload: Any) -> None:
     if type(payload) is list and all(type(i) is int for i in payload):
         _ext(agent)._release(src.id, payload)
@@ -527,6 +598,7 @@ def install(agent: Agent) -> CudaIpc:
     def make() -> CudaIpc:
         agent.registry.add_handler(PROBE, _on_probe)
         agent.registry.add_handler(RELEASE, _on_release)
+        agent.registry.add_handler(UNMAP, _on_unmap)
         return CudaIpc(agent)
 
     return agent.extension("cuda_ipc", make)
