@@ -67,12 +67,14 @@ class FakeRuntime:
     def __init__(self, driver: Driver, refuse: bool = False) -> None:
         self.driver = driver
         self.refuse = refuse
+        self.device = 0  # this thread's current device
+        self.unmappable: set[int] = set()  # devices that cannot map a peer's memory
         self.mapped: dict[int, int] = {}  # mapped pointer -> exported block
         self.closed: list[int] = []
         self.staged = 0
 
     def current_device(self) -> int:
-        return 0
+        return self.device
 
     def device_of(self, array: Any) -> int:
         return 0
@@ -89,9 +91,11 @@ class FakeRuntime:
     def export(self, device: int, ptr: int) -> bytes:
         return ptr.to_bytes(8, "little").ljust(64, b"\0")
 
-    def open(self, handle: bytes) -> int:
+    def open(self, handle: bytes, device: int) -> int:
         if self.refuse:
             raise RuntimeError("cudaErrorInvalidContext: invalid device context")
+        if device in self.unmappable:
+            raise RuntimeError("cudaErrorPeerAccessUnsupported: peer access is not supported")
         ptr = next(self.driver.ptrs)
         self.mapped[ptr] = int.from_bytes(handle[:8], "little")
         return ptr
@@ -377,3 +381,24 @@ def test_idle_blocks_are_unmapped_by_their_peers_then_freed(
     assert np.array_equal(out.host, big(2, 1 << 19).host)
     assert until(lambda: not ext(a)._blocks and not driver.memory)
     assert until(lambda: not ext(b)._mapped and not mapped_b)
+
+
+def test_a_thread_on_a_device_that_cannot_map_uses_the_probed_one(pair: Any) -> None:
+    a, b, _ = pair
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True  # answered by b on device 0
+    rt_b = ext(b)._runtime
+    rt_b.device = 1  # type: ignore[union-attr]
+    rt_b.unmappable = {1}  # type: ignore[union-attr]
+    fields = ext(a).lend(Wire(a, a.workers[1]), big(3))
+    assert fields is not None
+    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    assert np.array_equal(out.host, big(3).host)
+    assert {k[2] for k in ext(b)._mapped if k[1] == fields[1]} == {0}
+    # With no device that can map it, the error names CUDA IPC and the peer.
+    rt_b.unmappable = {0, 1}  # type: ignore[union-attr]
+    fields = ext(a).lend(Wire(a, a.workers[1]), big(4, 1 << 19))
+    assert fields is not None
+    with pytest.raises(SerializationError, match="from 'worker0' through CUDA IPC.*peer access"):
+        ext(b).take(Wire(b, b.workers[0]), fields, (1 << 19,), np.dtype(np.float32))

@@ -110,9 +110,10 @@ class Runtime:
         with self.cupy.cuda.Device(device):
             return bytes(self._rt.ipcGetMemHandle(ptr))
 
-    def open(self, handle: bytes) -> int:
-        """Map an exported block into this process (on the current device)."""
-        return int(self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess))
+    def open(self, handle: bytes, device: int) -> int:
+        """Map an exported block into this process, in ``device``'s context."""
+        with self.cupy.cuda.Device(device):
+            return int(self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess))
 
     def close(self, ptr: int) -> None:
         self._rt.ipcCloseMemHandle(ptr)
@@ -190,6 +191,8 @@ class CudaIpc(BaseExtension):
         self._same_host: dict[int, bool] = {}
         #: (exporter token, block id, device) -> (mapped pointer, peer rank).
         self._mapped: dict[tuple[bytes, int, int], tuple[int, int]] = {}
+        #: exporter token -> (the device its probe was mapped on here, its rank).
+        self._probed_on: dict[bytes, tuple[int, int]] = {}
         self._acks: dict[int, list[int]] = {}
         self._flush_armed = False
         self._trim_timer: asyncio.TimerHandle | None = None
@@ -370,7 +373,11 @@ class CudaIpc(BaseExtension):
             return f"{type(e).__name__}: {e}"
         if time.monotonic() >= expiry:
             return "the probe's lease ran out"
-        return True if got == pattern else "the mapped block did not hold the pattern"
+        if got != pattern:
+            return "the mapped block did not hold the pattern"
+        with self._lock:
+            self._probed_on[token] = (rt.current_device(), src.id)
+        return True
 
     # ----------------------------------------------------------- trimming
 
@@ -461,17 +468,29 @@ class CudaIpc(BaseExtension):
         return out
 
     def _map(self, peer: int, token: bytes, block_id: int, handle: bytes, rt: Runtime) -> int:
-        key = (token, block_id, rt.current_device())
-        with self._lock:
-            hit = self._mapped.get(key)
-        if hit is not None:
-            return hit[0]
-        ptr = rt.open(handle)
-        with self._lock:
-            other = self._mapped.setdefault(key, (ptr, peer))
-        if other[0] != ptr:  # another thread mapped it first
-            rt.close(ptr)
-        return other[0]
+        """The block mapped here: in the current device's context, else in the
+        context its exporter's probe was mapped in (a thread on a device that
+        cannot map the peer's memory then copies across devices)."""
+        current = rt.current_device()
+        probed = self._probed_on.get(token, (current, peer))[0]
+        failures: list[Exception] = []
+        for device in dict.fromkeys((current, probed)):
+            key = (token, block_id, device)
+            with self._lock:
+                hit = self._mapped.get(key)
+            if hit is not None:
+                return hit[0]
+            try:
+                ptr = rt.open(handle, device)
+            except Exception as e:
+                failures.append(e)
+                continue
+            with self._lock:
+                other = self._mapped.setdefault(key, (ptr, peer))
+            if other[0] != ptr:  # another thread mapped it first
+                rt.close(ptr)
+            return other[0]
+        raise failures[0]
 
     def _ack(self, peer: int, lend_id: int) -> None:
         with self._lock:
@@ -522,6 +541,8 @@ class CudaIpc(BaseExtension):
                     self._freed(lend.block)
             for key in [k for k in self._peers if k[0] == rank]:
                 self._peers[key] = False
+            for token in [t for t, v in self._probed_on.items() if v[1] == rank]:
+                del self._probed_on[token]
             unmap = [k for k, v in self._mapped.items() if v[1] == rank]
             ptrs = [self._mapped.pop(k)[0] for k in unmap]
             self._acks.pop(rank, None)
