@@ -166,6 +166,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer round trips")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
+    ap.add_argument(
+        "--sizes", help="comma-separated array sizes in KiB (default: 1024,16384,65536)"
+    )
     args = ap.parse_args()
     try:
         import cupy
@@ -174,7 +177,7 @@ def main() -> int:
     except Exception as e:  # no CuPy, no driver, no device: nothing to measure here
         print(f"bench_gpu_rpc: skipped, needs CuPy and a CUDA device ({e})", file=sys.stderr)
         return 0
-    sizes = SIZES
+    sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else SIZES
     t0 = time.perf_counter()
     host = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cpu"), timeout=600)[0]
     staged = run_workers(rpcdist_worker, 2, args=(sizes, args.quick, "cuda-host"), timeout=600)[0]
@@ -198,7 +201,7 @@ def main() -> int:
         ratio = dev[n] / baseline[n] if n in baseline else nan
         rows.append(
             [
-                f"{n >> 20} MB",
+                f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB",
                 host[n],
                 staged[n],
                 dev[n],

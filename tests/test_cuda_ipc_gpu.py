@@ -50,6 +50,9 @@ def _cases() -> list[Any]:
 def ipc_worker(rank: int, world: int, init: str, ipc: bool) -> dict[str, Any] | None:
     import cupy
 
+    from rpcdist._rpc import _cuda_ipc
+
+    _cuda_ipc.IDLE = 1.0  # type: ignore[misc]  # retire idle blocks within the test
     rpcdist.init_rpc(f"w{rank}", rank, world, init_method=init, rpc_timeout=60,
                      options=RpcOptions(cuda_ipc=ipc))  # fmt: skip
     try:
@@ -84,7 +87,14 @@ def ipc_worker(rank: int, world: int, init: str, ipc: bool) -> dict[str, Any] | 
             mine, theirs = rpcdist.statistics(), rpcdist.rpc_sync("w1", stats)
             if mine["cuda_ipc_lends"] == 0 and theirs["cuda_ipc_lends"] == 0:
                 break
-        return {"sent": sent, "mine": mine, "theirs": theirs}
+        # Idle blocks are unmapped by the peer, then freed.
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            held = rpcdist.statistics()["cuda_ipc_block_bytes"]
+            held += rpcdist.rpc_sync("w1", stats)["cuda_ipc_block_bytes"]
+            if held == 0:
+                break
+        return {"sent": sent, "mine": mine, "theirs": theirs, "held": held}
     finally:
         rpcdist.shutdown()
 
@@ -96,7 +106,9 @@ def test_cupy_arrays_cross_processes_by_handle(ipc: bool) -> None:
     out = run_workers(ipc_worker, 2, args=(ipc,), timeout=150)[0]
     mine, theirs = out["mine"], out["theirs"]
     assert mine["cuda_ipc_lends"] == 0 and theirs["cuda_ipc_lends"] == 0
+    assert out["held"] == 0
     if ipc:
+        assert mine["cuda_ipc_block_bytes"] > 0  # (before the blocks were retired)
         # Six of the seven cases and the snapshot go by handle, both ways
         # (the empty one is below the size limit).
         assert out["sent"] == 7 and theirs["cuda_ipc_received"] >= 7

@@ -291,6 +291,8 @@ def statistics() -> dict[str, int]:
     ``collectives_inflight``; distributed autograd: ``autograd_contexts``;
     CUDA IPC: ``cuda_ipc_lends`` (CuPy arrays sent by handle whose receiver
     has not yet released them).
+    ``cuda_ipc_block_bytes``: device memory held for sending CuPy arrays by
+    CUDA IPC (back to 0 about a minute after the last one).
     ``lost_workers``: workers declared lost (it stays up after a loss).
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``,

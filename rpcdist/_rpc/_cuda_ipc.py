@@ -521,6 +521,7 @@ class CudaIpc(BaseExtension):
     def statistics(self) -> Mapping[str, int]:
         return {
             "cuda_ipc_lends": len(self._lends),
+            "cuda_ipc_block_bytes": self._held,
             "cuda_ipc_sent": self.sent,
             "cuda_ipc_received": self.received,
         }
