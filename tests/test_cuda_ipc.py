@@ -147,7 +147,7 @@ def pair(fake_cupy: types.ModuleType) -> Iterator[tuple[Any, Any, Driver]]:
         yield a, b, driver
 
 
-def big(seed: int = 0, n: int = 1 << 16) -> FakeArray:
+def big(seed: int = 0, n: int = 1 << 17) -> FakeArray:
     return FakeArray(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
 
 
@@ -192,7 +192,7 @@ def test_the_sender_may_change_its_array_once_the_call_returned(pair: Any) -> No
 def test_layouts_and_dtypes_survive(pair: Any) -> None:
     a, _, _ = pair
     f_order = FakeArray(np.asfortranarray(np.arange(512 * 256, dtype=np.float64).reshape(512, 256)))
-    strided = FakeArray(np.arange(4 * 1 << 16, dtype=np.int32).reshape(-1, 4)[:, 1])
+    strided = FakeArray(np.arange(4 << 17, dtype=np.int32).reshape(-1, 4)[:, 1])
     cplx = FakeArray(np.full((300, 300), 1 - 2j, np.complex64))
     with as_current(a):
         rpcdist.rpc_sync("worker1", echo, args=(big(),))
@@ -293,7 +293,7 @@ def test_a_lost_peer_gives_its_lends_back_and_its_blocks_are_unmapped(pair: Any)
     fields = e.lend(Wire(a, a.workers[1]), big())
     assert fields is not None and e.statistics()["cuda_ipc_lends"] == 1
     # The peer maps the block; then each loses the other.
-    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 17,), np.dtype(np.float32))
     assert np.array_equal(out.host, big().host)
     assert len(ext(b)._runtime.mapped) == 1  # type: ignore[union-attr]
     e.peer_lost(1)
@@ -310,7 +310,7 @@ def test_a_receiver_refuses_a_lend_past_its_lease(pair: Any) -> None:
     assert fields is not None
     fields[-1] = time.monotonic() + _cuda_ipc.MARGIN / 2  # as if it had been delayed
     with pytest.raises(SerializationError, match="after its CUDA IPC lease ran out"):
-        ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+        ext(b).take(Wire(b, b.workers[0]), fields, (1 << 17,), np.dtype(np.float32))
     # Refused or not, the lend is released.
     assert until(lambda: e.statistics()["cuda_ipc_lends"] == 0)
 
@@ -322,7 +322,7 @@ def test_malformed_ipc_fields_are_refused(pair: Any) -> None:
     assert fields is not None
     for bad in (fields[:-1], [*fields[:3], "7", fields[4]], [*fields[:4], 1]):
         with pytest.raises(SerializationError, match="malformed CuPy array payload"):
-            ext(b).take(Wire(b, b.workers[0]), bad, (1 << 16,), np.dtype(np.float32))
+            ext(b).take(Wire(b, b.workers[0]), bad, (1 << 17,), np.dtype(np.float32))
 
 
 def test_past_the_cap_arrays_take_the_host_path_and_expired_lends_come_back(
@@ -345,7 +345,7 @@ def test_close_frees_the_blocks_and_unmaps_the_peers(pair: Any) -> None:
     e = ready(a, driver)
     fields = e.lend(Wire(a, a.workers[1]), big())
     assert fields is not None
-    ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    ext(b).take(Wire(b, b.workers[0]), fields, (1 << 17,), np.dtype(np.float32))
     rt_b = ext(b)._runtime
     ext(b).close()
     e.close()
@@ -393,7 +393,7 @@ def test_a_thread_on_a_device_that_cannot_map_uses_the_probed_one(pair: Any) -> 
     rt_b.unmappable = {1}  # type: ignore[union-attr]
     fields = ext(a).lend(Wire(a, a.workers[1]), big(3))
     assert fields is not None
-    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 16,), np.dtype(np.float32))
+    out = ext(b).take(Wire(b, b.workers[0]), fields, (1 << 17,), np.dtype(np.float32))
     assert np.array_equal(out.host, big(3).host)
     assert {k[2] for k in ext(b)._mapped if k[1] == fields[1]} == {0}
     # With no device that can map it, the error names CUDA IPC and the peer.

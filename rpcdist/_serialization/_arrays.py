@@ -164,6 +164,11 @@ class CupyIpcHook(Protocol):
     """Sends large CuPy arrays between workers of one host by CUDA IPC handle
     (installed by ``rpcdist._rpc._cuda_ipc``)."""
 
+    @property
+    def min_bytes(self) -> int:
+        """Smaller arrays are never lent."""
+        ...
+
     def lend(self, context: object, array: Any) -> list[Any] | None:
         """Fields that stand for C-contiguous ``array``, or ``None``: send its bytes."""
         ...
@@ -307,6 +312,8 @@ def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
     CuPy view of it), or ``None``: send it through host memory."""
     if not CUPY_IPC_HOOKS or state.context is None or _NO_CUPY:
         return None
+    if data.numel() * data.element_size() < CUPY_IPC_HOOKS[0].min_bytes:
+        return None  # (before asking CuPy for a view of it)
     cupy = sys.modules.get("cupy")
     if cupy is None:
         try:
