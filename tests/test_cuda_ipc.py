@@ -215,7 +215,10 @@ def test_small_arrays_always_take_the_host_path(pair: Any) -> None:
     assert ext(a).sent == 0
 
 
-def test_a_peer_that_cannot_map_keeps_the_host_path(fake_cupy: types.ModuleType) -> None:
+def test_a_peer_that_cannot_map_keeps_the_host_path(
+    fake_cupy: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="rpcdist._rpc._cuda_ipc")
     driver = Driver()
     with local_agents(2, options=RpcOptions(token=None)) as (a, b):
         ext(a)._runtime = FakeRuntime(driver)
@@ -227,6 +230,11 @@ def test_a_peer_that_cannot_map_keeps_the_host_path(fake_cupy: types.ModuleType)
                 if seed == 0:
                     assert probed(a) is False
         assert ext(a).sent == 0 and ext(b).received == 0
+        # Why is said once, naming the peer and CUDA's reason.
+        said = [r.getMessage() for r in caplog.records if "CUDA IPC" in r.getMessage()]
+        assert len(said) == 1
+        assert "to 'worker1' travel through host memory" in said[0]
+        assert "cudaErrorInvalidContext" in said[0]
         # The probe's block went back to the pool, and nothing is lent.
         assert ext(a).statistics()["cuda_ipc_lends"] == 0
         assert sum(map(len, ext(a)._free.values())) == len(ext(a)._blocks) == 1

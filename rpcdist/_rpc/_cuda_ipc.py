@@ -351,15 +351,27 @@ class CudaIpc(BaseExtension):
             )
             ok = answer is True
             if not ok:
-                _log.debug("CUDA IPC to rank %d (device %d) not used: %s", peer, device, answer)
+                _log.info(
+                    "CuPy arrays from device %d to %s travel through host memory, not CUDA "
+                    "IPC: %s", device, self._name(peer), answer,
+                )  # fmt: skip
         except Exception as e:
-            _log.debug("CUDA IPC probe of rank %d (device %d) failed: %r", peer, device, e)
+            _log.info(
+                "CuPy arrays from device %d to %s travel through host memory: the CUDA IPC "
+                "probe failed: %r", device, self._name(peer), e,
+            )  # fmt: skip
         finally:
             if block is not None:
                 self._put_back(block)
             with self._lock:
                 if (peer, device) in self._peers:
                     self._peers[(peer, device)] = ok
+
+    def _name(self, rank: int) -> str:
+        try:
+            return repr(self.agent.workers[rank].name)
+        except Exception:
+            return f"rank {rank}"
 
     def answer_probe(self, src: WorkerInfo, payload: Any) -> object:
         """Map the prober's block and read its pattern: ``True``, or why not."""
