@@ -15,4 +15,13 @@ def cuda_devices() -> int:
         return 0
 
 
+def has_nccl() -> bool:
+    """Whether CuPy has NCCL and sees a CUDA device."""
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception:
+        return False
+    return cuda_devices() >= 1
+
+
 needs_gpu = pytest.mark.skipif(cuda_devices() < 1, reason="needs CuPy and a CUDA device")

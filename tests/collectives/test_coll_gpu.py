@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_support import cuda_devices, needs_gpu
+from gpu_support import cuda_devices, has_nccl, needs_gpu
 
 from rpcdist.testing import run_workers
 
@@ -70,15 +70,7 @@ def test_cupy_buffers_through_nccl():
     run_workers(cupy_worker, 2, args=("nccl", True), timeout=150)
 
 
-def _has_nccl() -> bool:
-    try:
-        from cupy.cuda import nccl  # noqa: F401
-    except Exception:
-        return False
-    return cuda_devices() >= 1
-
-
-@pytest.mark.skipif(not _has_nccl(), reason="needs CuPy with NCCL and a CUDA device")
+@pytest.mark.skipif(not has_nccl(), reason="needs CuPy with NCCL and a CUDA device")
 def test_the_nccl_engine_drives_a_real_communicator_of_one_rank():
     """The calls into ``cupy.cuda.nccl`` (pointers, counts, datatypes, complex as
     float pairs, AVG's divide, the completion event), on a communicator of one
