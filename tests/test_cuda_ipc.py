@@ -69,6 +69,8 @@ class FakeRuntime:
         self.refuse = refuse
         self.device = 0  # this thread's current device
         self.unmappable: set[int] = set()  # devices that cannot map a peer's memory
+        self.fail_stage = False
+        self.fail_export = False
         self.mapped: dict[int, int] = {}  # mapped pointer -> exported block
         self.closed: list[int] = []
         self.staged = 0
@@ -89,6 +91,8 @@ class FakeRuntime:
         self.driver.freed.append(ptr)
 
     def export(self, device: int, ptr: int) -> bytes:
+        if self.fail_export:
+            raise RuntimeError("cudaErrorMapBufferObjectFailed")
         return ptr.to_bytes(8, "little").ljust(64, b"\0")
 
     def open(self, handle: bytes, device: int) -> int:
@@ -105,6 +109,8 @@ class FakeRuntime:
         self.closed.append(ptr)
 
     def stage(self, array: Any, ptr: int) -> None:
+        if self.fail_stage:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access")
         data = np.ascontiguousarray(array.host).reshape(-1).view(np.uint8)
         self.driver.memory[ptr][: data.nbytes] = data.tobytes()
         self.staged += 1
@@ -410,3 +416,33 @@ def test_a_thread_on_a_device_that_cannot_map_uses_the_probed_one(pair: Any) -> 
     assert fields is not None
     with pytest.raises(SerializationError, match="from 'worker0' through CUDA IPC.*peer access"):
         ext(b).take(Wire(b, b.workers[0]), fields, (1 << 19,), np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("fault", ["stage", "export"])
+def test_a_failing_cuda_call_on_the_sender_leaves_the_host_path(pair: Any, fault: str) -> None:
+    a, _, driver = pair
+    with as_current(a):
+        rpcdist.rpc_sync("worker1", echo, args=(big(),))
+        assert probed(a) is True
+        setattr(ext(a)._runtime, f"fail_{fault}", True)
+        x = big(5, 1 << 20)  # a new block size: export is asked for
+        assert np.array_equal(rpcdist.rpc_sync("worker1", echo, args=(x,)).host, x.host)
+    assert ext(a).sent == 0 and ext(a).statistics()["cuda_ipc_lends"] == 0
+    held = ext(a).statistics()["cuda_ipc_block_bytes"]
+    assert held == sum(len(v) * k[1] for k, v in ext(a)._free.items())  # all blocks free
+    assert len(driver.memory) == len(ext(a)._blocks) + len(ext(pair[1])._blocks)
+
+
+def test_a_lend_whose_message_never_arrived_comes_back_at_its_expiry(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _, driver = pair
+    monkeypatch.setattr(_cuda_ipc, "IDLE", 0.1)
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None
+    # Never released (its message was dropped unread): at its expiry the
+    # lend comes back, and its block is retired once idle.
+    e._lends[fields[3]].expiry = time.monotonic() + 0.2
+    assert until(lambda: e.statistics()["cuda_ipc_lends"] == 0)
+    assert until(lambda: e.statistics()["cuda_ipc_block_bytes"] == 0 and not driver.memory)

@@ -228,14 +228,19 @@ class CudaIpc(BaseExtension):
             return None
         if self._peers[key] is not True:  # probing, or refused
             return None
-        block = self._take_block(device, nbytes)
+        try:
+            block = self._take_block(device, nbytes)
+        except Exception as e:  # (the host path does not need it)
+            _log.debug("no CUDA IPC staging block: %r", e)
+            return None
         if block is None:
             return None
         try:
             rt.stage(array, block.ptr)
-        except Exception:
+        except Exception as e:  # a fault of the array's own shows on the host path too
             self._put_back(block)
-            raise
+            _log.debug("staging a CuPy array for CUDA IPC failed: %r", e)
+            return None
         lend_id = next(self._ids)
         expiry = time.monotonic() + LEASE
         with self._lock:
@@ -286,7 +291,12 @@ class CudaIpc(BaseExtension):
             raise
         block = _Block(next(self._ids), device, size, ptr, handle)
         with self._lock:
-            self._blocks.append(block)
+            closed = self.closed
+            if not closed:
+                self._blocks.append(block)
+        if closed:  # close() ran meanwhile: it would never free this one
+            rt.free(device, ptr)
+            return None
         try:
             self.agent.loop.call_soon_threadsafe(self._arm_trim)
         except RuntimeError:  # the loop is gone: close() frees it
@@ -405,6 +415,7 @@ class CudaIpc(BaseExtension):
         with self._lock:
             if self.closed:
                 return
+            self._reclaim_expired()  # (a lend whose message was dropped unread)
             idle = [b for free in self._free.values() for b in free if now - b.idle_since >= IDLE]
             for b in idle:
                 self._free[(b.device, b.size)].remove(b)
