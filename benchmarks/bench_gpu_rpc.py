@@ -89,17 +89,26 @@ def rpcdist_worker(
 
 
 def torch_worker(
-    rank: int, world: int, _init: str, port: int, sizes: list[int], quick: bool
+    rank: int, world: int, init: str, flavor: str, port: int, sizes: list[int], quick: bool
 ) -> dict[int, float] | None:
+    """CUDA tensors through PyTorch RPC (TensorPipe, an identity device map;
+    ``flavor`` "torch") or through rpcdist.torch (the same program with its
+    imports swapped; ``flavor`` "rpcdist")."""
     import torch
-    import torch.distributed.rpc as rpc
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    peer = f"w{1 - rank}"
-    opts = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=16, rpc_timeout=120, device_maps={peer: {0: 0}}
-    )
+    if flavor == "torch":
+        import torch.distributed.rpc as rpc
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        peer = f"w{1 - rank}"
+        opts = rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=16, rpc_timeout=120, device_maps={peer: {0: 0}}
+        )
+    else:
+        import rpcdist.torch.rpc as rpc  # type: ignore[no-redef]
+
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=120)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     try:
         if rank != 0:
@@ -107,38 +116,9 @@ def torch_worker(
         out = {}
         for n in sizes:
             x = torch.ones(n // 4, dtype=torch.float32, device="cuda:0")
-            back = rpc.rpc_sync("w1", bf.echo, args=(x,))
-            assert back.device == x.device and back.shape == x.shape
-            out[n] = _echo_gbps(
-                lambda x=x: rpc.rpc_sync("w1", bf.echo, args=(x,)),
-                torch.cuda.synchronize,
-                n,
-                _reps(n, quick),
-            )
-        return out
-    finally:
-        rpc.shutdown()
-
-
-def rpcdist_torch_worker(
-    rank: int, world: int, init: str, sizes: list[int], quick: bool
-) -> dict[int, float] | None:
-    """CUDA tensors through rpcdist.torch (a PyTorch RPC program with its imports swapped)."""
-    import torch
-
-    import rpcdist.torch.rpc as rpc
-
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=120)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
-    try:
-        if rank != 0:
-            return None
-        out = {}
-        for n in sizes:
-            x = torch.ones(n // 4, dtype=torch.float32, device="cuda:0")
-            for _ in range(50):  # the first tensors go by host while the probes run
+            for _ in range(50 if flavor == "rpcdist" else 1):
                 back = rpc.rpc_sync("w1", bf.echo, args=(x,))
-                if bf.ipc_used():
+                if flavor == "torch" or bf.ipc_used():  # (by host while the probes run)
                     break
             assert back.device == x.device and back.shape == x.shape
             out[n] = _echo_gbps(
@@ -187,10 +167,12 @@ def main() -> int:
     ours_torch: dict[int, float] = {}
     why = "torch with CUDA is not installed"
     if _torch_cuda():
-        ours_torch = run_workers(rpcdist_torch_worker, 2, args=(sizes, args.quick), timeout=600)[0]
+        ours_torch = run_workers(
+            torch_worker, 2, args=("rpcdist", 0, sizes, args.quick), timeout=600
+        )[0]
         try:
             baseline = run_workers(
-                torch_worker, 2, args=(free_port(), sizes, args.quick), timeout=600
+                torch_worker, 2, args=("torch", free_port(), sizes, args.quick), timeout=600
             )[0]
         except WorkerFailed as e:
             why = f"PyTorch RPC failed: {str(e).splitlines()[-1][:200]}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_cupy import FakeArray, install
 
 import rpcdist
 from rpcdist import RpcOptions, SerializationError
@@ -25,31 +25,9 @@ from rpcdist._rpc import _cuda_ipc
 from rpcdist.testing import as_current, local_agents
 
 
-class FakeArray:
-    """Stands in for cupy.ndarray: device memory that is host memory here."""
-
-    __module__ = "cupy"
-
-    def __init__(self, host: np.ndarray[Any, Any]) -> None:
-        self.host = host
-
-    dtype = property(lambda self: self.host.dtype)
-    ndim = property(lambda self: self.host.ndim)
-    shape = property(lambda self: self.host.shape)
-    nbytes = property(lambda self: self.host.nbytes)
-    flags = property(lambda self: self.host.flags)
-    T = property(lambda self: FakeArray(self.host.T))
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    module = types.ModuleType("cupy")
-    module.ndarray = FakeArray  # type: ignore[attr-defined]
-    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # type: ignore[attr-defined]  # C order
-    module.asarray = lambda a: FakeArray(np.array(a))  # type: ignore[attr-defined]
-    module.ascontiguousarray = lambda a: FakeArray(np.ascontiguousarray(a.host))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    return module
+    return install(monkeypatch)
 
 
 class Driver:

@@ -53,13 +53,7 @@ def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
             f"arrays of dtype {dtype} cannot be sent (only bool, integer, floating, "
             "complex, datetime64, timedelta64 and fixed-size string dtypes)"
         )
-    order = 0
-    if array.flags.c_contiguous:
-        data = array
-    elif array.flags.f_contiguous:
-        data, order = array.T, 1
-    else:
-        data = np.ascontiguousarray(array)
+    data, order = _contiguous(array, np.ascontiguousarray)
     index = state.add_buffer(data.reshape(-1).view(np.uint8).data)
     return [dtype.str, list(array.shape), index, order]
 
@@ -73,6 +67,16 @@ def _check_shape(shape: object, order: object, what: str) -> None:
         or type(order) is not int
     ):
         raise SerializationError(f"malformed {what} payload: bad shape or order")
+
+
+def _contiguous(array: Any, copy: Any) -> tuple[Any, int]:
+    """``array`` as C-contiguous data and its order: 0, or 1 for Fortran order
+    (the data is then its transpose); ``copy`` makes a C-contiguous copy."""
+    if array.flags.c_contiguous:
+        return array, 0
+    if array.flags.f_contiguous:
+        return array.T, 1
+    return copy(array), 0
 
 
 def _dtype(text: object) -> np.dtype[Any]:
@@ -184,13 +188,7 @@ CUPY_IPC_HOOKS: list[CupyIpcHook] = []
 
 def _encode_cupy(state: EncodeState, obj: Any) -> list[Any]:
     if CUPY_IPC_HOOKS and state.context is not None and obj.dtype.kind in "biufc":
-        order = 0
-        if obj.flags.c_contiguous:
-            data = obj
-        elif obj.flags.f_contiguous:
-            data, order = obj.T, 1
-        else:
-            data = sys.modules["cupy"].ascontiguousarray(obj)
+        data, order = _contiguous(obj, sys.modules["cupy"].ascontiguousarray)
         fields = CUPY_IPC_HOOKS[0].lend(state.context, data)
         if fields is not None:  # [mark, dtype, shape, order, *the hook's fields]
             return [MARKS[CUPY], obj.dtype.str, list(obj.shape), order, *fields]

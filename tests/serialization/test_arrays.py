@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from fake_cupy import FakeArray, install
 
 from rpcdist._errors import SerializationError
 from rpcdist._serialization import decode, encode
@@ -97,40 +98,22 @@ def test_array_subclasses_are_refused() -> None:
 # ------------------------------------------------------------------- CuPy
 
 
-class _FakeCupyArray:
-    """Stands in for cupy.ndarray: a device array wrapping host memory."""
-
-    __module__ = "cupy"
-
-    def __init__(self, host: np.ndarray[Any, Any]) -> None:
-        self.host = host
-
-    ndim = property(lambda self: self.host.ndim)
-    flags = property(lambda self: self.host.flags)
-    T = property(lambda self: _FakeCupyArray(self.host.T))
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    module = types.ModuleType("cupy")
-    module.ndarray = _FakeCupyArray  # type: ignore[attr-defined]
-    module.asnumpy = lambda a: np.ascontiguousarray(a.host)  # as CuPy's: C order  # type: ignore[attr-defined]
-    module.asarray = lambda a: _FakeCupyArray(np.array(a))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    return module
+    return install(monkeypatch)
 
 
 def test_cupy_arrays_travel_as_host_buffers(fake_cupy: types.ModuleType) -> None:
-    device = _FakeCupyArray(np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2])
+    device = FakeArray(np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2])
     header, buffers = encode({"x": device})
     assert len(buffers) == 1
     out = decode(header, buffers)["x"]  # type: ignore[index]
-    assert isinstance(out, _FakeCupyArray)
+    assert isinstance(out, FakeArray)
     assert same(out.host, np.ascontiguousarray(device.host))
 
 
 def test_fortran_ordered_cupy_arrays_keep_their_order(fake_cupy: types.ModuleType) -> None:
-    device = _FakeCupyArray(np.asfortranarray(np.arange(12.0).reshape(3, 4)))
+    device = FakeArray(np.asfortranarray(np.arange(12.0).reshape(3, 4)))
     out = roundtrip(device)
     assert out.host.flags.f_contiguous and not out.host.flags.c_contiguous
     assert same(out.host, device.host)
@@ -139,7 +122,7 @@ def test_fortran_ordered_cupy_arrays_keep_their_order(fake_cupy: types.ModuleTyp
 def test_cupy_array_refused_where_cupy_is_missing(
     fake_cupy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    header, buffers = encode(_FakeCupyArray(np.zeros(2)))
+    header, buffers = encode(FakeArray(np.zeros(2)))
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
     with pytest.raises(SerializationError, match="CuPy array, but cupy cannot be imported"):
         decode(header, buffers)
