@@ -44,28 +44,25 @@ CuPy is imported only when a CuPy array is sent or a probe arrives.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import logging
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
-
-import numpy as np
 
 from .._errors import RpcdistError, SerializationError
 from .._serialization import _arrays
 from .._worker import WorkerInfo
+from ._cuda_runtime import Block, Runtime
 from ._registry import BaseExtension
 
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["CudaIpc", "Runtime", "install"]
+__all__ = ["CudaIpc", "install"]
 
 _log = logging.getLogger(__name__)
 
@@ -89,80 +86,9 @@ IDLE: Final = 60.0
 _PATTERN_BYTES: Final = 64
 
 
-class Runtime:
-    """The CUDA runtime calls this module makes, through CuPy (tests swap in a fake)."""
-
-    def __init__(self) -> None:
-        self.cupy: Any = sys.modules.get("cupy") or importlib.import_module("cupy")
-        self._rt = self.cupy.cuda.runtime
-
-    def current_device(self) -> int:
-        return int(self._rt.getDevice())
-
-    def malloc(self, device: int, nbytes: int) -> int:
-        with self.cupy.cuda.Device(device):
-            return int(self._rt.malloc(nbytes))
-
-    def free(self, device: int, ptr: int) -> None:
-        with self.cupy.cuda.Device(device):
-            self._rt.free(ptr)
-
-    def export(self, device: int, ptr: int) -> bytes:
-        with self.cupy.cuda.Device(device):
-            return bytes(self._rt.ipcGetMemHandle(ptr))
-
-    def open(self, handle: bytes, device: int) -> int:
-        """Map an exported block into this process, in ``device``'s context."""
-        with self.cupy.cuda.Device(device):
-            return int(self._rt.ipcOpenMemHandle(handle, self._rt.cudaIpcMemLazyEnablePeerAccess))
-
-    def close(self, ptr: int) -> None:
-        self._rt.ipcCloseMemHandle(ptr)
-
-    def stage(self, array: Any, ptr: int) -> None:
-        """Copy C-contiguous ``array`` to device pointer ``ptr``; return when done."""
-        with array.device:
-            stream = self.cupy.cuda.get_current_stream()
-            self._rt.memcpyAsync(ptr, array.data.ptr, array.nbytes, 3, stream.ptr)
-            stream.synchronize()
-
-    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A new array on the current device with the bytes at ``ptr``; done when returned."""
-        out = self.cupy.empty(shape, dtype)
-        stream = self.cupy.cuda.get_current_stream()
-        self._rt.memcpyAsync(out.data.ptr, ptr, out.nbytes, 4, stream.ptr)  # cudaMemcpyDefault
-        stream.synchronize()
-        return out
-
-    def write(self, device: int, ptr: int, data: bytes) -> None:
-        src = np.frombuffer(data, np.uint8)
-        with self.cupy.cuda.Device(device):
-            self._rt.memcpy(ptr, src.ctypes.data, src.nbytes, 1)  # host to device
-
-    def read(self, ptr: int, nbytes: int) -> bytes:
-        dst = np.empty(nbytes, np.uint8)
-        self._rt.memcpy(dst.ctypes.data, ptr, nbytes, 4)
-        return dst.tobytes()
-
-    def device_of(self, array: Any) -> int:
-        return int(array.device.id)
-
-
-@dataclass(slots=True, eq=False)
-class _Block:
-    id: int
-    device: int
-    size: int
-    ptr: int
-    handle: bytes
-    #: The peers it was lent to (they may have it mapped).
-    peers: set[int] = field(default_factory=set)
-    idle_since: float = 0.0
-
-
 @dataclass(slots=True, eq=False)
 class _Lend:
-    block: _Block
+    block: Block
     peer: int
     expiry: float
 
@@ -183,8 +109,8 @@ class CudaIpc(BaseExtension):
         self.token = secrets.token_bytes(8)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._blocks: list[_Block] = []
-        self._free: dict[tuple[int, int], list[_Block]] = {}
+        self._blocks: list[Block] = []
+        self._free: dict[tuple[int, int], list[Block]] = {}
         self._lends: dict[int, _Lend] = {}
         self._held = 0  # bytes of blocks
         #: (peer rank, device) -> True (use IPC), False (never), None (probing).
@@ -260,7 +186,7 @@ class CudaIpc(BaseExtension):
             self._same_host[peer] = same
         return same
 
-    def _take_block(self, device: int, nbytes: int) -> _Block | None:
+    def _take_block(self, device: int, nbytes: int) -> Block | None:
         size = _block_size(nbytes)
         with self._lock:
             free = self._free.get((device, size))
@@ -289,7 +215,7 @@ class CudaIpc(BaseExtension):
             with self._lock:
                 self._held -= size
             raise
-        block = _Block(next(self._ids), device, size, ptr, handle)
+        block = Block(next(self._ids), device, size, ptr, handle)
         with self._lock:
             closed = self.closed
             if not closed:
@@ -303,11 +229,11 @@ class CudaIpc(BaseExtension):
             pass
         return block
 
-    def _put_back(self, block: _Block) -> None:
+    def _put_back(self, block: Block) -> None:
         with self._lock:
             self._freed(block)
 
-    def _freed(self, block: _Block) -> None:
+    def _freed(self, block: Block) -> None:
         """``block`` is free for another lend (with the lock held)."""
         block.idle_since = time.monotonic()
         self._free.setdefault((block.device, block.size), []).append(block)
@@ -425,7 +351,7 @@ class CudaIpc(BaseExtension):
         if more:
             self._arm_trim()
 
-    async def _retire(self, block: _Block) -> None:
+    async def _retire(self, block: Block) -> None:
         """Have every peer that may map ``block`` unmap it, then free it."""
         for peer in sorted(block.peers):
             try:
