@@ -300,7 +300,7 @@ def test_a_receiver_refuses_a_lend_past_its_lease(pair: Any) -> None:
     e = ready(a, driver)
     fields = e.lend(Wire(a, a.workers[1]), big())
     assert fields is not None
-    fields[-1] = time.monotonic() + _cuda_ipc.MARGIN / 2  # as if it had been delayed
+    fields[4] = time.monotonic() + _cuda_ipc.MARGIN / 2  # as if it had been delayed
     with pytest.raises(SerializationError, match="after its CUDA IPC lease ran out"):
         ext(b).take(Wire(b, b.workers[0]), fields, (1 << 17,), np.dtype(np.float32))
     # Refused or not, the lend is released.
@@ -312,7 +312,7 @@ def test_malformed_ipc_fields_are_refused(pair: Any) -> None:
     e = ready(a, driver)
     fields = e.lend(Wire(a, a.workers[1]), big())
     assert fields is not None
-    for bad in (fields[:-1], [*fields[:3], "7", fields[4]], [*fields[:4], 1]):
+    for bad in (fields[:-1], [*fields[:3], "7", *fields[4:]], [*fields[:4], 1, fields[5]]):
         with pytest.raises(SerializationError, match="malformed CuPy array payload"):
             ext(b).take(Wire(b, b.workers[0]), bad, (1 << 17,), np.dtype(np.float32))
 
@@ -424,3 +424,30 @@ def test_a_lend_whose_message_never_arrived_comes_back_at_its_expiry(
     e._lends[fields[3]].expiry = time.monotonic() + 0.2
     assert until(lambda: e.statistics()["cuda_ipc_lends"] == 0)
     assert until(lambda: e.statistics()["cuda_ipc_block_bytes"] == 0 and not driver.memory)
+
+
+def test_a_lend_that_does_not_fit_its_block_is_refused_before_any_copy(pair: Any) -> None:
+    a, b, driver = pair
+    e = ready(a, driver)
+    fields = e.lend(Wire(a, a.workers[1]), big())
+    assert fields is not None and fields[5] == _cuda_ipc.MIN_BLOCK
+    staged = ext(b)._runtime
+    # A header claiming more bytes than the block holds would read past it.
+    with pytest.raises(SerializationError, match="does not fit its CUDA IPC block"):
+        ext(b).take(Wire(b, b.workers[0]), fields, (1 << 19,), np.dtype(np.float32))
+    assert not ext(b)._mapped and not staged.mapped  # type: ignore[union-attr]
+    assert until(lambda: e.statistics()["cuda_ipc_lends"] == 0)  # released all the same
+
+
+def test_an_array_over_max_message_bytes_takes_the_host_path_and_its_refusal(
+    fake_cupy: types.ModuleType,
+) -> None:
+    driver = Driver()
+    opts = RpcOptions(token=None, max_message_bytes=1 << 20)
+    with local_agents(2, options=opts) as (a, b):
+        ext(a)._runtime = FakeRuntime(driver)
+        ext(b)._runtime = FakeRuntime(driver)
+        ext(a)._peers[(1, 0)] = True
+        with as_current(a), pytest.raises(SerializationError, match="max_message_bytes"):
+            rpcdist.rpc_sync("worker1", echo, args=(big(0, 1 << 19),))  # 2 MiB
+        assert ext(a).sent == 0 and not driver.memory

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
@@ -143,6 +144,8 @@ class CudaIpc(BaseExtension):
         nbytes = int(array.nbytes)
         if not self.enabled or self.closed or nbytes < MIN_BYTES or wire.extra.get("aborted"):
             return None
+        if nbytes > self.agent.options.max_message_bytes:
+            return None  # the host path refuses it, saying so
         peer = wire.peer.id
         if peer == self.agent.rank or not self._on_this_host(peer):
             return None
@@ -174,7 +177,7 @@ class CudaIpc(BaseExtension):
             self._lends[lend_id] = _Lend(block, peer, expiry)
             self.sent += 1
         wire.extra.setdefault("undo", []).append(lambda: self._release(peer, [lend_id]))
-        return [self.token, block.id, block.handle, lend_id, expiry]
+        return [self.token, block.id, block.handle, lend_id, expiry, block.size]
 
     def _on_this_host(self, peer: int) -> bool:
         same = self._same_host.get(peer)
@@ -379,19 +382,27 @@ class CudaIpc(BaseExtension):
 
     def take(self, wire: Any, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
         """The array a lend holds, copied onto this worker's current device."""
-        if len(fields) != 5:
+        if len(fields) != 6:
             raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
-        token, block_id, handle, lend_id, expiry = fields
+        token, block_id, handle, lend_id, expiry, size = fields
         if (
             type(token) is not bytes
             or type(block_id) is not int
             or type(handle) is not bytes
             or type(lend_id) is not int
             or type(expiry) is not float
+            or type(size) is not int
         ):
             raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
         peer = wire.peer
+        nbytes = math.prod(shape) * dtype.itemsize
         try:
+            if nbytes > size or nbytes > self.agent.options.max_message_bytes:
+                raise SerializationError(
+                    f"a CuPy array from {peer.name!r} of shape {shape} and dtype {dtype} "
+                    f"({nbytes} bytes) does not fit its CUDA IPC block of {size} bytes, or "
+                    "exceeds RpcOptions.max_message_bytes"
+                )
             if time.monotonic() > expiry - MARGIN:
                 raise SerializationError(
                     f"a CuPy array from {peer.name!r} arrived after its CUDA IPC lease "
