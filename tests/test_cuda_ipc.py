@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -189,13 +190,17 @@ def test_layouts_and_dtypes_survive(pair: Any) -> None:
     assert ext(a).sent == 4
 
 
-def test_small_arrays_always_take_the_host_path(pair: Any) -> None:
+def test_small_arrays_always_take_the_host_path(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     a, _, _ = pair
     with as_current(a):
         rpcdist.rpc_sync("worker1", echo, args=(big(),))
         assert probed(a) is True
         small = FakeArray(np.ones(_cuda_ipc.MIN_BYTES // 4 - 1, np.float32))
         assert np.array_equal(rpcdist.rpc_sync("worker1", echo, args=(small,)).host, small.host)
+        # A small strided one is not even made contiguous on the device first.
+        monkeypatch.setattr(sys.modules["cupy"], "ascontiguousarray", None)
+        strided = FakeArray(np.arange(1000.0)[::2])
+        assert np.array_equal(rpcdist.rpc_sync("worker1", echo, args=(strided,)).host, strided.host)
     assert ext(a).sent == 0
 
 

@@ -187,7 +187,12 @@ CUPY_IPC_HOOKS: list[CupyIpcHook] = []
 
 
 def _encode_cupy(state: EncodeState, obj: Any) -> list[Any]:
-    if CUPY_IPC_HOOKS and state.context is not None and obj.dtype.kind in "biufc":
+    if (
+        CUPY_IPC_HOOKS
+        and state.context is not None
+        and obj.dtype.kind in "biufc"
+        and obj.nbytes >= CUPY_IPC_HOOKS[0].min_bytes  # (before copying a strided one)
+    ):
         data, order = _contiguous(obj, sys.modules["cupy"].ascontiguousarray)
         fields = CUPY_IPC_HOOKS[0].lend(state.context, data)
         if fields is not None:  # [mark, dtype, shape, order, *the hook's fields]
