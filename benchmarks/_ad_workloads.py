@@ -10,6 +10,7 @@ functions and classes by name on every worker.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -281,6 +282,16 @@ def footprint() -> tuple[float, int]:
     return rss_mb(), rpcdist.statistics()["autograd_contexts"]
 
 
+def _settled(probes: list[Any], timeout: float = 5.0) -> list[Any]:
+    """Every worker's footprint once none has a live context left (releases
+    leave in batches a few ms after the last ``with``), or at ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        got = [probe() for probe in probes]
+        if all(n == 0 for _, n in got) or time.monotonic() >= end:
+            return got
+
+
 def rd_worker(rank: int, world: int, init: str, plan: list[tuple[str, int, int]], q: Any) -> None:
     """An rpcdist worker; rank 0 runs ``plan`` and puts the timings on ``q``.
 
@@ -308,7 +319,10 @@ def rd_worker(rank: int, world: int, init: str, plan: list[tuple[str, int, int]]
             for _ in range(iters):
                 step()
             gc.collect()
-            out["leak"] = (before, [rpcdist.rpc_sync(w, footprint) for w in names])
+            out["leak"] = (
+                before,
+                _settled([lambda w=w: rpcdist.rpc_sync(w, footprint) for w in names]),
+            )
         q.put(out)
     rpcdist.shutdown()
 

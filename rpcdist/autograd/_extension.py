@@ -19,7 +19,8 @@ worker may receive a call made inside a context:
 Leaving ``with context()`` releases the context here and sends
 ``autograd.release`` to every worker it exchanged messages with; each frees
 its copy and passes the release on to the workers *it* knows, each message
-retried until acknowledged. A context whose creator is lost is freed after
+retried until acknowledged. Releases for one peer travel in batches (see
+``RELEASE_DELAY``). A context whose creator is lost is freed after
 ``lease`` seconds (PyTorch leaks these: pytorch/pytorch#26379).
 """
 
@@ -64,6 +65,11 @@ RREF_BACKWARD = "autograd.rref_backward"
 PING = "autograd.ping"
 #: Seconds a context outlives the loss of its creator (lets failing passes end).
 LEASE = 5.0
+#: Releases for one peer wait this long (seconds) for others to travel with,
+#: or until there are ``RELEASE_BATCH`` of them: a training loop of short
+#: iterations then sends one release message per batch, not one per step.
+RELEASE_DELAY = 0.01
+RELEASE_BATCH = 16
 
 
 class AutogradExtension(BaseExtension):
@@ -78,6 +84,9 @@ class AutogradExtension(BaseExtension):
         self._lock = threading.Lock()
         self._contexts: dict[int, DistContext] = {}
         self._releases: set[asyncio.Task[None]] = set()
+        #: Contexts released here whose release waits to go to each peer (on the loop).
+        self._outbox: dict[int, list[int]] = {}
+        self._outbox_timer: asyncio.TimerHandle | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         self.released = 0
 
@@ -149,24 +158,44 @@ class AutogradExtension(BaseExtension):
         if not peers or self.agent.closed:
             return
         try:
-            self.agent.loop.call_soon_threadsafe(self._send_releases, context_id, peers)
+            self.agent.loop.call_soon_threadsafe(self._queue_releases, context_id, peers)
         except RuntimeError:  # the loop is gone: the agent shut down
             pass
 
-    def _send_releases(self, context_id: int, peers: list[int]) -> None:
+    def _queue_releases(self, context_id: int, peers: list[int]) -> None:
+        """Queue ``context_id``'s release for ``peers`` (on the loop); a peer's
+        queue goes out when full or after ``RELEASE_DELAY``."""
         for peer in peers:
-            task = self.agent.loop.create_task(self._send_release(context_id, peer))
+            box = self._outbox.setdefault(peer, [])
+            box.append(context_id)
+            if len(box) >= RELEASE_BATCH:
+                self._send_releases(peer)
+        if self._outbox and self._outbox_timer is None and not self.agent.closed:
+            self._outbox_timer = self.agent.loop.call_later(RELEASE_DELAY, self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        if self._outbox_timer is not None:
+            self._outbox_timer.cancel()
+            self._outbox_timer = None
+        for peer in list(self._outbox):
+            self._send_releases(peer)
+
+    def _send_releases(self, peer: int) -> None:
+        ids = self._outbox.pop(peer, None)
+        if ids:
+            task = self.agent.loop.create_task(self._send_release(ids, peer))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
-    async def _send_release(self, context_id: int, peer: int) -> None:
+    async def _send_release(self, context_ids: list[int], peer: int) -> None:
         try:
-            await self.agent.send_control(peer, RELEASE, context_id)
-        except RpcdistError as e:  # it is gone: its copy went with it
-            _log.debug("releasing context %d on rank %d: %s", context_id, peer, e)
+            await self.agent.send_control(peer, RELEASE, context_ids)
+        except RpcdistError as e:  # it is gone: its copies went with it
+            _log.debug("releasing contexts %s on rank %d: %s", context_ids, peer, e)
 
     def peer_lost(self, rank: int) -> None:
         """Worker ``rank`` is gone: its contexts here are freed after the lease."""
+        self._outbox.pop(rank, None)  # (its copies went with it: nothing to release there)
         orphans = [c for c in list(self._contexts.values()) if c.creator == rank]
         for ctx in orphans:
             ctx.orphan()
@@ -221,17 +250,21 @@ class AutogradExtension(BaseExtension):
         return {
             "autograd_contexts": len(self._contexts),
             "autograd_released": self.released,
-            "autograd_releases_inflight": len(self._releases),
+            "autograd_releases_inflight": len(self._releases)
+            + sum(map(len, self._outbox.values())),
         }
 
     async def drain(self) -> None:
-        """Graceful shutdown: let releases already sent be acknowledged."""
+        """Graceful shutdown: send the queued releases and let them be acknowledged."""
+        self._flush_outbox()
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     def close(self) -> None:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
+        if self._outbox_timer is not None:
+            self._outbox_timer.cancel()
         with self._lock:
             contexts, self._contexts = list(self._contexts.values()), {}
         for ctx in contexts:
@@ -271,8 +304,11 @@ class _bound:
 # ----------------------------------------------------------------- handlers
 
 
-async def _on_release(agent: Agent, src: WorkerInfo, context_id: int) -> None:
-    ext(agent).release(context_id, src=src.id)
+async def _on_release(agent: Agent, src: WorkerInfo, context_ids: list[int] | int) -> None:
+    e = ext(agent)
+    for context_id in context_ids if isinstance(context_ids, list) else [context_ids]:
+        if type(context_id) is int:
+            e.release(context_id, src=src.id)
 
 
 async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:

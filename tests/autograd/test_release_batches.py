@@ -1,0 +1,75 @@
+"""Releases of finished contexts travel in batches: one control message per
+peer for several contexts, sent when ``RELEASE_BATCH`` are queued, after
+``RELEASE_DELAY``, or at a graceful shutdown; nothing is left on any worker."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ad_funcs as af
+import numpy as np
+import pytest
+from agent_support import contexts_settled
+
+import rpcdist
+import rpcdist.autograd as dist_autograd
+from rpcdist import RpcOptions
+from rpcdist.autograd import _extension
+from rpcdist.tensor import Tensor
+from rpcdist.testing import as_current, local_agents
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int]]]:
+    """Every release message sent: ``(peer, context ids)``."""
+    got: list[tuple[int, list[int]]] = []
+    real = _extension.AutogradExtension._send_release
+
+    async def counting(self: Any, context_ids: list[int], peer: int) -> None:
+        got.append((peer, list(context_ids)))
+        await real(self, context_ids, peer)
+
+    monkeypatch.setattr(_extension.AutogradExtension, "_send_release", counting)
+    return got
+
+
+def _contexts(n: int) -> list[int]:
+    x = Tensor(np.ones(3), requires_grad=True)
+    ids = []
+    for _ in range(n):
+        with dist_autograd.context() as cid:
+            y = rpcdist.rpc_sync("worker1", af.tanh_scale, args=(x,))
+            dist_autograd.backward(cid, [y.sum()])
+        ids.append(cid)
+    return ids
+
+
+def test_a_loop_of_contexts_sends_fewer_release_messages_than_contexts(
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_extension, "RELEASE_DELAY", 0.05)
+    with local_agents(2, options=RpcOptions(token=None)) as agents, as_current(agents[0]):
+        ids = _contexts(40)
+        assert contexts_settled(agents)
+    released = [cid for _, batch in sent for cid in batch]
+    assert sorted(released) == sorted(ids)  # each released once, on worker1
+    assert {peer for peer, _ in sent} == {1}
+    assert len(sent) < len(ids) and max(len(b) for _, b in sent) <= _extension.RELEASE_BATCH
+
+
+def test_a_full_batch_goes_at_once_and_a_graceful_shutdown_sends_the_rest(
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_extension, "RELEASE_DELAY", 3600.0)  # only a full batch or drain
+    batch = _extension.RELEASE_BATCH
+    with local_agents(2, options=RpcOptions(token=None), graceful=True) as agents:
+        with as_current(agents[0]):
+            ids = _contexts(batch + 3)
+        # The full batch is released on worker1; three wait for the timer.
+        end = time.monotonic() + 10
+        while agents[1].statistics()["autograd_contexts"] != 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert agents[1].statistics()["autograd_contexts"] == 3
+        assert [b for _, b in sent] == [ids[:batch]]
+    assert [b for _, b in sent] == [ids[:batch], ids[batch:]]  # the drain sent them
