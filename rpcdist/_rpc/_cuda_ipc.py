@@ -58,6 +58,7 @@ from .._errors import RpcdistError, SerializationError
 from .._serialization import _arrays
 from .._worker import WorkerInfo
 from ._cuda_runtime import Block, Runtime
+from ._outbox import ControlOutbox
 from ._registry import BaseExtension
 
 if TYPE_CHECKING:
@@ -121,8 +122,8 @@ class CudaIpc(BaseExtension):
         self._mapped: dict[tuple[bytes, int, int], tuple[int, int]] = {}
         #: exporter token -> (the device its probe was mapped on here, its rank).
         self._probed_on: dict[bytes, tuple[int, int]] = {}
-        self._acks: dict[int, list[int]] = {}
-        self._flush_armed = False
+        #: Releases of the lends received here, on their way to their senders.
+        self._acks = ControlOutbox(agent, RELEASE)
         self._trim_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.sent = 0
@@ -423,7 +424,7 @@ class CudaIpc(BaseExtension):
                     "its lease: its bytes may have been reused"
                 )
         finally:
-            self._ack(peer.id, lend_id)
+            self._acks.post(peer.id, lend_id)
         with self._lock:
             self.received += 1
         return out
@@ -453,30 +454,6 @@ class CudaIpc(BaseExtension):
             return other[0]
         raise failures[0]
 
-    def _ack(self, peer: int, lend_id: int) -> None:
-        with self._lock:
-            self._acks.setdefault(peer, []).append(lend_id)
-            if self._flush_armed:
-                return
-            self._flush_armed = True
-        try:
-            self.agent.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:
-            pass
-
-    def _flush(self) -> None:
-        with self._lock:
-            acks, self._acks = self._acks, {}
-            self._flush_armed = False
-        for peer, ids in acks.items():
-            self._spawn(self._send_release(peer, ids))
-
-    async def _send_release(self, peer: int, ids: list[int]) -> None:
-        try:
-            await self.agent.send_control(peer, RELEASE, ids)
-        except RpcdistError as e:  # it is gone, and its lends with it
-            _log.debug("releasing CUDA IPC lends on rank %d: %s", peer, e)
-
     # ---------------------------------------------------------- extension
 
     def statistics(self) -> Mapping[str, int]:
@@ -489,8 +466,7 @@ class CudaIpc(BaseExtension):
 
     async def drain(self) -> None:
         """Graceful shutdown: deliver the releases already due."""
-        if self._acks:
-            self._flush()
+        await self._acks.drain()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -507,7 +483,7 @@ class CudaIpc(BaseExtension):
                 del self._probed_on[token]
             unmap = [k for k, v in self._mapped.items() if v[1] == rank]
             ptrs = [self._mapped.pop(k)[0] for k in unmap]
-            self._acks.pop(rank, None)
+        self._acks.drop(rank)
         self._close_all(ptrs)
 
     def close(self) -> None:
@@ -523,6 +499,7 @@ class CudaIpc(BaseExtension):
             ptrs = [v[0] for v in self._mapped.values()]
             self._mapped.clear()
         self._close_all(ptrs)
+        self._acks.close()
         rt = self._runtime
         for block in blocks:
             try:

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AutogradError, RpcdistError
+from .._rpc._outbox import ControlOutbox
 from .._rpc._registry import BaseExtension, CallInfo
 from .._worker import WorkerInfo
 from . import _backward
@@ -84,9 +85,8 @@ class AutogradExtension(BaseExtension):
         self._lock = threading.Lock()
         self._contexts: dict[int, DistContext] = {}
         self._releases: set[asyncio.Task[None]] = set()
-        #: Contexts released here whose release waits to go to each peer (on the loop).
-        self._outbox: dict[int, list[int]] = {}
-        self._outbox_timer: asyncio.TimerHandle | None = None
+        #: Releases of contexts freed here, on their way to the peers that know them.
+        self._outbox = ControlOutbox(agent, RELEASE, delay=RELEASE_DELAY, batch=RELEASE_BATCH)
         self._lease_timer: asyncio.TimerHandle | None = None
         self.released = 0
 
@@ -157,45 +157,12 @@ class AutogradExtension(BaseExtension):
         _clear(ctx)
         if not peers or self.agent.closed:
             return
-        try:
-            self.agent.loop.call_soon_threadsafe(self._queue_releases, context_id, peers)
-        except RuntimeError:  # the loop is gone: the agent shut down
-            pass
-
-    def _queue_releases(self, context_id: int, peers: list[int]) -> None:
-        """Queue ``context_id``'s release for ``peers`` (on the loop); a peer's
-        queue goes out when full or after ``RELEASE_DELAY``."""
         for peer in peers:
-            box = self._outbox.setdefault(peer, [])
-            box.append(context_id)
-            if len(box) >= RELEASE_BATCH:
-                self._send_releases(peer)
-        if self._outbox and self._outbox_timer is None and not self.agent.closed:
-            self._outbox_timer = self.agent.loop.call_later(RELEASE_DELAY, self._flush_outbox)
-
-    def _flush_outbox(self) -> None:
-        if self._outbox_timer is not None:
-            self._outbox_timer.cancel()
-            self._outbox_timer = None
-        for peer in list(self._outbox):
-            self._send_releases(peer)
-
-    def _send_releases(self, peer: int) -> None:
-        ids = self._outbox.pop(peer, None)
-        if ids:
-            task = self.agent.loop.create_task(self._send_release(ids, peer))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
-
-    async def _send_release(self, context_ids: list[int], peer: int) -> None:
-        try:
-            await self.agent.send_control(peer, RELEASE, context_ids)
-        except RpcdistError as e:  # it is gone: its copies went with it
-            _log.debug("releasing contexts %s on rank %d: %s", context_ids, peer, e)
+            self._outbox.post(peer, context_id)
 
     def peer_lost(self, rank: int) -> None:
         """Worker ``rank`` is gone: its contexts here are freed after the lease."""
-        self._outbox.pop(rank, None)  # (its copies went with it: nothing to release there)
+        self._outbox.drop(rank)  # (its copies went with it: nothing to release there)
         orphans = [c for c in list(self._contexts.values()) if c.creator == rank]
         for ctx in orphans:
             ctx.orphan()
@@ -250,21 +217,19 @@ class AutogradExtension(BaseExtension):
         return {
             "autograd_contexts": len(self._contexts),
             "autograd_released": self.released,
-            "autograd_releases_inflight": len(self._releases)
-            + sum(map(len, self._outbox.values())),
+            "autograd_releases_inflight": len(self._releases) + self._outbox.pending(),
         }
 
     async def drain(self) -> None:
         """Graceful shutdown: send the queued releases and let them be acknowledged."""
-        self._flush_outbox()
+        await self._outbox.drain()
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     def close(self) -> None:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
-        if self._outbox_timer is not None:
-            self._outbox_timer.cancel()
+        self._outbox.close()
         with self._lock:
             contexts, self._contexts = list(self._contexts.values()), {}
         for ctx in contexts:
@@ -304,9 +269,9 @@ class _bound:
 # ----------------------------------------------------------------- handlers
 
 
-async def _on_release(agent: Agent, src: WorkerInfo, context_ids: list[int] | int) -> None:
+async def _on_release(agent: Agent, src: WorkerInfo, context_ids: list[int]) -> None:
     e = ext(agent)
-    for context_id in context_ids if isinstance(context_ids, list) else [context_ids]:
+    for context_id in context_ids:  # (a batch: see ControlOutbox)
         if type(context_id) is int:
             e.release(context_id, src=src.id)
 

@@ -15,6 +15,7 @@ from agent_support import contexts_settled
 import rpcdist
 import rpcdist.autograd as dist_autograd
 from rpcdist import RpcOptions
+from rpcdist._rpc._outbox import ControlOutbox
 from rpcdist.autograd import _extension
 from rpcdist.tensor import Tensor
 from rpcdist.testing import as_current, local_agents
@@ -24,13 +25,14 @@ from rpcdist.testing import as_current, local_agents
 def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int]]]:
     """Every release message sent: ``(peer, context ids)``."""
     got: list[tuple[int, list[int]]] = []
-    real = _extension.AutogradExtension._send_release
+    real = ControlOutbox._deliver
 
-    async def counting(self: Any, context_ids: list[int], peer: int) -> None:
-        got.append((peer, list(context_ids)))
-        await real(self, context_ids, peer)
+    async def counting(self: Any, peer: int, items: list[Any]) -> None:
+        if self._method == _extension.RELEASE:
+            got.append((peer, list(items)))
+        await real(self, peer, items)
 
-    monkeypatch.setattr(_extension.AutogradExtension, "_send_release", counting)
+    monkeypatch.setattr(ControlOutbox, "_deliver", counting)
     return got
 
 

@@ -1,0 +1,115 @@
+"""Idempotent control items for peers, sent in batches.
+
+Extensions that tell peers "this is done" many times a second (distributed
+autograd freeing contexts, CUDA IPC releasing lends) post one item per event;
+:class:`ControlOutbox` sends each peer's items as one ``send_control``
+message with a list payload: once ``batch`` of them wait, ``delay`` seconds
+after the first (0: on the loop's next turn), or at :meth:`flush`. Each
+message is retried until acknowledged, as every control message is; a
+graceful shutdown :meth:`drain`\\ s the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .._errors import RpcdistError
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+__all__ = ["ControlOutbox"]
+
+_log = logging.getLogger(__name__)
+
+
+class ControlOutbox:
+    """Items for internal method ``method``, batched per peer (see the module docstring)."""
+
+    def __init__(self, agent: Agent, method: str, *, delay: float = 0.0, batch: int = 256) -> None:
+        self._agent = agent
+        self._method = method
+        self._delay = delay
+        self._batch = batch
+        self._lock = threading.Lock()
+        self._boxes: dict[int, list[Any]] = {}
+        self._armed = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def post(self, peer: int, item: Any) -> None:
+        """Queue ``item`` for ``peer`` (any thread)."""
+        with self._lock:
+            box = self._boxes.setdefault(peer, [])
+            box.append(item)
+            full = len(box) >= self._batch
+            arm = not self._armed
+            self._armed = True
+        try:
+            if full:
+                self._agent.loop.call_soon_threadsafe(self._send, peer)
+            if arm:
+                self._agent.loop.call_soon_threadsafe(self._arm)
+        except RuntimeError:  # the loop is gone: the agent shut down
+            pass
+
+    def drop(self, peer: int) -> None:
+        """Forget what waits for ``peer`` (it is gone)."""
+        with self._lock:
+            self._boxes.pop(peer, None)
+
+    def pending(self) -> int:
+        """Items waiting plus messages not yet acknowledged."""
+        with self._lock:
+            return sum(map(len, self._boxes.values())) + len(self._tasks)
+
+    def flush(self) -> None:
+        """Send everything queued now (on the loop)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        with self._lock:
+            self._armed = False
+            peers = list(self._boxes)
+        for peer in peers:
+            self._send(peer)
+
+    async def drain(self) -> None:
+        """Graceful shutdown: send what is queued and wait for the acknowledgements."""
+        self.flush()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        with self._lock:
+            self._boxes.clear()
+
+    # ------------------------------------------------------------- the loop
+
+    def _arm(self) -> None:
+        if self._agent.closed:
+            return
+        if self._delay <= 0:
+            self.flush()
+        elif self._timer is None:
+            self._timer = self._agent.loop.call_later(self._delay, self.flush)
+
+    def _send(self, peer: int) -> None:
+        with self._lock:
+            items = self._boxes.pop(peer, None)
+        if items:
+            task = self._agent.loop.create_task(self._deliver(peer, items))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _deliver(self, peer: int, items: list[Any]) -> None:
+        try:
+            await self._agent.send_control(peer, self._method, items)
+        except RpcdistError as e:  # it is gone, and what the items were about with it
+            _log.debug("%s to rank %d (%d items): %s", self._method, peer, len(items), e)
