@@ -290,13 +290,13 @@ def statistics() -> dict[str, int]:
     collectives (when a process group is up): ``collectives_queued`` and
     ``collectives_inflight``; distributed autograd: ``autograd_contexts``;
     CUDA IPC: ``cuda_ipc_lends`` (CuPy arrays sent by handle whose receiver
-    has not yet released them).
-    ``cuda_ipc_block_bytes``: device memory held for sending CuPy arrays by
-    CUDA IPC (back to 0 about a minute after the last one).
+    has not yet released them) and ``cuda_ipc_block_bytes`` (device memory
+    held for sending them; back to 0 about a minute after the last one).
     ``lost_workers``: workers declared lost (it stays up after a loss).
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``,
-    ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()`` says more about what is outstanding.
+    ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()``
+    says more about what is outstanding.
 
     Raises:
         NotInitializedError: no agent is running in this process.

@@ -292,19 +292,29 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     return out
 
 
-def _tensor_bits(torch: Any, data: Any) -> Any:
-    """A contiguous CPU tensor as a NumPy array (of same-size ints for a dtype
-    NumPy lacks: bfloat16, float8, ...)."""
+def _dense(data: Any) -> Any:
+    """``data`` with its lazy conjugation and negation applied, contiguous."""
     data = data.resolve_conj().resolve_neg()
-    if not data.is_contiguous():
-        data = data.contiguous()
+    return data if data.is_contiguous() else data.contiguous()
+
+
+def _as_ints(torch: Any, data: Any) -> Any | None:
+    """``data``'s bits as same-size integers (for a dtype NumPy and CuPy lack:
+    bfloat16, float8, ...), or ``None`` for an element size without one."""
+    size = _SAME_SIZE_INT.get(data.element_size())
+    return None if size is None else data.view(getattr(torch, size))
+
+
+def _tensor_bits(torch: Any, data: Any) -> Any:
+    """A CPU tensor as a NumPy array over its (contiguous) memory."""
+    data = _dense(data)
     try:
         return data.numpy()
     except TypeError:
-        size = _SAME_SIZE_INT.get(data.element_size())
-        if size is None:
+        ints = _as_ints(torch, data)
+        if ints is None:
             raise
-        return data.view(getattr(torch, size)).numpy()
+        return ints.numpy()
 
 
 _NO_CUPY: list[bool] = []
@@ -324,22 +334,11 @@ def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
         except Exception:  # not installed: the host path, without asking again
             _NO_CUPY.append(True)
             return None
-    data = data.resolve_conj().resolve_neg()
-    if not data.is_contiguous():
-        data = data.contiguous()
-    if (
-        data.dtype.is_floating_point
-        and data.element_size() != 8
-        and data.dtype
-        not in (
-            torch.float16,
-            torch.float32,
-        )
-    ):  # bfloat16, float8, ...: CuPy has no such dtype; send the bits
-        size = _SAME_SIZE_INT.get(data.element_size())
-        if size is None:
+    data = _dense(data)
+    if data.is_floating_point() and data.dtype not in (torch.float16, torch.float32, torch.float64):
+        data = _as_ints(torch, data)  # bfloat16, float8, ...: CuPy has no such dtype
+        if data is None:
             return None
-        data = data.view(getattr(torch, size))
     try:
         array = cupy.from_dlpack(data)
     except Exception:
@@ -383,7 +382,7 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
             tensor = _to_cuda(torch, tensor, items[9])
         if items[8] != -1:
             return _attach(state, tensor, items[8])
-    elif len(items) == 9:
+    elif n == 9:
         return _attach(state, tensor, items[8])
     try:
         if items[7]:
