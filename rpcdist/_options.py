@@ -115,8 +115,8 @@ class RpcOptions:
             over TCP instead. Defaults to on unless ``RPCDIST_LOCAL_SOCKETS=0``;
             turn it off to measure the cross-host TCP path on one machine.
         sync_channels: Connections per peer that ``rpc_sync`` may drive from
-            the calling thread itself (TCP transport, requests up to 64 KiB,
-            when this worker has no other calls in flight), each served at
+            the calling thread itself (TCP transport, when this worker has
+            no other calls in flight), each served at
             the callee by a thread of its own: a round trip then wakes two
             threads instead of four (docs/design.md, "Blocking calls"). Also
             the most such connections a worker serves per peer. ``0`` turns

@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import rpc_funcs as rf
 
 import rpcdist
 from rpcdist import ConfigError, RpcOptions, RpcTimeoutError
+from rpcdist._transport._shm import shm_available
 from rpcdist.testing import as_current, local_agents
 
 _defaults = RpcOptions().validated()
@@ -65,18 +67,30 @@ def test_turned_off_every_call_takes_the_loop():
         assert _direct(a) == 0
 
 
-def test_large_requests_and_busy_workers_take_the_loop(agents2):
+def test_large_requests_and_replies_take_the_callers_connection(agents2):
     a, _ = agents2
-    big = b"x" * (100 << 10)
     with as_current(a):
-        assert rpcdist.rpc_sync("worker1", rf.echo, args=(big,)) == big
-        assert _direct(a) == 0
+        for n in (100 << 7, 9 << 17):  # 100 KiB and 9 MiB: one sendmsg, and many
+            big = np.arange(n, dtype=np.float64)
+            assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big,)), big)
+        assert len(rpcdist.rpc_sync("worker1", rf.echo_size, args=(3 << 20,))) == 3 << 20
+    assert _direct(a) == 3
+    assert a.sync.connections(1) == 1
+
+
+def test_busy_workers_and_shm_sized_requests_take_the_loop():
+    opts = RpcOptions(token=None, shm_threshold_bytes=1 << 20)
+    with local_agents(2, options=opts) as (a, _), as_current(a):
         slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.3, "slow"))
         assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 1)) == 2  # behind ``slow``
         assert _direct(a) == 0
         assert slow.wait(10) == "slow"
-        # A large reply comes back on the caller's own connection.
-        assert len(rpcdist.rpc_sync("worker1", rf.echo_size, args=(3 << 20,))) == 3 << 20
+        big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: for /dev/shm, on the loop's links
+        assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big,)), big)
+        assert _direct(a) == 0
+        if shm_available():
+            assert a.links.transport.segments.segments_written >= 1
+        assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big[:1000],)), big[:1000])
         assert _direct(a) == 1
 
 

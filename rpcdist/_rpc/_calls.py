@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Calls", "send_control"]
 
-#: Calls up to this size may be sent from the calling thread (``_send_now``).
-_DIRECT_CALL_BYTES = 64 << 10
 #: How often the loop arms the timers of calls user threads sent themselves.
 _ARM_PERIOD = 0.25
 #: A directly sent call whose deadline is nearer than this wakes the loop to
@@ -132,15 +130,14 @@ class Calls:
         return fut
 
     def _send_now(self, dst: int, msg: OutMessage, fut: Future[Any]) -> bool:
-        """From a user thread: send a small call straight onto an idle link.
+        """From a user thread: send a call straight onto an idle link.
 
         Saves the hop to the loop; the loop arms the call's timer afterwards
         (:meth:`_arm`). Only for a call made while none is in flight (under
         load, one write per call would cost more than the hop saves: measured
         -40% calls/s with 64 in flight); never while calls this agent handed
         to the loop are still unsent (so one thread's calls keep their
-        order), or above 64 KiB. Returns False, having done nothing, when
-        not taken.
+        order). Returns False, having done nothing, when not taken.
         """
         agent = self._agent
         link = agent.links.get(dst)
@@ -149,7 +146,6 @@ class Calls:
             or self._queued
             or len(self._pending) > self._unordered  # in flight: the loop coalesces them
             or agent.closed
-            or len(msg.header) + msg.payload_bytes > _DIRECT_CALL_BYTES
         ):
             return False
         call_id = msg.id = next(self.ids)

@@ -57,8 +57,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: Replies up to this size may go out from the thread that made them.
-_DIRECT_REPLY_BYTES = 64 << 10
 _PLAIN, _ASYNC, _ASYNC_EXECUTION = 0, 1, 2
 
 
@@ -344,15 +342,13 @@ def _reply_from_thread(agent: Agent, link: Link, m: InMessage, wire: WireContext
 
 
 def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
-    """From a thread: send a small reply straight away if the link allows.
+    """From a thread: send a reply straight away if the link allows.
 
     Saves one thread hop per call (the reply no longer waits for the loop)
     when this is the only handler running; under load, replies queued on the
     loop leave several per write, which measured faster.
     """
     if agent.activity.inflight > 1:  # busy: replies coalesce better on the loop
-        return False
-    if len(reply.header) + reply.payload_bytes > _DIRECT_REPLY_BYTES:
         return False
     # Counted just before the reply leaves, so the caller never sees its
     # reply before this worker's statistics include the call.

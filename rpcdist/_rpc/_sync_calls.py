@@ -1,7 +1,7 @@
 """``rpc_sync`` on connections driven by threads, not by the agent loops.
 
 A blocking call from a user or pool thread (TCP transport, nothing else in
-flight from this worker, a request of at most 64 KiB) takes one of a few
+flight from this worker, any request size) takes one of a few
 spare connections to the callee, writes the call from its own thread and
 waits in ``poll`` on that socket for the reply, whose arrival wakes the
 waiting thread itself. A connection is checked out for one call and
@@ -16,7 +16,7 @@ of four (docs/design.md, "Blocking calls").
 When a call times out, its connection goes to the loop, which half-closes
 it and reads any reply that still comes (so RRef forks in a late reply are
 registered and released like those of any late reply). Anything that does
-not fit (a busy worker, a large request, fault injection, the gRPC
+not fit (a busy worker, a request for /dev/shm, fault injection, the gRPC
 transport, a peer that cannot be dialled) takes the usual path.
 """
 
@@ -59,8 +59,6 @@ __all__ = ["NOT_TAKEN", "SyncCalls"]
 
 _log = logging.getLogger(__name__)
 
-#: Requests up to this size may take a thread-driven connection.
-MAX_REQUEST_BYTES = 64 << 10
 #: Returned by :meth:`SyncCalls.call` when the call was left to the usual path.
 NOT_TAKEN: Any = object()
 #: Most connections one agent serves with threads of their own; more are
@@ -107,6 +105,9 @@ class SyncCalls:
         # Only plain sockets can be driven by a thread (see ``TcpLink``).
         threaded = agent.links.transport.name == "tcp"
         self._limit = int(agent.options.sync_channels) if threaded else 0
+        #: Requests this large take the loop's path, whose same-host links
+        #: send them through /dev/shm (``RpcOptions.shm_threshold_bytes``).
+        self._max_request = agent.options.payload_shm_threshold or (1 << 62)
         self._lock = threading.Lock()
         self._free: dict[int, list[_Channel]] = {}
         self._busy: set[_Channel] = set()
@@ -152,11 +153,7 @@ class SyncCalls:
 
     def eligible(self, msg: OutMessage) -> bool:
         agent = self._agent
-        return (
-            self._limit > 0
-            and not agent.calls.busy()
-            and len(msg.header) + msg.payload_bytes <= MAX_REQUEST_BYTES
-        )
+        return self._limit > 0 and not agent.calls.busy() and msg.payload_bytes < self._max_request
 
     def call(self, peer: WorkerInfo, msg: OutMessage) -> Any:
         """Make the call and return its result (or raise its error), or

@@ -127,12 +127,7 @@ class Link:
         """
         if self.closed is not None:
             raise self.closed
-        if (
-            self._segments is not None
-            and msg.kind != P2P
-            and not msg.shm_path
-            and msg.payload_bytes >= self._shm_threshold
-        ):
+        if self._segments is not None and self.wants_shm(msg):
             try:
                 msg.shm_path = self._segments.write(msg.buffers)
             except OSError as e:  # /dev/shm full or unavailable: use the stream
@@ -141,6 +136,15 @@ class Link:
                 )
         self._queue.append(msg)
         self._kick()
+
+    def wants_shm(self, msg: OutMessage) -> bool:
+        """Whether ``msg``'s payload should travel in a /dev/shm file."""
+        return (
+            self._segments is not None
+            and msg.kind != P2P
+            and not msg.shm_path
+            and msg.payload_bytes >= self._shm_threshold
+        )
 
     def _kick(self) -> None:
         """Start moving queued messages (the subclass's writer)."""

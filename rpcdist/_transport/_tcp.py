@@ -295,12 +295,7 @@ class TcpLink(Link):
                 head, parts, packed = pack_batch_parts(
                     self._queue, self._batch_bytes, self._chunk_bytes, _MAX_IOV - 1
                 )
-                self.messages_out += 1
-                if sum(p.nbytes for p in parts) < _JOIN_BYTES:
-                    self._unsent.append(memoryview(b"".join([head, *parts])))
-                else:
-                    self._unsent.append(memoryview(head))
-                    self._unsent.extend(parts)
+                self._add_unsent(head, parts)
                 self._after_sent = packed
             self._send_unsent()
             done, self._after_sent = self._after_sent, []
@@ -329,10 +324,11 @@ class TcpLink(Link):
     def try_send_now(self, msg: OutMessage, before: Callable[[], None] | None = None) -> bool:
         """Send ``msg`` from any thread, at once, if nothing is queued before it.
 
-        Saves the hop to the loop for a small reply a pool thread produced
-        (``msg`` must have no ``on_packed`` callback and no /dev/shm payload).
+        Saves the hop to the loop for a call a user thread made or a reply a
+        pool thread produced (``msg`` must have no ``on_packed`` callback).
         Returns False, having done nothing, when the link is busy, not up or
-        closed: the caller then queues ``msg`` on the loop as usual. Once
+        closed, or ``msg`` should go through /dev/shm: the caller then
+        queues ``msg`` on the loop as usual. Once
         True, the message is the connection's: whatever the socket did not
         take at once is finished by the loop. ``before`` runs just before the
         first byte is written, only if it will be.
@@ -345,6 +341,7 @@ class TcpLink(Link):
                 or self._flush_scheduled
                 or self._unsent
                 or self._queue
+                or self.wants_shm(msg)
             ):
                 return False
             self._stage_whole(msg)
@@ -359,13 +356,21 @@ class TcpLink(Link):
         return True
 
     def _stage_whole(self, msg: OutMessage) -> None:
-        """Pack all of ``msg`` into ``_unsent``, joined (holding ``_wlock``;
-        for the small messages written straight from a thread)."""
+        """Pack all of ``msg`` into ``_unsent`` (holding ``_wlock``; for the
+        messages written straight from a thread)."""
         queue = deque([msg])
         while queue:
             head, parts, _ = pack_batch_parts(queue, self._batch_bytes, 1 << 62, _MAX_IOV - 1)
+            self._add_unsent(head, parts)
+
+    def _add_unsent(self, head: bytes, parts: list[memoryview]) -> None:
+        """One stream message into ``_unsent``: small, joined; large, as views."""
+        self.messages_out += 1
+        if sum(p.nbytes for p in parts) < _JOIN_BYTES:
             self._unsent.append(memoryview(b"".join([head, *parts])))
-            self.messages_out += 1
+        else:
+            self._unsent.append(memoryview(head))
+            self._unsent.extend(parts)
 
     def _on_writable(self) -> None:
         with self._wlock:
