@@ -266,7 +266,9 @@ class Calls:
     def on_reply(self, link: Link, m: InMessage) -> None:
         """A REPLY or ERROR_REPLY arrived (on the loop)."""
         agent = self._agent
-        wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta)
+        peer = agent.workers[link.peer_rank]
+        agent.registry.on_reply(agent, peer, m.meta)
+        wire = WireContext(agent, peer, meta=m.meta)
         pickle = agent.options.allow_pickle
         if m.id not in self._pending:
             # A late reply to a call that timed out or was failed: decode it

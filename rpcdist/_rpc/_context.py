@@ -66,17 +66,28 @@ class WireContext:
         gates: What must complete before a received call runs (for example,
             confirmations of the user RRefs among its arguments): loop
             awaitables, or ``rpcdist.Future`` objects when ``off_loop``.
+        reply_meta: For a call being handled, the named fields its reply
+            will carry besides ``meta`` (extensions add to it while decoding
+            the arguments; see ``Registry.add_reply_field``); ``None`` for
+            every other message.
         extra: Free-form state for extensions.
     """
 
-    __slots__ = ("agent", "extra", "gates", "meta", "off_loop", "peer")
+    __slots__ = ("agent", "extra", "gates", "meta", "off_loop", "peer", "reply_meta")
 
     def __init__(
-        self, agent: Agent, peer: WorkerInfo, *, off_loop: bool = False, meta: Meta | None = None
+        self,
+        agent: Agent,
+        peer: WorkerInfo,
+        *,
+        off_loop: bool = False,
+        meta: Meta | None = None,
+        reply_meta: Meta | None = None,
     ) -> None:
         self.agent = agent
         self.peer = peer
         self.meta = meta
+        self.reply_meta = reply_meta
         #: Decoding on a thread other than the agent loop's: ``gates`` then
         #: holds ``rpcdist.Future`` objects to wait on, not loop awaitables.
         self.off_loop = off_loop

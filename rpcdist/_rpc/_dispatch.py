@@ -169,7 +169,7 @@ def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
     :func:`serve` task.
     """
     if m.kind != INTERNAL and (fn := plain_function(m, agent.policy)) is not None:
-        wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta)
+        wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta, reply_meta={})
         try:
             args, kwargs = decode_call(agent, m, wire)
         except BaseException as e:
@@ -216,7 +216,7 @@ async def serve(
     deadline = m.deadline
     bind_agent(agent)  # this task runs in its own copy of the context
     current_deadline.set(deadline)
-    wire = WireContext(agent, peer, meta=m.meta) if decoded is None else decoded[0]
+    wire = decoded[0] if decoded else WireContext(agent, peer, meta=m.meta, reply_meta={})
     scopes: AbstractContextManager[Any] | None = None
     kind = REPLY
     try:
@@ -324,10 +324,10 @@ def _encode_error(e: BaseException) -> tuple[bytes, list[memoryview]]:
 
 def _reply(m: InMessage, wire: WireContext, kind: int, header: bytes,
            buffers: list[memoryview]) -> OutMessage:  # fmt: skip
-    return OutMessage(
-        kind, m.method, header, buffers, id=m.id, meta=wire.meta if kind == REPLY else None,
-        undo=wire.abort,
-    )  # fmt: skip
+    meta = wire.meta if kind == REPLY else None
+    if wire.reply_meta:  # (what extensions send back; ``wire.abort`` takes it back)
+        meta = {**meta, **wire.reply_meta} if meta else wire.reply_meta
+    return OutMessage(kind, m.method, header, buffers, id=m.id, meta=meta, undo=wire.abort)
 
 
 def _reply_from_thread(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind: int,

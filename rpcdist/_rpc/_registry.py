@@ -14,7 +14,13 @@ statistics and shutdown steps, registered on the agent, which add
 * **metadata sources**: ``source() -> dict | None``, asked for named fields
   to attach to each outgoing call and reply made from this thread or task
   (an autograd context id travels this way). They are not asked for
-  control messages.
+  control messages;
+* **reply fields**: named fields a handled call's reply carries back to its
+  caller besides those (``WireContext.reply_meta``, filled while its
+  arguments are decoded), each handed to ``handler(agent, src, value)`` on
+  whichever thread reads the reply, late replies included: the owner of an
+  RRef passed back to it confirms the sender's fork this way, saving a
+  control message and its acknowledgement per call.
 
 The contract on timing: a worker may receive an extension's messages as soon
 as any peer can send them, so an extension whose handlers, scopes or codec
@@ -50,6 +56,7 @@ __all__ = [
     "InternalHandler",
     "MetaSource",
     "Registry",
+    "ReplyField",
 ]
 
 E = TypeVar("E", bound="Extension")
@@ -65,6 +72,7 @@ BUILTIN_EXTENSIONS = (
 
 InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
 MetaSource = Callable[[], "Meta | None"]
+ReplyField = Callable[["Agent", WorkerInfo, Any], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +157,8 @@ class Registry:
         self.any_scopes: tuple[HandlerScope, ...] = ()
         self.meta_scopes: tuple[HandlerScope, ...] = ()
         self.sources: tuple[MetaSource, ...] = ()
+        #: Replaced whole, like the tuples.
+        self.reply_fields: dict[str, ReplyField] = {}
         self.extensions: dict[str, Extension] = {}
 
     def add_handler(self, method: str, handler: InternalHandler) -> None:
@@ -176,6 +186,26 @@ class Registry:
     def add_source(self, source: MetaSource) -> None:
         with self._lock:
             self.sources = (*self.sources, source)
+
+    def add_reply_field(self, name: str, handler: ReplyField) -> None:
+        """Hand field ``name`` of every reply's metadata to ``handler``.
+
+        Raises:
+            ConfigError: another handler takes ``name``.
+        """
+        with self._lock:
+            if self.reply_fields.get(name, handler) is not handler:
+                raise ConfigError(f"reply field {name!r} is already registered")
+            self.reply_fields = {**self.reply_fields, name: handler}
+
+    def on_reply(self, agent: Agent, peer: WorkerInfo, meta: Meta | None) -> None:
+        """A reply from ``peer`` arrived with ``meta`` (any thread, before it
+        is decoded): run the handlers of the reply fields it carries."""
+        if meta:
+            for name, handler in self.reply_fields.items():
+                value = meta.get(name)
+                if value is not None:
+                    handler(agent, peer, value)
 
     def extension(self, name: str, make: Callable[[], E]) -> E:
         """The extension ``name``, made (and so registered) on first use."""

@@ -185,6 +185,7 @@ class SyncCalls:
                 self.inflight -= 1
                 del self._active[msg.id]
             activity.woke_threadsafe()
+        agent.registry.on_reply(agent, peer, reply.meta)
         wire = WireContext(agent, peer, off_loop=True, meta=reply.meta)
         value = decode(
             reply.header, reply.buffers, allow_pickle=agent.options.allow_pickle, context=wire
@@ -418,7 +419,9 @@ class SyncCalls:
                 pass
             return
         agent.activity.handler_started_threadsafe()
-        wire = WireContext(agent, agent.workers[link.peer_rank], off_loop=True, meta=m.meta)
+        wire = WireContext(
+            agent, agent.workers[link.peer_rank], off_loop=True, meta=m.meta, reply_meta={}
+        )
         try:
             args, kwargs = _dispatch.decode_call(agent, m, wire)
             wire.wait_gates_blocking(m.deadline)

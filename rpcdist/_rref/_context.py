@@ -12,6 +12,8 @@ Message kinds, each a list of items:
 
 * ``rref.fork_request`` user -> owner, ``[r0, r1, f0, f1]``: register a fork.
 * ``rref.child_accept`` -> the sender of a fork, ``[f1]``: the owner knows it.
+  An owner that got the fork in a call's arguments says so in the call's
+  reply instead (its field ``ACCEPTS``), unless that reply is never sent.
 * ``rref.user_delete`` user -> owner, ``[r0, r1, f0, f1, abandon]``.
 """
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from .._rpc._agent import Agent
 
 __all__ = [
+    "ACCEPTS",
     "CHILD_ACCEPT",
     "CONFIRMED",
     "FAILED",
@@ -65,6 +68,9 @@ T = TypeVar("T")
 FORK_REQUEST: Final = "rref.fork_request"
 CHILD_ACCEPT: Final = "rref.child_accept"
 USER_DELETE: Final = "rref.user_delete"
+#: Reply field: the forks of the caller's that the call's arguments brought
+#: back to their owner, confirmed (``[f1, ...]``; flow 3 without a message).
+ACCEPTS: Final = "rca"
 #: Items per control message; more are split into several.
 BATCH: Final = 4096
 #: Seconds user deletes may wait to be batched (they only reclaim memory);

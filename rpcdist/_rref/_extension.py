@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _rref  # noqa: F401  (registers the RRef codec extension)
-from ._context import RRefContext, control_handlers
+from ._context import ACCEPTS, RRefContext, control_handlers
 from ._owner import owner_handlers
+from ._rref import accepts_in_reply  # (importing it registers the RRef codec extension)
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
@@ -20,6 +20,7 @@ def install(agent: Agent) -> RRefContext:
     def make() -> RRefContext:
         for method, handler in {**control_handlers(), **owner_handlers()}.items():
             agent.registry.add_handler(method, handler)
+        agent.registry.add_reply_field(ACCEPTS, accepts_in_reply)
         return RRefContext(agent)
 
     return agent.extension("rref", make)

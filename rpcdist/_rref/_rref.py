@@ -9,7 +9,7 @@ bookkeeping on both ends (``docs/rref.md``, flows 2-4).
 from __future__ import annotations
 
 import functools
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._deadline import UNSET, Unset, deadline_for
 from .._errors import (
@@ -25,6 +25,7 @@ from .._serialization import register_extension
 from .._worker import WorkerInfo
 from ._calls import call_owner, create, to_here_after_creation
 from ._context import (
+    ACCEPTS,
     CHILD_ACCEPT,
     CONFIRMED,
     FAILED_ABANDON,
@@ -41,7 +42,10 @@ from ._owner import CALL_METHOD, FETCH, HAS_ATTR, INVOKE, has_attr, is_plain
 from ._protocol import Record
 from ._proxy import RRefProxy
 
-__all__ = ["RRef", "remote"]
+if TYPE_CHECKING:
+    from .._rpc._agent import Agent
+
+__all__ = ["RRef", "accepts_in_reply", "remote"]
 
 T = TypeVar("T")
 #: The owner's internal method (served by its distributed autograd extension).
@@ -403,6 +407,8 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
         rref = RRef._make(ctx, rid, None, owner, rec, CONFIRMED)
         if sender == owner:
             ctx.owners.remove_fork(rid, child)  # a fork only while in transit
+        elif wctx.reply_meta is not None:  # a call's argument: its reply says so
+            _accept_in_reply(ctx, wctx, c)
         else:
             ctx.post(sender, CHILD_ACCEPT, [c])
         if not rec.ready.done():
@@ -418,6 +424,36 @@ def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
     assert rref._confirmed is not None
     _gate(wctx, rref._confirmed)
     return rref
+
+
+def _accept_in_reply(ctx: RRefContext, wctx: WireContext, child: int) -> None:
+    """Confirm the sender's fork ``child`` in the reply to the call being
+    decoded (its field ``ACCEPTS``) instead of a control message of its own;
+    if that reply is never sent, the confirmation goes as a control message."""
+    assert wctx.reply_meta is not None
+    accepts = wctx.reply_meta.get(ACCEPTS)
+    if accepts is None:
+        accepts = wctx.reply_meta[ACCEPTS] = []
+        wctx.extra.setdefault("undo", []).append(functools.partial(_post_accepts, ctx, wctx))
+    assert isinstance(accepts, list)
+    accepts.append(child)
+
+
+def _post_accepts(ctx: RRefContext, wctx: WireContext) -> None:
+    assert wctx.reply_meta is not None
+    accepts = wctx.reply_meta.pop(ACCEPTS, None)
+    assert accepts is None or isinstance(accepts, list)
+    for child in accepts or ():
+        ctx.post(wctx.peer.id, CHILD_ACCEPT, [child])
+
+
+def accepts_in_reply(agent: Agent, src: WorkerInfo, children: Any) -> None:
+    """The ``ACCEPTS`` field of a reply from ``src``, the owner: it confirmed
+    these forks this worker sent it (any thread)."""
+    ctx = context_of(agent)
+    parents = [ctx.users.accept_child((agent.rank, c)) for c in children]
+    del parents  # now collectable: their finalisers send deletes
+    ctx.poke()
 
 
 def _gate(wctx: WireContext, fut: Future[Any]) -> None:

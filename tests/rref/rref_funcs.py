@@ -226,10 +226,10 @@ def wait_for_forks(count, timeout=10.0):
         time.sleep(0.005)
 
 
-def use_after_forks_gone(rref):
-    """On the owner: wait until every fork is deleted, then read the value."""
-    left = wait_for_forks(0)
-    return left, rref.local_value()
+def forks_then_token(rref, wait=0.3):
+    """On the owner: the forks it knows once they are gone or ``wait``
+    seconds have passed, and the token of the Tracked value ``rref`` names."""
+    return wait_for_forks(0, timeout=wait), rref.local_value().token
 
 
 def take_and_drop(h):

@@ -63,15 +63,34 @@ def test_fork_before_the_owner_ran_the_function_parks_later_messages(start):
 
 
 def test_rref_passed_back_to_its_owner_survives_its_temporary_copy(rrefs2):
-    a, b = rrefs2
-    with as_current(a):
-        rref = rpcdist.remote("worker1", rf.make_counter, args=(7,))
-        assert rref.to_here() == rf.Counter(7)
-        fut = rpcdist.rpc_async("worker1", rf.use_after_forks_gone, args=(rref,))
-        del rref  # worker0's copy dies; its delete reaches the owner first
+    token = next(_tokens)
+    with as_current(rrefs2[0]):
+        rref = rpcdist.remote("worker1", rf.make_tracked, args=(token,))
+        assert rref.rpc_sync().get_token() == token
+        fut = rpcdist.rpc_async("worker1", rf.forks_then_token, args=(rref,))
+        del rref  # worker0's copy dies while the call is on its way
         gc.collect()
-        forks_left, value = fut.wait(10)
-    assert forks_left == 0 and value == rf.Counter(7)
+        forks, got = fut.wait(10)
+        # Its fork outlived it: the owner confirms a fork that came back to it
+        # in the call's reply, and only then may the sender let go (G2).
+        assert (forks, got) == (1, token)
+        assert rrefs2[1].statistics()["rref_control_messages"] == 0  # the owner sent none
+    assert _freed(token, rrefs2)
+
+
+def test_owner_confirms_by_control_message_when_the_reply_is_lost(start):
+    owner_faults = FaultInjector()
+    owner_faults.add("reply:rref_funcs:forks_then_token", "drop")
+    agents = start(2, faults=[None, owner_faults])
+    token = next(_tokens)
+    with as_current(agents[0]):
+        rref = rpcdist.remote("worker1", rf.make_tracked, args=(token,))
+        assert rref.rpc_sync().get_token() == token
+        with pytest.raises(rpcdist.RpcTimeoutError):
+            rpcdist.rpc_sync("worker1", rf.forks_then_token, args=(rref, 0.0), timeout=1.0)
+        del rref
+    assert owner_faults.log == [("reply:rref_funcs:forks_then_token", "drop")]
+    assert _freed(token, agents)  # the confirmation came as a message: the fork was deleted
 
 
 def test_sender_waits_for_the_owners_confirmation_not_the_return_value(start):
