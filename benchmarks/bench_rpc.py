@@ -99,7 +99,7 @@ def _rpcdist_worker(rank: int, init: str, quick: bool, transport: str, q: Any) -
     # "tcp-only": the TCP transport with same-host Unix sockets turned off,
     # which is what two workers on different hosts would use. "tcp-loop": the
     # default, with every rpc_sync going through the agent loop (only the
-    # latency differs: large echoes and rpc_async take that path anyway).
+    # latency is measured: rpc_async takes that path anyway).
     opts = rpcdist.RpcOptions(
         transport=transport.split("-")[0],
         local_sockets=transport != "tcp-only",

@@ -134,6 +134,8 @@ class DistributedOptimizer:
         futs = [rpc_async(w, _new_local, args=(name, rs, defaults)) for w, rs in by_owner.items()]
         self._owners: list[WorkerInfo] = list(by_owner)
         self._locals: list[RRef[_Local]] = _wait_all(futs)
+        self._remote = [r for r in self._locals if not r.is_owner()]
+        self._here = [r.local_value() for r in self._locals if r.is_owner()]
         self._class_name = name
         #: One group of hyperparameters (no ``"params"``: they live on the owners).
         self.param_groups: list[dict[str, Any]] = [dict(defaults)]
@@ -158,10 +160,23 @@ class DistributedOptimizer:
         """
         hyper = self._changed()
         scale = self._scale.pop(context_id, None)
-        if len(self._locals) == 1:  # a blocking call: its cheapest path
-            self._locals[0].rpc_sync().step(context_id, hyper, scale)
+        remote = self._remote
+        if len(remote) == 1 and not self._here:  # a blocking call: its cheapest path
+            remote[0].rpc_sync().step(context_id, hyper, scale)
             return
-        _wait_all([opt.rpc_async().step(context_id, hyper, scale) for opt in self._locals])
+        futs = [opt.rpc_async().step(context_id, hyper, scale) for opt in remote]
+        first: BaseException | None = None
+        for local in self._here:  # this worker's own parameters: no call to itself
+            try:
+                local.step(context_id, hyper, scale)
+            except BaseException as e:
+                first = e
+        try:
+            _wait_all(futs)
+        except BaseException as e:
+            first = first or e
+        if first is not None:
+            raise first
 
     def clip_grad_norm_(self, context_id: int, max_norm: float) -> float:
         """Clip context ``context_id``'s gradients to a total 2-norm of ``max_norm``.

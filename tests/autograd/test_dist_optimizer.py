@@ -193,3 +193,23 @@ def test_bad_options_fail_at_construction_with_the_owners_error(agents):
         with pytest.raises(ConfigError, match="not an rpcdist.nn.Module"):
             nn.RemoteModule("worker1", af.Box)
         del first
+
+
+def test_a_step_that_fails_on_its_owners_raises_and_the_next_one_works(agents):
+    with as_current(agents[0]):
+        first = nn.RemoteModule("worker1", First)
+        model = Net(remote_first=first)  # owners: worker1 and this worker
+        params = first.remote_parameters() + [rpcdist.RRef(p) for p in model.second.parameters()]
+        dopt = optim.DistributedOptimizer(optim.SGD, params, lr=0.1)
+        before = model.second.weight.data.copy()
+        x, y = _data(0)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [nn.functional.cross_entropy(model(Tensor(x)), y)])
+            dopt.param_groups[0]["lr"] = "0.1"  # a string: every owner's step fails
+            with pytest.raises(TypeError):
+                dopt.step(cid)
+            assert np.array_equal(model.second.weight.data, before)
+            dopt.param_groups[0]["lr"] = 0.1
+            dopt.step(cid)  # the owners' locks were let go
+        assert not np.array_equal(model.second.weight.data, before)
+        del first, params, dopt
