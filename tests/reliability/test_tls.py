@@ -45,6 +45,10 @@ def test_calls_and_arrays_travel_over_tls(pki, local_sockets):
         big = np.random.default_rng(0).random(1 << 20)  # 8 MB: chunked, received in place
         got = a.rpc_async(1, rf.echo, args=(big,)).wait(30)
         np.testing.assert_array_equal(got, big)
+        direct = a.statistics()["direct_sync_calls"]
+        with as_current(a):  # the same both ways on a thread-driven connection
+            np.testing.assert_array_equal(rpcdist.rpc_sync(1, rf.echo, args=(big,)), big)
+        assert a.statistics()["direct_sync_calls"] == direct + 1
         futs = [b.rpc_async(0, rf.add, args=(i, i)) for i in range(200)]  # coalesced writes
         assert [f.wait(30) for f in futs] == [2 * i for i in range(200)]
         with as_current(a):
