@@ -37,8 +37,8 @@ from .._futures import Future
 from .._loop import LoopThread
 from .._options import RpcOptions
 from .._pool import WorkerPool
-from .._serialization import encode, function_name
-from .._serialization._functions import CallablePolicy
+from .._serialization import encode
+from .._serialization._functions import CallablePolicy, name_of
 from .._store import parse_init_method
 from .._transport import Link
 from .._transport._frames import (
@@ -120,7 +120,6 @@ class Agent:
         self._by_name: dict[str, WorkerInfo] = {}
         #: Host identity (hostname and boot id) of every worker, by rank.
         self.hosts: dict[int, str] = {}
-        self._fn_names: dict[Any, str] = {}
         self._store: Any = None
         self._store_server: Any = None
         #: Thread wake-ups held back to the end of the read callback that
@@ -260,16 +259,7 @@ class Agent:
         Raises:
             SerializationError: ``func`` cannot be sent by name.
         """
-        try:
-            return self._fn_names[func]
-        except (KeyError, TypeError):
-            pass
-        name = function_name(func)
-        try:
-            self._fn_names[func] = name
-        except TypeError:
-            pass
-        return name
+        return name_of(func)
 
     def request(
         self,

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from .._deadline import current_deadline
 from .._errors import ProtocolError, RpcdistError, RpcTimeoutError, SerializationError
 from .._futures import Future
-from .._serialization import decode, encode, exception_to_wire, resolve_function
+from .._serialization import decode, encode, exception_to_wire
 from .._serialization._functions import DEFAULT_POLICY, CallablePolicy
+from .._serialization._functions import resolve as _resolve
 from .._transport import Link
 from .._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
 from ..functions import ASYNC_EXECUTION_ATTR
@@ -62,11 +63,6 @@ _PLAIN, _ASYNC, _ASYNC_EXECUTION = 0, 1, 2
 
 def is_async_execution(fn: Any) -> bool:
     return bool(getattr(fn, ASYNC_EXECUTION_ATTR, False))
-
-
-@functools.lru_cache(maxsize=4096)
-def _resolve(name: str, policy: CallablePolicy) -> Callable[..., Any]:
-    return resolve_function(name, policy)
 
 
 def resolve(name: str, policy: CallablePolicy | None = None) -> Callable[..., Any]:

@@ -34,7 +34,7 @@ from ._extensions import (
     Handler,
     define,
 )
-from ._functions import function_name, policy_of, resolve_function
+from ._functions import name_of, policy_of, resolve
 
 __all__: list[str] = []
 
@@ -118,13 +118,13 @@ def _find_exception(obj: object) -> Handler | None:
 
 
 def _encode_function(state: EncodeState, obj: Any) -> list[Any]:
-    return [MARKS[FUNCTION], function_name(obj)]
+    return [MARKS[FUNCTION], name_of(obj)]
 
 
 def _decode_function(state: DecodeState, items: list[Any]) -> object:
     if len(items) != 2 or type(items[1]) is not str:
         raise _malformed("function")
-    return resolve_function(items[1], policy_of(state.context))
+    return resolve(items[1], policy_of(state.context))
 
 
 define(TUPLE, [tuple], _encode_tuple, _decode_tuple)

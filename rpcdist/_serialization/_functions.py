@@ -32,7 +32,9 @@ __all__ = [
     "DENIED_NAMES",
     "CallablePolicy",
     "function_name",
+    "name_of",
     "policy_of",
+    "resolve",
     "resolve_function",
 ]
 
@@ -268,6 +270,26 @@ def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Call
     if why is not None:
         raise _refused(name, why)
     return target
+
+
+@functools.lru_cache(maxsize=4096)
+def resolve(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Callable[..., Any]:
+    """:func:`resolve_function`, remembered per name and policy (for
+    module-level, long-lived functions: a module reloaded later is not seen;
+    failures are not remembered)."""
+    return resolve_function(name, policy)
+
+
+_name_of = functools.lru_cache(maxsize=4096)(function_name)
+
+
+def name_of(fn: Callable[..., Any]) -> str:
+    """:func:`function_name`, remembered per function (keeping it alive:
+    functions sent by name are module-level and long-lived)."""
+    try:
+        return _name_of(fn)
+    except TypeError:  # unhashable (a method bound to such an instance): refused anyway
+        return function_name(fn)
 
 
 def _refused(name: str, why: str) -> CallPolicyError:

@@ -21,6 +21,7 @@ from rpcdist._serialization import (
     function_name,
     resolve_function,
 )
+from rpcdist._serialization._functions import name_of, resolve
 
 from ._helpers import FUNCTIONS, Helpers, module_function, roundtrip
 
@@ -70,6 +71,24 @@ def test_functions_without_a_usable_name_are_refused(fn: Any, why: str) -> None:
         function_name(fn)
     label = getattr(fn, "__qualname__", "functools.partial")
     assert label in str(info.value)
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def method(self) -> None:
+        pass
+
+
+def test_the_remembered_name_is_the_same_and_refuses_the_same() -> None:
+    assert name_of(module_function) == function_name(module_function) == name_of(module_function)
+    with pytest.raises(SerializationError, match="bound to an instance"):
+        name_of(_Unhashable().method)  # cannot be remembered: still refused, not a TypeError
+    with pytest.raises(SerializationError, match="does not lead back to it"):
+        name_of(_ghost())
+    assert resolve("math:sqrt") is math.sqrt is resolve("math:sqrt")
+    with pytest.raises(SerializationError, match="no_such_function"):
+        resolve("math:no_such_function")
 
 
 def test_a_lambda_argument_is_refused_naming_function_and_place() -> None:
