@@ -11,8 +11,10 @@ under rpcdist.torch, in the same run, with the imports the only difference.
   after a warm-up, one compute thread per process.
 
 Runs alternate between the two flavors so that load on the machine hits
-both alike. Run: ``.venv/bin/python benchmarks/bench_torch_interop.py
-[--repeats N] [--iters N] [--no-write]``
+both alike; the ps iteration runs twice per repeat (a fresh pair of
+processes each time), since it is cheap and varies most between runs. Run:
+``.venv/bin/python benchmarks/bench_torch_interop.py [--repeats N] [--iters N]
+[--no-write]``
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ def main() -> int:
         order = ("rpcdist", "torch") if rep % 2 == 0 else ("torch", "rpcdist")
         for flavor in order:
             rnn[flavor].append(_run("rnn", flavor))
-            times = _ps(flavor, a.iters)
-            ps[flavor].append(median(times))
-            print(f"rep {rep} {flavor}: rnn {rnn[flavor][-1]:.2f} s, ps step "
-                  f"{ps[flavor][-1] * 1e3:.2f} ms (p90 {percentile(times, 90) * 1e3:.2f})",
-                  file=sys.stderr)  # fmt: skip
+            for _ in range(2):
+                times = _ps(flavor, a.iters)
+                ps[flavor].append(median(times))
+                print(f"rep {rep} {flavor}: rnn {rnn[flavor][-1]:.2f} s, ps step "
+                      f"{ps[flavor][-1] * 1e3:.2f} ms (p90 {percentile(times, 90) * 1e3:.2f})",
+                      file=sys.stderr)  # fmt: skip
     rows = []
     for name, got, unit, scale in (("rnn program", rnn, "s", 1.0), ("ps iteration", ps, "ms", 1e3)):
         ours, theirs = median(got["rpcdist"]) * scale, median(got["torch"]) * scale
@@ -86,7 +89,8 @@ def main() -> int:
         rows,
     )  # fmt: skip
     body += (
-        f"\n\nMedians over {a.repeats} runs of each, alternating. The RNN program is "
+        f"\n\nMedians over {a.repeats} runs of each (the ps iteration: {2 * a.repeats}), "
+        "alternating. The RNN program is "
         "PyTorch's example as a whole (process start, `import torch`, rendezvous, 50 "
         "iterations, shutdown); the ps iteration is the median of "
         f"{a.iters} steps after a warm-up. Other sessions share this machine's cores, so "
