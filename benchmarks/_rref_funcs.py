@@ -21,6 +21,12 @@ class Counter:
         return self.n
 
 
+def incr_local(rref: Any) -> int:
+    """On the owner: the idiom of PyTorch's examples, ``rpc_sync(rref.owner(),
+    f, args=(rref,))`` with ``f`` calling a method of ``rref.local_value()``."""
+    return int(rref.local_value().incr())
+
+
 def keep_all(refs: list[Any]) -> int:
     """Hold ``refs`` here (a user -> user share when they are user RRefs)."""
     _kept.extend(refs)

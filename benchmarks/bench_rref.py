@@ -3,8 +3,11 @@
 
 * Latency (2 processes on 127.0.0.1, caller and owner): ``rpc_sync`` of a
   function returning 1, ``remote(...).to_here()`` of the same function (its
-  RRef dropped at once, so the deletes are part of its cost), and a proxy call
-  ``rref.rpc_sync().incr()``; p50/p99 over alternating blocks of calls, in
+  RRef dropped at once, so the deletes are part of its cost), a proxy call
+  ``rref.rpc_sync().incr()``, and the same through a function the RRef is
+  passed to (``rpc_sync(owner, f, args=(rref,))``, the idiom of PyTorch's
+  examples, which forks the RRef back to its owner each call); p50/p99 over
+  alternating blocks of calls, in
   the same run. PyTorch RPC (TensorPipe, two spawned processes) does the same
   when torch imports.
 * Sharing (3 processes: creator, owner, second user): 10,000 ``remote()``
@@ -77,6 +80,9 @@ def _rpcdist_latency(rank: int, world_size: int, init: str, n: int) -> Any:
                 "rpc_sync": lambda: rpcdist.rpc_sync("w1", rb.one),
                 "remote + to_here": lambda: rpcdist.remote("w1", rb.one).to_here(),
                 "proxy rpc_sync": lambda: counter.rpc_sync().incr(),
+                "rpc_sync(owner, f, args=(rref,))": lambda: rpcdist.rpc_sync(
+                    "w1", rb.incr_local, args=(counter,)
+                ),
             },
             n,
         )
@@ -133,6 +139,9 @@ def _torch_latency(rank: int, world_size: int, init: str, port: int, n: int) -> 
                 "rpc_sync": lambda: rpc.rpc_sync("w1", rb.one),
                 "remote + to_here": lambda: rpc.remote("w1", rb.one).to_here(),
                 "proxy rpc_sync": lambda: counter.rpc_sync().incr(),
+                "rpc_sync(owner, f, args=(rref,))": lambda: rpc.rpc_sync(
+                    "w1", rb.incr_local, args=(counter,)
+                ),
             },
             n,
         )
