@@ -52,3 +52,11 @@ SEEN: list[Any] = []
 
 def probe() -> Probe:
     return Probe()
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def fail(x: Any) -> None:
+    raise KeyError("on purpose")

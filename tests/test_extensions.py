@@ -132,6 +132,50 @@ def test_replies_carry_the_callees_fields(tagged, probe_codec):
     assert ef.SEEN == [{"tag": "A'"}]  # bound by worker1's scope for "A"
 
 
+@pytest.fixture
+def answered_probe() -> Iterator[None]:
+    """A Probe decoded as a call's argument asks for a reply field ``test.seen``."""
+
+    def decode(structure, ctx):
+        if ctx.reply_meta is not None:  # a call being handled: its reply answers
+            ctx.reply_meta.setdefault("test.seen", []).append(ctx.agent.name)
+        return ef.Probe()
+
+    register_extension(ef.Probe, PROBE_CODE, lambda obj, ctx: 0, decode)
+    yield
+    unregister_extension(ef.Probe)
+
+
+@pytest.mark.parametrize("channels", [4, 0], ids=["sync-threads", "loop"])
+def test_reply_fields_reach_the_callers_handler_on_every_reply_path(answered_probe, channels):
+    got: list[tuple[str, str, object]] = []
+    with local_agents(2, options=RpcOptions(token=None, sync_channels=channels)) as (a, _):
+        a.registry.add_reply_field(
+            "test.seen", lambda ag, src, v: got.append((ag.name, src.name, v))
+        )
+        with as_current(a):
+            assert isinstance(rpcdist.rpc_sync("worker1", ef.echo, args=(ef.Probe(),)), ef.Probe)
+            assert isinstance(
+                rpcdist.rpc_async("worker1", ef.echo, args=(ef.Probe(),)).wait(10), ef.Probe
+            )
+            with pytest.raises(KeyError, match="on purpose"):  # an error reply carries it too
+                rpcdist.rpc_sync("worker1", ef.fail, args=(ef.Probe(),))
+            assert rpcdist.rpc_sync("worker1", ef.echo, args=(1,)) == 1  # no field: no call
+    assert got == [("worker0", "worker1", ["worker1"])] * 3
+
+
+def test_reply_fields_are_registered_once():
+    with local_agents(1) as (a,):
+
+        def h(agent, src, value):
+            return None
+
+        a.registry.add_reply_field("test.field", h)
+        a.registry.add_reply_field("test.field", h)  # the same one again: fine
+        with pytest.raises(ConfigError, match="already registered"):
+            a.registry.add_reply_field("test.field", lambda *x: None)
+
+
 def test_internal_methods_are_registered_once():
     with local_agents(1) as (a,):
 

@@ -226,6 +226,10 @@ def wait_for_forks(count, timeout=10.0):
         time.sleep(0.005)
 
 
+def raise_value_error_with(rref, msg):
+    raise ValueError(msg)
+
+
 def forks_then_token(rref, wait=0.3):
     """On the owner: the forks it knows once they are gone or ``wait``
     seconds have passed, and the token of the Tracked value ``rref`` names."""

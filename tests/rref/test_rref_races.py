@@ -78,6 +78,18 @@ def test_rref_passed_back_to_its_owner_survives_its_temporary_copy(rrefs2):
     assert _freed(token, rrefs2)
 
 
+def test_owner_confirms_by_control_message_when_the_function_raises(rrefs2):
+    token = next(_tokens)
+    with as_current(rrefs2[0]):
+        rref = rpcdist.remote("worker1", rf.make_tracked, args=(token,))
+        assert rref.rpc_sync().get_token() == token
+        with pytest.raises(ValueError, match="no"):
+            rpcdist.rpc_sync("worker1", rf.raise_value_error_with, args=(rref, "no"))
+        del rref
+    assert rrefs2[1].statistics()["rref_control_messages"] >= 1  # the accept
+    assert _freed(token, rrefs2)
+
+
 def test_owner_confirms_by_control_message_when_the_reply_is_lost(start):
     owner_faults = FaultInjector()
     owner_faults.add("reply:rref_funcs:forks_then_token", "drop")
