@@ -450,8 +450,10 @@ def _post_accepts(ctx: RRefContext, wctx: WireContext) -> None:
 def accepts_in_reply(agent: Agent, src: WorkerInfo, children: Any) -> None:
     """The ``ACCEPTS`` field of a reply from ``src``, the owner: it confirmed
     these forks this worker sent it (any thread)."""
+    if not isinstance(children, list):
+        return  # malformed (a peer of another version): nothing to settle
     ctx = context_of(agent)
-    parents = [ctx.users.accept_child((agent.rank, c)) for c in children]
+    parents = [ctx.users.accept_child((agent.rank, c)) for c in children if type(c) is int]
     del parents  # now collectable: their finalisers send deletes
     ctx.poke()
 
