@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import rpcdist
 from rpcdist._errors import ConfigError, ConnectError
+from rpcdist._rpc import _join
 from rpcdist._store import StoreClient, StoreServer, _rendezvous
 from rpcdist._store._rendezvous import RendezvousSpec, open_store, parse_init_method
+from rpcdist.testing import local_agents
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -291,3 +294,14 @@ def test_unwritable_rendezvous_file_is_a_config_error(tmp_path: Path) -> None:
             await open_store(spec, token=None, timeout=5)
 
     run(main)
+
+
+def test_workers_of_another_wire_protocol_are_refused_naming_them():
+    with local_agents(1) as (a,):
+        mine = {"name": "worker0", "rank": 0, "transport": a.links.transport.name,
+                "wire": _join.WIRE_PROTOCOL, "version": rpcdist.__version__}  # fmt: skip
+        asyncio.run(_join.check(a, [mine]))  # agreeing: fine
+        old = {**mine, "name": "old", "rank": 1}
+        del old["wire"], old["version"]  # an rpcdist from before the field existed
+        with pytest.raises(ConfigError, match=r"'old' runs rpcdist unknown \(wire protocol 1\)"):
+            asyncio.run(_join.check(a, [mine, old]))

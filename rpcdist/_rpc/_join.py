@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+import sys
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,6 +47,15 @@ __all__ = [
 
 T = TypeVar("T")
 _SECRET_KEY = "rpc/secret"
+#: What rpcdist's messages mean, bumped whenever that changes: every worker of
+#: a job must agree (checked as they join). 2: an RRef passed back to its
+#: owner in a call is confirmed in the call's reply (reply field ``rca``),
+#: which a worker of protocol 1 would never read.
+WIRE_PROTOCOL = 2
+
+
+def _version() -> str:
+    return str(getattr(sys.modules.get("rpcdist"), "__version__", "unknown"))
 
 
 async def open_job_store(
@@ -130,6 +140,8 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
         "host": host_id(),
         "transport": agent.links.transport.name,
         "link": published,
+        "wire": WIRE_PROTOCOL,
+        "version": _version(),
     }
     await store.set(f"rpc/worker/{agent.rank}", msgpack.packb(me))
     entries = await watching_refusals(
@@ -140,7 +152,15 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def check(agent: Agent, infos: list[dict[str, Any]]) -> None:
-    """Raises: ConfigError: duplicate names, or workers on different transports."""
+    """Raises: ConfigError: duplicate names, or workers on different transports
+    or wire protocols (rpcdist versions)."""
+    other = next((i for i in infos if i.get("wire", 1) != WIRE_PROTOCOL), None)
+    if other is not None:
+        raise ConfigError(
+            f"worker {other['name']!r} runs rpcdist {other.get('version', 'unknown')} (wire "
+            f"protocol {other.get('wire', 1)}) but {agent.name!r} runs {_version()} (wire "
+            f"protocol {WIRE_PROTOCOL}): every worker of a job needs the same rpcdist"
+        )
     seen: dict[str, int] = {}
     for info in infos:
         if info["name"] in seen:
