@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -305,3 +307,14 @@ def test_workers_of_another_wire_protocol_are_refused_naming_them():
         del old["wire"], old["version"]  # an rpcdist from before the field existed
         with pytest.raises(ConfigError, match=r"'old' runs rpcdist unknown \(wire protocol 1\)"):
             asyncio.run(_join.check(a, [mine, old]))
+
+
+def test_grpc_loads_only_when_a_store_is_made() -> None:
+    code = (
+        "import sys\n"
+        "import rpcdist, rpcdist._rpc._agent, rpcdist._rref._rref, rpcdist._store\n"
+        "assert 'grpc' not in sys.modules, 'grpc imported before any store'\n"
+        "rpcdist._store.StoreClient\n"
+        "assert 'grpc' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -26,12 +26,15 @@ import socket
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .._deadline import deadline_for, remaining
 from .._errors import ConfigError, ConnectError
-from ._client import StoreClient
 from ._common import GrpcTls, format_address
-from ._server import StoreServer
+
+if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs first)
+    from ._client import StoreClient
+    from ._server import StoreServer
 
 __all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
 
@@ -235,6 +238,9 @@ async def open_store(
         if spec.rank == 0:
             return await _serve_file(spec, spec.path, token, timeout, tls)
         return await _join_file(spec.path, token, timeout, spec.rank, tls), None
+    from ._client import StoreClient
+    from ._server import StoreServer
+
     server = None
     address = spec.address
     if spec.rank == 0:
@@ -258,34 +264,13 @@ def _file_contents(address: str, server_id: str) -> str:
     return f"{address}\n{server_id}\n"
 
 
-def _holds(path: str, server_id: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as file:
-            lines = file.read().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return False
-    return len(lines) >= 2 and lines[1] == server_id
-
-
-class _FileStoreServer(StoreServer):
-    """A store server that removes its rendezvous file when it stops."""
-
-    def __init__(self, *, token: str | None, path: str, tls: GrpcTls | None = None) -> None:
-        super().__init__(token=token, tls=tls)
-        self.path = path
-
-    async def stop(self, grace: float | None = 0.5) -> None:
-        await super().stop(grace)
-        # A newer job may own the file by now; only our own is removed.
-        if _holds(self.path, self.server_id):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
 async def _serve_file(
     spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: GrpcTls | None
 ) -> tuple[StoreClient, StoreServer]:
-    server = _FileStoreServer(token=token, path=path, tls=tls)
+    from ._client import StoreClient
+    from ._server import FileStoreServer
+
+    server = FileStoreServer(token=token, path=path, tls=tls)
     port = await server.start(spec.host, 0)
     advertised = socket.gethostname() if spec.host in _WILDCARDS else spec.host
     store = StoreClient(
@@ -344,6 +329,8 @@ async def _join_file(
     so an address that fails, rejects the token or answers with another
     server id sends us back to reading the file until the deadline.
     """
+    from ._client import StoreClient
+
     deadline = deadline_for(timeout, None)
     delay = _FILE_POLL_FIRST
     problem = "the file does not exist yet"

@@ -12,8 +12,10 @@ waiting at rendezvous learn of it within milliseconds instead of timing out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 from collections.abc import Callable, Mapping
@@ -32,7 +34,7 @@ from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
 from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, GrpcTls, format_address
 from ._common import SERVICE as _SERVICE
 
-__all__ = ["StoreServer"]
+__all__ = ["FileStoreServer", "StoreServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -292,3 +294,27 @@ class StoreServer:
         deleted = self._data.pop(request.key, None) is not None
         self._changed.set()
         return pb.DeleteResponse(deleted=deleted)
+
+
+def _holds_file(path: str, server_id: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return len(lines) >= 2 and lines[1] == server_id
+
+
+class FileStoreServer(StoreServer):
+    """A store server that removes its rendezvous file (``file://``) when it stops."""
+
+    def __init__(self, *, token: str | None, path: str, tls: GrpcTls | None = None) -> None:
+        super().__init__(token=token, tls=tls)
+        self.path = path
+
+    async def stop(self, grace: float | None = 0.5) -> None:
+        await super().stop(grace)
+        # A newer job may own the file by now; only our own is removed.
+        if _holds_file(self.path, self.server_id):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)

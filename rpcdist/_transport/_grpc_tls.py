@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from .._errors import ConfigError
 from .._options import RpcOptions
 
@@ -50,11 +48,15 @@ class GrpcTls:
                    options.tls_mutual)  # fmt: skip
 
     def server_credentials(self) -> Any:
+        import grpc  # (here: only TLS stores and the gRPC transport need it)
+
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.mutual
         )
 
     def channel_credentials(self) -> Any:
+        import grpc
+
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
         )
