@@ -57,6 +57,7 @@ __all__ = [
     "RELEASED",
     "USER_DELETE",
     "RRefContext",
+    "accept_children",
     "context_of",
     "control_handlers",
     "gate",
@@ -387,11 +388,16 @@ async def _on_fork_request(agent: Agent, src: WorkerInfo, items: list[list[int]]
         owners.add_fork(owners.record((r0, r1)), (f0, f1), src.id)
 
 
-async def _on_child_accept(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:
+def accept_children(agent: Agent, children: list[int]) -> None:
+    """The owner confirmed these forks this worker sent (``f1`` of each; any thread)."""
     ctx = context_of(agent)
-    parents = [ctx.users.accept_child((agent.rank, it[0])) for it in items]
+    parents = [ctx.users.accept_child((agent.rank, c)) for c in children]
     del parents  # now collectable: their finalisers send deletes
     ctx.poke()
+
+
+async def _on_child_accept(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:
+    accept_children(agent, [it[0] for it in items])
 
 
 async def _on_user_delete(agent: Agent, src: WorkerInfo, items: list[list[int]]) -> None:

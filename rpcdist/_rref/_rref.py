@@ -35,6 +35,7 @@ from ._context import (
     RELEASED,
     USER_DELETE,
     RRefContext,
+    accept_children,
     context_of,
     gate,
 )
@@ -450,12 +451,8 @@ def _post_accepts(ctx: RRefContext, wctx: WireContext) -> None:
 def accepts_in_reply(agent: Agent, src: WorkerInfo, children: Any) -> None:
     """The ``ACCEPTS`` field of a reply from ``src``, the owner: it confirmed
     these forks this worker sent it (any thread)."""
-    if not isinstance(children, list):
-        return  # malformed (a peer of another version): nothing to settle
-    ctx = context_of(agent)
-    parents = [ctx.users.accept_child((agent.rank, c)) for c in children if type(c) is int]
-    del parents  # now collectable: their finalisers send deletes
-    ctx.poke()
+    if isinstance(children, list):  # (else malformed: nothing to settle)
+        accept_children(agent, [c for c in children if type(c) is int])
 
 
 def _gate(wctx: WireContext, fut: Future[Any]) -> None:
