@@ -270,6 +270,7 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     if device.type != "cpu":
         if device.type != "cuda":
             raise Unsupported(f"only CPU and CUDA tensors can be sent, not device {device}")
+        data = _dense(data)  # (on the device: .cpu() then copies it once, dense)
         ipc = _lend_tensor(state, torch, data)
         if ipc is None:
             data = data.cpu()  # through host memory, as CuPy arrays travel
@@ -321,8 +322,8 @@ _NO_CUPY: list[bool] = []
 
 
 def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
-    """``[dtype, shape, fields]`` for a CUDA tensor sent by CUDA IPC (through a
-    CuPy view of it), or ``None``: send it through host memory."""
+    """``[dtype, shape, fields]`` for dense CUDA tensor ``data`` sent by CUDA
+    IPC (through a CuPy view of it), or ``None``: send it through host memory."""
     if not CUPY_IPC_HOOKS or state.context is None or _NO_CUPY:
         return None
     if data.numel() * data.element_size() < CUPY_IPC_HOOKS[0].min_bytes:
@@ -334,7 +335,6 @@ def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
         except Exception:  # not installed: the host path, without asking again
             _NO_CUPY.append(True)
             return None
-    data = _dense(data)
     if data.is_floating_point() and data.dtype not in (torch.float16, torch.float32, torch.float64):
         data = _as_ints(torch, data)  # bfloat16, float8, ...: CuPy has no such dtype
         if data is None:
