@@ -4,7 +4,6 @@ use), and the staging blocks they allocate (see ``_cuda_ipc``)."""
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ class Runtime:
     """The CUDA runtime calls this module makes, through CuPy (tests swap in a fake)."""
 
     def __init__(self) -> None:
-        self.cupy: Any = sys.modules.get("cupy") or importlib.import_module("cupy")
+        self.cupy: Any = importlib.import_module("cupy")  # (waits for a thread importing it)
         self._rt = self.cupy.cuda.runtime
 
     def current_device(self) -> int:

@@ -154,7 +154,7 @@ def _decode_scalar(state: DecodeState, items: list[Any]) -> object:
 
 def _import(name: str, what: str) -> Any:
     module = sys.modules.get(name)
-    if module is not None:
+    if module is not None and not _initializing(module):
         return module
     try:
         return importlib.import_module(name)
@@ -162,6 +162,13 @@ def _import(name: str, what: str) -> Any:
         raise SerializationError(
             f"received {what}, but {name} cannot be imported on this worker: {exc}"
         ) from exc
+
+
+def _initializing(module: Any) -> bool:
+    """Whether another thread is still importing ``module``: it is in
+    ``sys.modules`` but half made (``importlib.import_module`` waits for it,
+    where using it at once fails with "partially initialized module")."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 class CupyIpcHook(Protocol):
@@ -230,12 +237,8 @@ def _decode_cupy_ipc(state: DecodeState, items: list[Any]) -> object:
 
 
 def _find_cupy(obj: object) -> Handler | None:
-    cupy = sys.modules.get("cupy")
-    if (
-        cupy is not None
-        and type(obj).__module__.startswith("cupy")
-        and isinstance(obj, cupy.ndarray)
-    ):
+    ndarray = getattr(sys.modules.get("cupy"), "ndarray", None)  # (as torch's below)
+    if ndarray is not None and type(obj).__module__.startswith("cupy") and isinstance(obj, ndarray):
         return _encode_cupy
     return None
 
@@ -352,7 +355,7 @@ def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
 def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
     n = len(items)
     if (
-        n not in (8, 9, 10, 15)
+        n < 8
         or (n >= 10 and (type(items[9]) is not str or not items[9].startswith("cuda:")))
         or type(items[5]) is not str
         or type(items[6]) is not bool
@@ -364,7 +367,7 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
     if not isinstance(dtype, torch.dtype):
         raise SerializationError(f"malformed tensor payload: unknown dtype {items[5]!r}")
     try:
-        if n == 15:
+        if n > 10:  # the CUDA IPC hook's fields follow the device (it checks them)
             tensor = _tensor_from_ipc(state, torch, items)
         else:
             array = _array_from_fields(state, items[1:5])
@@ -432,8 +435,9 @@ def _attach(state: DecodeState, tensor: Any, index: object) -> Any:
 
 
 def _find_tensor(obj: object) -> Handler | None:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
+    # (getattr: torch may be half imported by another thread, without Tensor yet)
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    if tensor is not None and isinstance(obj, tensor):
         return _encode_tensor
     return None
 

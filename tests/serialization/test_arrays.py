@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import textwrap
+import threading
 import types
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -13,7 +17,7 @@ import pytest
 from fake_cupy import FakeArray, install
 
 from rpcdist._errors import SerializationError
-from rpcdist._serialization import decode, encode
+from rpcdist._serialization import _arrays, decode, encode
 
 from ._helpers import roundtrip, same
 
@@ -217,3 +221,86 @@ def test_encoding_never_imports_torch_or_cupy() -> None:
         "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, 'imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+class _StubIpcHook:
+    """Stands in for CUDA IPC on the receiving side: hands back a host array."""
+
+    min_bytes = 0
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+        self.fields: list[Any] = []
+
+    def lend(self, context: object, array: Any) -> None:
+        return None
+
+    def take(self, context: object, fields: list[Any], shape: Any, dtype: Any) -> Any:
+        self.fields = fields
+        return self.array.reshape(shape).astype(dtype)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("n_fields", [6, 7])
+def test_a_tensor_sent_by_cuda_ipc_gives_the_hook_every_field_after_its_device(
+    fake_cupy: types.ModuleType, monkeypatch: pytest.MonkeyPatch, n_fields: int
+) -> None:
+    """The tensor decoder leaves the CUDA IPC fields to the hook, however many
+    there are: it once expected five after CUDA IPC's lend had grown to six,
+    and refused every CUDA tensor sent by handle (found on a GPU)."""
+    torch = pytest.importorskip("torch")
+    hook = _StubIpcHook(np.arange(6, dtype=np.float32))
+    monkeypatch.setattr(_arrays, "CUPY_IPC_HOOKS", [hook])
+    fake_cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())  # type: ignore[attr-defined]
+    header, buffers = encode(torch.zeros(2, 3))
+    items = msgpack.unpackb(header, raw=False, strict_map_key=False)
+    fields = [f"field{i}" for i in range(n_fields)]
+    # as a sender on cuda:0 writes it: no buffer, then the index, device, fields
+    items[1:5] = [np.dtype(np.float32).str, [2, 3], -1, 0]
+    ipc_header = msgpack.packb([*items, -1, "cuda:0", *fields], use_bin_type=True)
+    out = decode(ipc_header, [])
+    assert hook.fields == fields
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3)
+    assert torch.equal(out, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
+def test_a_module_another_thread_is_importing_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder that needs CuPy while another thread is still importing it
+    waits for that import instead of using the half-made module (which failed
+    on a GPU: "partially initialized module 'cupy' has no attribute 'asarray'")."""
+    gate = types.ModuleType("rpcdist_test_gate")
+    gate.started = threading.Event()  # type: ignore[attr-defined]
+    gate.release = threading.Event()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rpcdist_test_gate", gate)
+    (tmp_path / "rpcdist_test_slow.py").write_text(
+        textwrap.dedent(
+            """
+            import rpcdist_test_gate as gate
+            gate.started.set()
+            assert gate.release.wait(30)
+            ready = True
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rpcdist_test_slow", raising=False)
+    importer = threading.Thread(target=__import__, args=("rpcdist_test_slow",))
+    importer.start()
+    seen: list[object] = []
+    try:
+        assert gate.started.wait(30)
+        user = threading.Thread(
+            target=lambda: seen.append(
+                getattr(_arrays._import("rpcdist_test_slow", "a test"), "ready", None)
+            )
+        )
+        user.start()
+        user.join(0.5)  # (a chance to return early, with the half-made module)
+    finally:
+        gate.release.set()
+        importer.join(30)
+    user.join(30)
+    assert seen == [True]
+    sys.modules.pop("rpcdist_test_slow", None)
