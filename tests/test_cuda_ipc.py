@@ -94,10 +94,14 @@ class FakeRuntime:
         self.driver.memory[ptr][: data.nbytes] = data.tobytes()
         self.staged += 1
 
-    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any, out: Any = None) -> Any:
         block = self.driver.memory[self.mapped[ptr]]
         count = int(np.prod(shape))
-        return FakeArray(np.frombuffer(block, dtype, count).reshape(shape).copy())
+        got = np.frombuffer(block, dtype, count).reshape(shape)
+        if out is None:
+            return FakeArray(got.copy())
+        out.host[...] = got
+        return out
 
     def write(self, device: int, ptr: int, data: bytes) -> None:
         self.driver.memory[ptr][: len(data)] = data

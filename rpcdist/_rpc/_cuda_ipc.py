@@ -381,8 +381,11 @@ class CudaIpc(BaseExtension):
 
     # ---------------------------------------------------------- receiving
 
-    def take(self, wire: Any, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
-        """The array a lend holds, copied onto this worker's current device."""
+    def take(
+        self, wire: Any, fields: list[Any], shape: tuple[int, ...], dtype: Any, out: Any = None
+    ) -> Any:
+        """The array a lend holds, copied onto this worker's current device
+        (into ``out`` when given: see ``_arrays.CupyIpcHook.take``)."""
         if len(fields) != 6:
             raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
         token, block_id, handle, lend_id, expiry, size = fields
@@ -412,7 +415,7 @@ class CudaIpc(BaseExtension):
             try:
                 rt = self.runtime()
                 ptr = self._map(peer.id, token, block_id, handle, rt)
-                out = rt.fetch(ptr, shape, dtype)
+                out = rt.fetch(ptr, shape, dtype, out)
             except Exception as e:
                 raise SerializationError(
                     f"cannot copy a CuPy array from {peer.name!r} through CUDA IPC: "
@@ -547,11 +550,18 @@ class _Hook:
             return None
         return _ext(agent).lend(context, array)
 
-    def take(self, context: object, fields: list[Any], shape: tuple[int, ...], dtype: Any) -> Any:
+    def take(
+        self,
+        context: object,
+        fields: list[Any],
+        shape: tuple[int, ...],
+        dtype: Any,
+        out: Any = None,
+    ) -> Any:
         agent = getattr(context, "agent", None)
         if agent is None or getattr(context, "peer", None) is None:
             raise SerializationError("a CuPy array sent by CUDA IPC arrived outside an RPC message")
-        return _ext(agent).take(context, fields, shape, dtype)
+        return _ext(agent).take(context, fields, shape, dtype, out)
 
 
 def install(agent: Agent) -> CudaIpc:

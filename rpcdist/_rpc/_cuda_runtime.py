@@ -49,9 +49,11 @@ class Runtime:
             self._rt.memcpyAsync(ptr, array.data.ptr, array.nbytes, 3, stream.ptr)
             stream.synchronize()
 
-    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A new array on the current device with the bytes at ``ptr``; done when returned."""
-        out = self.cupy.empty(shape, dtype)
+    def fetch(self, ptr: int, shape: tuple[int, ...], dtype: Any, out: Any = None) -> Any:
+        """A new array on the current device (or ``out``) with the bytes at
+        ``ptr``; done when returned."""
+        if out is None:
+            out = self.cupy.empty(shape, dtype)
         stream = self.cupy.cuda.get_current_stream()
         self._rt.memcpyAsync(out.data.ptr, ptr, out.nbytes, 4, stream.ptr)  # cudaMemcpyDefault
         stream.synchronize()

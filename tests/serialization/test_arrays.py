@@ -235,9 +235,10 @@ class _StubIpcHook:
     def lend(self, context: object, array: Any) -> None:
         return None
 
-    def take(self, context: object, fields: list[Any], shape: Any, dtype: Any) -> Any:
+    def take(self, context: object, fields: list[Any], shape: Any, dtype: Any, out: Any) -> Any:
         self.fields = fields
-        return self.array.reshape(shape).astype(dtype)
+        out[...] = self.array.reshape(shape).astype(dtype)
+        return out
 
 
 @pytest.mark.torch
@@ -246,12 +247,19 @@ def test_a_tensor_sent_by_cuda_ipc_gives_the_hook_every_field_after_its_device(
     fake_cupy: types.ModuleType, monkeypatch: pytest.MonkeyPatch, n_fields: int
 ) -> None:
     """The tensor decoder leaves the CUDA IPC fields to the hook, however many
-    there are: it once expected five after CUDA IPC's lend had grown to six,
-    and refused every CUDA tensor sent by handle (found on a GPU)."""
+    there are (it once expected five after CUDA IPC's lend had grown to six,
+    and refused every CUDA tensor sent by handle: found on a GPU), and has it
+    copy straight into the tensor it returns."""
     torch = pytest.importorskip("torch")
     hook = _StubIpcHook(np.arange(6, dtype=np.float32))
     monkeypatch.setattr(_arrays, "CUPY_IPC_HOOKS", [hook])
     fake_cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())  # type: ignore[attr-defined]
+
+    def cpu_empty(torch: Any, cupy: Any, shape: Any, dtype: Any, wire: Any, index: int) -> Any:
+        tensor = torch.empty(shape, dtype=dtype)  # (the tensor and a view to fill)
+        return tensor, tensor.numpy().view(wire)
+
+    monkeypatch.setattr(_arrays, "_cuda_empty", cpu_empty)
     header, buffers = encode(torch.zeros(2, 3))
     items = msgpack.unpackb(header, raw=False, strict_map_key=False)
     fields = [f"field{i}" for i in range(n_fields)]

@@ -72,6 +72,15 @@ def _cuda_ipc_worker(rank: int, world: int, init: str) -> dict[str, object] | No
             y, seen = rpc.rpc_sync("w1", tf.double_with_device, args=(x,))
             assert seen == "cuda:0" and y.device == x.device and y.dtype == x.dtype
             torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+        # A tensor still being written on a side stream when it is sent: the
+        # copy out of it waits for that stream.
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # (~25 ms of GPU time ahead of the write)
+            x = base * 3
+            y, _ = rpc.rpc_sync("w1", tf.double_with_device, args=(x,))
+        side.synchronize()
+        torch.testing.assert_close(y, base * 6, rtol=0, atol=0)
         # One backward across both processes, the gradient crossing by handle.
         x = base.reshape(1024, 1024)[:, :256].contiguous().requires_grad_()
         with dist_autograd.context() as cid:
@@ -91,4 +100,4 @@ def test_cuda_tensors_cross_processes_by_cuda_ipc():
     from rpcdist.testing import run_workers
 
     out = run_workers(_cuda_ipc_worker, 2, timeout=150)[0]
-    assert out["sent"] >= 5  # the four tensors, the one in the context (and its gradient)
+    assert out["sent"] >= 6  # the five tensors, the one in the context (and its gradient)
