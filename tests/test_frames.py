@@ -3,11 +3,20 @@
 from collections import deque
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcdist import ProtocolError
-from rpcdist._transport._frames import CALL, P2P, OutMessage, Reassembler, pack_batch
+from rpcdist._transport._frames import (
+    _LEN,
+    CALL,
+    P2P,
+    OutMessage,
+    Reassembler,
+    pack_batch,
+    parse_envelope,
+)
 
 
 def _pump(q, batch=4096, chunk=1024):
@@ -54,6 +63,49 @@ def test_large_buffer_is_chunked_and_other_messages_interleave():
     assert np.array_equal(arr, big)
     arr[0] = -1  # received arrays are writable
     assert big[0] == 0
+
+
+def _staged(msg):
+    """``msg`` packed as one stream message: its single frame, and the bytes after the envelope."""
+    data = memoryview(bytearray(pack_batch(deque([msg]), 1 << 20, 1 << 20)))
+    (n,) = _LEN.unpack_from(data, 0)
+    (frame,) = parse_envelope(data[4 : 4 + n]).frames
+    return frame, data[4 + n :]
+
+
+def test_a_whole_message_with_buffers_is_taken_from_the_staged_bytes_as_a_copy():
+    bufs = [b"abc", b"", b"defgh"]
+    frame, staged = _staged(OutMessage(CALL, "f", b"h", [memoryview(b) for b in bufs], id=7))
+    r = Reassembler()
+    m = r.whole(frame, staged)
+    assert m is not None and (m.id, m.method, m.header) == (7, "f", b"h")
+    assert [bytes(b) for b in m.buffers] == bufs
+    staged[:] = b"\0" * len(staged)  # the link reuses its staging buffer
+    assert [bytes(b) for b in m.buffers] == bufs
+    assert r.pending() == 0
+
+
+def test_a_whole_message_not_all_staged_takes_the_frame_by_frame_path():
+    frame, staged = _staged(OutMessage(CALL, "f", b"h", [memoryview(b"x" * 100)], id=1))
+    r = Reassembler()
+    assert r.whole(frame, staged[:99]) is None
+    assert r.whole(frame) is None
+    assert Reassembler(max_message_bytes=99).whole(frame, staged) is None  # (refused there)
+
+
+def test_a_whole_staged_message_fills_its_posted_receive_buffer():
+    src = np.arange(10.0)
+    dest = np.zeros_like(src)
+    r = Reassembler(
+        alloc=lambda kind, key, total: memoryview(dest).cast("B") if kind == P2P else None
+    )
+    frame, staged = _staged(OutMessage(P2P, "k", b"", [memoryview(src)], id=1))
+    m = r.whole(frame, staged)
+    assert np.array_equal(dest, src)
+    assert np.shares_memory(np.frombuffer(m.buffers[0]), dest)
+    small = Reassembler(alloc=lambda kind, key, total: memoryview(bytearray(8)))
+    with pytest.raises(ProtocolError, match="posted receive buffer has 8 bytes"):
+        small.whole(frame, staged)
 
 
 def test_posted_buffer_receives_chunks_directly():

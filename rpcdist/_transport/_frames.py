@@ -315,18 +315,43 @@ class Reassembler:
             raise ProtocolError(f"{len(mv) - pos} stray bytes after the last frame")
         return done
 
-    def whole(self, f: rpc_pb2.Frame) -> InMessage | None:
-        """``f`` as a message if it is a whole one with no buffers (most small
-        calls and replies), skipping the bookkeeping; else ``None``.
+    def whole(self, f: rpc_pb2.Frame, staged: memoryview | None = None) -> InMessage | None:
+        """``f`` as a message if it is a whole one with no buffers, or one
+        whose buffers all arrived with it at the start of ``staged`` (most
+        small calls and replies, arrays or not), skipping the bookkeeping;
+        else ``None``. Its buffers are copied out of ``staged`` at once.
 
         Raises:
-            ProtocolError: a message with its id is already being received.
+            ProtocolError: a message with its id is already being received,
+                or a posted receive buffer does not fit it.
         """
-        if not (f.first and f.last) or f.data_len or f.shm_path or f.buffer_sizes:
+        if not (f.first and f.last) or f.shm_path:
+            return None
+        total = f.data_len
+        if total:
+            sizes = f.buffer_sizes
+            if staged is None or staged.nbytes < total or total > self._max or sum(sizes) != total:
+                return None  # (the frame-by-frame path, which names what is wrong)
+        elif f.buffer_sizes:
             return None
         if self._partial and (f.kind, f.id) in self._partial:
             raise ProtocolError(f"message {(f.kind, f.id)} started twice")
-        return InMessage(f.id, f.kind, f.method, f.header, [], f.timeout_us, meta=_meta(f))
+        bufs: list[memoryview] = []
+        if total:
+            dest = self._alloc(f.kind, f.method, total) if self._alloc else None
+            if dest is None:
+                dest = memoryview(bytearray(staged[:total]))  # type: ignore[index]
+            elif dest.nbytes != total:
+                raise ProtocolError(
+                    f"posted receive buffer has {dest.nbytes} bytes, message has {total}"
+                )
+            else:
+                dest[:] = staged[:total]  # type: ignore[index]
+            off = 0
+            for n in sizes:
+                bufs.append(dest[off : off + n])
+                off += n
+        return InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us, meta=_meta(f))
 
     def start_frame(self, f: rpc_pb2.Frame) -> memoryview:
         """Account for frame ``f``; return where its ``data_len`` payload bytes go.

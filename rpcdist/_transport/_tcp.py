@@ -136,12 +136,10 @@ class TcpLink(Link):
         # and the payload bytes still owed to the current frame.
         self._stage = bytearray(_STAGE_BYTES)
         self._view = memoryview(self._stage)
-        self._lo = 0
-        self._hi = 0
+        self._lo = self._hi = 0
         self._frames: list[rpc_pb2.Frame] = []
-        self._fi = 0
+        self._fi = self._need = 0
         self._dest = memoryview(b"")
-        self._need = 0
         #: Largest envelope accepted (headers count towards a message's size).
         self._max_envelope = min(_MAX_ENVELOPE, options.max_message_bytes + (1 << 20))
         self._tls = False
@@ -576,7 +574,9 @@ class TcpLink(Link):
                 self._view = memoryview(self._stage)
                 self._lo = self._hi = 0
             frames = batch.frames
-            if len(frames) == 1 and (m := self._reasm.whole(frames[0])) is not None:
+            staged = self._view[self._lo : self._hi]  # (a whole message's buffers are copied)
+            if len(frames) == 1 and (m := self._reasm.whole(frames[0], staged)):
+                self._lo += frames[0].data_len
                 self._deliver(m)  # one small message: the common case at low load
                 continue
             self._frames = list(frames)
