@@ -45,17 +45,31 @@ _MAX_DIMS: Final = 64
 _dtypes: dict[str, np.dtype[Any]] = {}
 
 
+#: The dtypes arrays may be sent in, with their wire names (filled as met).
+_SENDABLE: dict[np.dtype[Any], str] = {}
+
+
 def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
     """Append ``array``'s bytes as a buffer; return its header fields."""
     dtype = array.dtype
-    if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
-        raise Unsupported(
-            f"arrays of dtype {dtype} cannot be sent (only bool, integer, floating, "
-            "complex, datetime64, timedelta64 and fixed-size string dtypes)"
-        )
+    name = _SENDABLE.get(dtype)
+    if name is None:
+        if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
+            raise Unsupported(
+                f"arrays of dtype {dtype} cannot be sent (only bool, integer, floating, "
+                "complex, datetime64, timedelta64 and fixed-size string dtypes)"
+            )
+        name = _SENDABLE[dtype] = dtype.str
+    try:  # (the fast way to C-contiguous bytes: a small array's cost is in such calls)
+        view = memoryview(array)
+    except (TypeError, ValueError):  # datetime64 and timedelta64 export no buffer
+        view = None
+    if view is not None and view.c_contiguous and view.nbytes:  # (cast refuses empty ones)
+        index = state.add_buffer(view.cast("B"))
+        return [name, list(array.shape), index, 0]
     data, order = _contiguous(array, np.ascontiguousarray)
     index = state.add_buffer(data.reshape(-1).view(np.uint8).data)
-    return [dtype.str, list(array.shape), index, order]
+    return [name, list(array.shape), index, order]
 
 
 def _check_shape(shape: object, order: object, what: str) -> None:
@@ -116,7 +130,7 @@ def _array_from_fields(state: DecodeState, fields: list[Any]) -> np.ndarray[Any,
     flat = np.frombuffer(view, dtype=dtype, count=count)
     if order:
         return flat.reshape(shape[::-1]).T
-    return flat.reshape(shape)
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def _encode_ndarray(state: EncodeState, obj: np.ndarray[Any, Any]) -> list[Any]:
