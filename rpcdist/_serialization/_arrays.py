@@ -61,7 +61,7 @@ def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
             )
         name = _SENDABLE[dtype] = dtype.str
     try:  # (the fast way to C-contiguous bytes: a small array's cost is in such calls)
-        view = memoryview(array)
+        view = memoryview(array)  # type: ignore[arg-type]  # (NumPy's stubs lack __buffer__)
     except (TypeError, ValueError):  # datetime64 and timedelta64 export no buffer
         view = None
     if view is not None and view.c_contiguous and view.nbytes:  # (cast refuses empty ones)
