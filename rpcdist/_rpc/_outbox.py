@@ -68,9 +68,7 @@ class ControlOutbox:
 
     def flush(self) -> None:
         """Send everything queued now (on the loop)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         with self._lock:
             self._armed = False
             peers = list(self._boxes)
@@ -84,11 +82,14 @@ class ControlOutbox:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def close(self) -> None:
+        self._cancel_timer()
+        with self._lock:
+            self._boxes.clear()
+
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        with self._lock:
-            self._boxes.clear()
 
     # ------------------------------------------------------------- the loop
 

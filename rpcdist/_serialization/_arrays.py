@@ -59,7 +59,9 @@ def _array_fields(state: EncodeState, array: np.ndarray[Any, Any]) -> list[Any]:
                 f"arrays of dtype {dtype} cannot be sent (only bool, integer, floating, "
                 "complex, datetime64, timedelta64 and fixed-size string dtypes)"
             )
-        name = _SENDABLE[dtype] = dtype.str
+        name = dtype.str
+        if len(_SENDABLE) < 256:  # (bounded, as ``_dtypes``: string dtypes are many)
+            _SENDABLE[dtype] = name
     try:  # (the fast way to C-contiguous bytes: a small array's cost is in such calls)
         view = memoryview(array)  # type: ignore[arg-type]  # (NumPy's stubs lack __buffer__)
     except (TypeError, ValueError):  # datetime64 and timedelta64 export no buffer
@@ -464,8 +466,10 @@ def _tensor_from_ipc(state: DecodeState, torch: Any, dtype: Any, items: list[Any
     wire = _dtype(items[1])
     _check_shape(items[2], items[4], "tensor")
     index = items[9][5:]
-    if not index.isdigit() or wire.itemsize != dtype.itemsize:
-        raise SerializationError(f"malformed tensor payload: device {items[9]!r} or dtype")
+    if not index.isdigit():
+        raise SerializationError(f"malformed tensor payload: device {items[9]!r}")
+    if wire.itemsize != dtype.itemsize:
+        raise SerializationError(f"malformed tensor payload: {wire} data for a {dtype} tensor")
     cupy = _import("cupy", "a CUDA tensor sent by CUDA IPC")
     shape = tuple(items[2])
     tensor, view = _cuda_empty(torch, cupy, shape, dtype, wire, int(index))

@@ -270,6 +270,10 @@ def test_a_tensor_sent_by_cuda_ipc_gives_the_hook_every_field_after_its_device(
     assert hook.fields == fields
     assert isinstance(out, torch.Tensor) and out.shape == (2, 3)
     assert torch.equal(out, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    items[1] = np.dtype(np.float16).str  # 2-byte elements for a 4-byte dtype
+    bad = msgpack.packb([*items, -1, "cuda:0", *fields], use_bin_type=True)
+    with pytest.raises(SerializationError, match="float16 data for a torch.float32 tensor"):
+        decode(bad, [])
 
 
 def test_a_module_another_thread_is_importing_is_waited_for(
