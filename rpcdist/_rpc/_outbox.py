@@ -2,9 +2,10 @@
 
 Extensions that tell peers "this is done" many times a second (distributed
 autograd freeing contexts, CUDA IPC releasing lends) post one item per event;
-:class:`ControlOutbox` sends each peer's items as one ``send_control``
-message with a list payload: once ``batch`` of them wait, ``delay`` seconds
-after the first (0: on the loop's next turn), or at :meth:`flush`. Each
+:class:`ControlOutbox` sends each peer's items in ``send_control``
+messages with a list payload of at most ``batch`` items: once ``batch`` of
+them wait, ``delay`` seconds after the first (0: on the loop's next turn), or
+at :meth:`flush`. Each
 message is retried until acknowledged, as every control message is; a
 graceful shutdown :meth:`drain`\\ s the outbox.
 """
@@ -50,7 +51,7 @@ class ControlOutbox:
             self._armed = True
         try:
             if full:
-                self._agent.loop.call_soon_threadsafe(self._send, peer)
+                self._agent.loop.call_soon_threadsafe(self._send_full, peer)
             if arm:
                 self._agent.loop.call_soon_threadsafe(self._arm)
         except RuntimeError:  # the loop is gone: the agent shut down
@@ -101,11 +102,22 @@ class ControlOutbox:
         elif self._timer is None:
             self._timer = self._agent.loop.call_later(self._delay, self.flush)
 
-    def _send(self, peer: int) -> None:
+    def _send_full(self, peer: int) -> None:
+        """Send the full batches waiting for ``peer``; the rest waits on."""
+        self._send(peer, whole_batches=True)
+
+    def _send(self, peer: int, *, whole_batches: bool = False) -> None:
+        # Items keep coming while a full box waits for the loop: a message
+        # never carries more than ``batch`` of them.
         with self._lock:
-            items = self._boxes.pop(peer, None)
-        if items:
-            task = self._agent.loop.create_task(self._deliver(peer, items))
+            items = self._boxes.pop(peer, None) or []
+            if whole_batches and len(items) % self._batch:
+                cut = len(items) - len(items) % self._batch
+                self._boxes[peer] = items[cut:]
+                items = items[:cut]
+        for start in range(0, len(items), self._batch):
+            chunk = items[start : start + self._batch]
+            task = self._agent.loop.create_task(self._deliver(peer, chunk))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

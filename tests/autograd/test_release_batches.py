@@ -4,6 +4,7 @@ peer for several contexts, sent when ``RELEASE_BATCH`` are queued, after
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -75,3 +76,31 @@ def test_a_full_batch_goes_at_once_and_a_graceful_shutdown_sends_the_rest(
         assert agents[1].statistics()["autograd_contexts"] == 3
         assert [b for _, b in sent] == [ids[:batch]]
     assert [b for _, b in sent] == [ids[:batch], ids[batch:]]  # the drain sent them
+
+
+def test_items_posted_faster_than_the_loop_sends_still_go_at_most_a_batch_a_message() -> None:
+    """The loop only sends a full box on its next turn; items posted meanwhile
+    (here: all of them, in one turn) make whole batches, the rest waits."""
+    got: list[list[int]] = []
+
+    class Peerless:
+        closed = False
+
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
+
+        async def send_control(self, peer: int, method: str, items: list[int]) -> None:
+            got.append(list(items))
+
+    async def main() -> None:
+        box = ControlOutbox(Peerless(asyncio.get_running_loop()), "m", delay=3600, batch=4)
+        for i in range(10):
+            box.post(1, i)
+        while box.pending() != 2:  # the two full batches went; two items wait
+            await asyncio.sleep(0)
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        await box.drain()
+        assert got[2:] == [[8, 9]] and box.pending() == 0
+        box.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
