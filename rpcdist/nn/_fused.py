@@ -25,6 +25,7 @@ class LinearFn(Function):
 
     __slots__ = ("w", "x2")
     op = "linear"
+    splittable = True
 
     def forward(self, x: Any, w: Any, b: Any = None) -> Any:
         if x.dtype != w.dtype:

@@ -269,15 +269,27 @@ class GraphTask:
             stack.pop()
 
     def _run(self, ready: list[Node]) -> None:
-        deps, buffers, lock = self._deps, self._buffers, self._lock
+        buffers, lock = self._buffers, self._lock
         callback, kinds = self.callback, self.callback_kinds
-        eager = self.eager_leaves
-        while ready:
+        may_split = self.eager_leaves and callback is not None
+        #: Splittable nodes whose leaves' gradients wait until nothing else is
+        #: ready: ``(node, grads, which edges are deferred leaves)``.
+        later: list[tuple[Node, list[Any], tuple[bool, ...]]] = []
+        grads: list[Any]
+        outs: Sequence[Any]
+        while ready or later:
+            if not ready:
+                node, grads, leaves = later.pop()
+                outs = _apply(node, grads, leaves)
+                if not self.retain_graph:
+                    node.release()
+                self._route(node, grads, outs, ready, tuple(not x for x in leaves))
+                continue
             node = ready.pop()
             with lock:
                 buf = buffers.pop(node, None)
             if buf is None:
-                grads: list[Any] = [None] * node.num_outputs
+                grads = [None] * node.num_outputs
                 owned = [False] * node.num_outputs
             else:
                 grads, owned = buf.grads, buf.owned
@@ -290,57 +302,67 @@ class GraphTask:
             if callback is not None and isinstance(node, kinds):
                 if buf is not None:  # the callback may keep them: none may change later
                     grads = [g if o or g is None else g.copy() for g, o in zip(grads, owned)]
-                self.more_ready = bool(ready)
+                self.more_ready = bool(ready) or bool(later)
                 callback(node, grads)
                 continue
-            edges = node.next_edges
+            deferred = None
             if buf is None:  # no gradient reached it: pass "none" on
-                outs: Sequence[Any] = (None,) * len(edges)
+                outs = (None,) * len(node.next_edges)
             else:
-                try:
-                    outs = node.apply(grads)
-                except RpcdistError:
-                    raise
-                except Exception as exc:
-                    raise AutogradError(f"{node.name()} failed in backward: {exc}") from exc
-                if len(outs) != len(edges):
-                    raise AutogradError(
-                        f"{node.name()} returned {len(outs)} gradients for {len(edges)} inputs"
-                    )
-            if not self.retain_graph:
+                if may_split and node.splittable:
+                    deferred = _deferred_leaves(node, kinds)
+                if deferred is None:
+                    outs = _apply(node, grads, None)
+                else:  # what leaves the worker first, the parameters' gradients later
+                    outs = _apply(node, grads, tuple(not x for x in deferred))
+                    later.append((node, grads, deferred))
+            if deferred is None and not self.retain_graph:
                 node.release()
-            leaves: list[tuple[AccumulateGrad, Any, bool, bool]] = []
-            with lock:
-                for i, edge in enumerate(edges):
-                    if edge is None:
-                        continue
-                    child, nr = edge
-                    g = outs[i]
-                    if eager and type(child) is AccumulateGrad:
-                        d = deps[child] - 1
-                        deps[child] = d
-                        if g is not None or d == 0:
-                            fresh = g is not None and _is_fresh(g, grads, outs, i)
-                            leaves.append((child, g, fresh, d == 0))
-                        continue
-                    if g is not None:
-                        b = buffers.get(child)
-                        if b is None:
-                            b = buffers[child] = _Buffer(child.num_outputs)
-                        b.add(nr, g, _is_fresh(g, grads, outs, i))
+            self._route(node, grads, outs, ready, deferred)
+
+    def _route(
+        self,
+        node: Node,
+        grads: list[Any],
+        outs: Sequence[Any],
+        ready: list[Node],
+        skip: tuple[bool, ...] | None,
+    ) -> None:
+        """Pass a node's input gradients on along its edges (but those in ``skip``)."""
+        deps, buffers, lock = self._deps, self._buffers, self._lock
+        eager = self.eager_leaves
+        leaves: list[tuple[AccumulateGrad, Any, bool, bool]] = []
+        with lock:
+            for i, edge in enumerate(node.next_edges):
+                if edge is None or (skip is not None and skip[i]):
+                    continue
+                child, nr = edge
+                g = outs[i]
+                if eager and type(child) is AccumulateGrad:
                     d = deps[child] - 1
                     deps[child] = d
-                    if d == 0:
-                        ready.append(child)
-                    elif d < 0:
-                        raise AutogradError(
-                            f"a gradient reached {child.name()} after it had already run"
-                        )
-            for leaf, g, fresh, last in leaves:  # outside the lock: it takes it itself
+                    if g is not None or d == 0:
+                        fresh = g is not None and _is_fresh(g, grads, outs, i)
+                        leaves.append((child, g, fresh, d == 0))
+                    continue
                 if g is not None:
-                    self._accumulate(leaf, g, fresh)
-                if last and self.leaf_done is not None:
-                    self.leaf_done(leaf.variable)
+                    b = buffers.get(child)
+                    if b is None:
+                        b = buffers[child] = _Buffer(child.num_outputs)
+                    b.add(nr, g, _is_fresh(g, grads, outs, i))
+                d = deps[child] - 1
+                deps[child] = d
+                if d == 0:
+                    ready.append(child)
+                elif d < 0:
+                    raise AutogradError(
+                        f"a gradient reached {child.name()} after it had already run"
+                    )
+        for leaf, g, fresh, last in leaves:  # outside the lock: it takes it itself
+            if g is not None:
+                self._accumulate(leaf, g, fresh)
+            if last and self.leaf_done is not None:
+                self.leaf_done(leaf.variable)
 
     def _accumulate(self, node: AccumulateGrad, g: Any, owned: bool) -> None:
         Tensor = _tensor.Tensor
@@ -380,6 +402,34 @@ class GraphTask:
         if var._post_hooks:
             for post in list(var._post_hooks):
                 post(var)
+
+
+def _apply(node: Node, grads: list[Any], wanted: tuple[bool, ...] | None) -> Sequence[Any]:
+    """``node.apply(grads)`` (or ``apply_some``), with failures named."""
+    try:
+        outs = node.apply(grads) if wanted is None else node.apply_some(grads, wanted)
+    except RpcdistError:
+        raise
+    except Exception as exc:
+        raise AutogradError(f"{node.name()} failed in backward: {exc}") from exc
+    if len(outs) != len(node.next_edges):
+        raise AutogradError(
+            f"{node.name()} returned {len(outs)} gradients for {len(node.next_edges)} inputs"
+        )
+    return outs
+
+
+def _deferred_leaves(node: Node, kinds: tuple[type[Node], ...]) -> tuple[bool, ...] | None:
+    """For a node with a gradient that leaves the worker (its edge reaches a
+    callback node, a receive function) and some for leaves (parameters): the
+    leaf edges, whose gradients wait until the rest has gone on. A pipeline
+    stage or parameter server thus answers upstream before it computes its
+    weights' gradients, which overlap the peer's work. Else ``None``."""
+    edges = node.next_edges
+    leaves = tuple(e is not None and type(e[0]) is AccumulateGrad for e in edges)
+    if any(leaves) and any(e is not None and isinstance(e[0], kinds) for e in edges):
+        return leaves
+    return None
 
 
 def _grad_list(node: Node, grads: Any) -> list[Any]:

@@ -9,6 +9,7 @@ the instance as the outputs' ``grad_fn``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -129,6 +130,15 @@ class Function(Node):
                 "the first call to keep them)"
             )
         return self.backward(*grads)
+
+    def apply_some(
+        self, grads: Sequence[Any | None], wanted: Sequence[bool]
+    ) -> Sequence[Any | None]:
+        # A copy with fewer inputs needing grad: threads walking one retained
+        # graph may run this node at the same time.
+        part = copy.copy(self)
+        part.needs_input_grad = tuple(n and w for n, w in zip(self.needs_input_grad, wanted))
+        return part.apply(grads)
 
     def release(self) -> None:
         self._freed = True

@@ -19,7 +19,7 @@ higher layers (distributed autograd does):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._errors import AutogradError
 
@@ -71,6 +71,12 @@ class Node:
     __module__ = "rpcdist.tensor"
     __slots__ = ("__weakref__", "_pre_hooks", "next_edges", "num_outputs")
 
+    #: Whether :meth:`apply_some` may compute some input gradients now and the
+    #: rest later, each call doing only its own share of the work (a matrix
+    #: product's two gradients). The engine then sends a gradient that leaves
+    #: the worker before it computes the parameters' (see GraphTask).
+    splittable: ClassVar[bool] = False
+
     next_edges: tuple[Edge | None, ...]
     num_outputs: int
     _pre_hooks: list[tuple[int, GradHook]] | None
@@ -97,6 +103,13 @@ class Node:
             array this node keeps.
         """
         raise NotImplementedError
+
+    def apply_some(
+        self, grads: Sequence[Any | None], wanted: Sequence[bool]
+    ) -> Sequence[Any | None]:
+        """:meth:`apply`, computing only the input gradients where ``wanted`` is
+        true (the others are ``None``); only for :attr:`splittable` nodes."""
+        raise NotImplementedError(f"{self.name()} cannot compute some input gradients alone")
 
     def release(self) -> None:
         """Free what the backward pass needed (called unless retain_graph)."""

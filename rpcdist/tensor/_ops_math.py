@@ -318,6 +318,7 @@ class ToDevice(Function):
 
 class MatMul(Function):
     __slots__ = ("a", "b")
+    splittable = True
 
     def forward(self, a: Any, b: Any) -> Any:
         if _shape(a) == () or _shape(b) == ():

@@ -51,6 +51,19 @@ def chain(x: Tensor, rest: list[str]) -> Tensor:
     return rpcdist.rpc_sync(rest[0], chain, args=(y, rest[1:]))
 
 
+def linear_stage(x: Tensor, rest: list[str]) -> Tensor:
+    """A pipeline stage, ``tanh(linear(x, W, b))`` here, then on through ``rest``.
+    Its backward sends ``x``'s gradient upstream before computing W's and b's."""
+    from rpcdist.nn import functional as F
+
+    k = len(rest)
+    w, b = param("W", shape=(4, 4), seed=10 + k), param("b", shape=(4,), seed=20 + k)
+    y = rt.tanh(F.linear(x, w, b))
+    if not rest:
+        return y
+    return rpcdist.rpc_sync(rest[0], linear_stage, args=(y, rest[1:]))
+
+
 def mul(a: Tensor, b: Tensor) -> Tensor:
     return a * b
 

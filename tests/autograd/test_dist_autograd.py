@@ -80,6 +80,36 @@ def test_chain_a_b_c_a_with_nested_calls(agents):
         np.testing.assert_allclose(got[name], t.grad.data, **TOL, err_msg=name)
 
 
+def test_a_pipeline_of_linear_stages_equals_the_oracle(agents):
+    """Each stage answers upstream before its parameters' gradients (the
+    engine defers them); the gradients are still exact, twice in a row."""
+    from rpcdist.nn import functional as F
+
+    x0 = np.random.default_rng(3).standard_normal((5, 4))
+    got = []
+    with as_current(agents[0]):
+        x = Tensor(x0.copy(), requires_grad=True)
+        for _ in range(2):
+            with dist_autograd.context() as cid:
+                y = rpcdist.rpc_sync("worker1", af.linear_stage, args=(x, ["worker2"]))
+                dist_autograd.backward(cid, [(y * x).sum()])
+                got.append({
+                    "x": dist_autograd.get_gradients(cid)[x],
+                    **{f"{n}1": g for n, g in _remote_grads("worker1", cid).items()},
+                    **{f"{n}2": g for n, g in _remote_grads("worker2", cid).items()},
+                })  # fmt: skip
+    xo = Tensor(x0.copy(), requires_grad=True)
+    p = {f"{n}{w}": _w(shape, seed=s + k) for w, k in (("1", 1), ("2", 0))
+         for n, shape, s in (("W", (4, 4), 10), ("b", (4,), 20))}  # fmt: skip
+    h = rt.tanh(F.linear(xo, p["W1"], p["b1"]))
+    (rt.tanh(F.linear(h, p["W2"], p["b2"])) * xo).sum().backward()
+    expected = {"x": xo.grad.data, **{n: t.grad.data for n, t in p.items()}}
+    for run in got:
+        assert set(run) == set(expected)
+        for name, g in expected.items():
+            np.testing.assert_allclose(run[name], g, **TOL, err_msg=name)
+
+
 def test_fan_out_same_tensor_twice_and_async_paths(agents):
     x0 = np.array([0.5, -1.0, 2.0])
 

@@ -220,3 +220,94 @@ def test_concurrent_feeds_into_one_task() -> None:
     for t in threads:
         t.join()
     np.testing.assert_allclose(grads[w], np.full(1000, 30.0))
+
+
+def _recv_input(shape: tuple[int, ...]) -> tuple[RecvFunction, Tensor, Any]:
+    data = np.random.default_rng(1).standard_normal(shape)
+    recv = RecvFunction(1)
+    (x,) = recv.make_outputs([data])
+    return recv, x, data
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_a_gradient_leaving_the_worker_goes_before_the_parameters_gradients(op: str) -> None:
+    """A matrix product of a received tensor and parameters: the receive
+    function's callback (which sends the gradient upstream) runs before the
+    parameters' gradients are computed, told that more work is ready (so the
+    message leaves at once), and every gradient equals a plain pass's."""
+    from rpcdist.nn import functional as F
+
+    rng = np.random.default_rng(0)
+    w0, b0 = rng.standard_normal((4, 3)), rng.standard_normal(4)
+    if op == "matmul":
+        w0 = np.ascontiguousarray(w0.T)  # a leaf operand of the product itself
+
+    def model(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        y = F.linear(x, w, b) if op == "linear" else x @ w + b
+        return (y * y).sum()
+
+    recv, x, data = _recv_input((5, 3))
+    w, b = rt.tensor(w0, requires_grad=True), rt.tensor(b0, requires_grad=True)
+    grads: dict[Tensor, Any] = {}
+    seen: list[tuple[set[Tensor], bool, Any]] = []
+
+    def callback(node: Node, g: list[Any]) -> None:
+        assert node is recv
+        seen.append((set(grads), task.more_ready, g[0]))
+
+    loss = model(x, w, b)
+    task = GraphTask([node_of(loss)], grad_map=grads, callback=callback, eager_leaves=True)
+    task.execute(tensor_roots([loss]))
+    ((held, more_ready, gx),) = seen
+    assert w not in held and more_ready
+    xl = rt.tensor(data, requires_grad=True)
+    wl, bl = rt.tensor(w0, requires_grad=True), rt.tensor(b0, requires_grad=True)
+    model(xl, wl, bl).backward()
+    assert xl.grad is not None and wl.grad is not None and bl.grad is not None
+    np.testing.assert_allclose(gx, xl.grad.data, rtol=1e-12)
+    np.testing.assert_allclose(grads[w], wl.grad.data, rtol=1e-12)
+    np.testing.assert_allclose(grads[b], bl.grad.data, rtol=1e-12)
+    # The deferred half released the node: a second pass finds the graph freed.
+    again = GraphTask([node_of(loss)], grad_map={}, callback=callback, eager_leaves=True)
+    with pytest.raises(AutogradError, match="second time"):
+        again.execute(tensor_roots([loss]))
+
+
+def test_a_retained_split_graph_gives_the_same_gradients_twice() -> None:
+    recv, x, _ = _recv_input((6, 3))
+    w = rt.tensor(np.arange(6.0).reshape(3, 2), requires_grad=True)
+    loss = (x @ w).sum()
+    maps: list[dict[Tensor, Any]] = [{}, {}]
+    sent: list[Any] = []
+    for grads in maps:
+        task = GraphTask([node_of(loss)], grad_map=grads, eager_leaves=True, retain_graph=True,
+                         callback=lambda n, g: sent.append(g[0]))  # fmt: skip
+        task.execute(tensor_roots([loss]))
+    np.testing.assert_array_equal(maps[0][w], maps[1][w])
+    np.testing.assert_array_equal(sent[0], sent[1])
+    np.testing.assert_allclose(maps[0][w], np.tile(x.data.sum(axis=0)[:, None], (1, 2)))
+
+
+def test_a_failure_in_the_deferred_half_fails_the_pass_naming_the_node() -> None:
+    class WeightFails(rt.Function):
+        __slots__ = ()
+        splittable = True
+
+        def forward(self, x: Any, w: Any) -> Any:
+            return x * w
+
+        def backward(self, g: Any) -> tuple[Any, ...]:
+            gx, gw = self.needs_input_grad
+            if gw:
+                raise ValueError("no gradient for you")
+            return (g, None)
+
+    recv, x, _ = _recv_input((3,))
+    w = rt.tensor(np.ones(3), requires_grad=True)
+    loss = WeightFails.call(x, w).sum()
+    sent: list[Node] = []
+    task = GraphTask([node_of(loss)], grad_map={}, callback=lambda n, g: sent.append(n),
+                     eager_leaves=True)  # fmt: skip
+    with pytest.raises(AutogradError, match="WeightFailsBackward failed in backward: no gradient"):
+        task.execute(tensor_roots([loss]))
+    assert sent == [recv]  # the upstream half went first
