@@ -194,6 +194,17 @@ class GraphTask:
         self.retain_graph = retain_graph
         self.eager_leaves = eager_leaves
         self._deps = compute_dependencies(start_nodes)
+        #: Whether splittable nodes compute their parameters' gradients last:
+        #: in a pass that sends gradients on (distributed autograd), so that
+        #: they are sent as early as possible and the parameters' gradients
+        #: overlap the receivers' work. Not for DDP (``leaf_done``), which
+        #: wants them early to start its all-reduces.
+        self._defer_leaves = (
+            eager_leaves
+            and callback is not None
+            and leaf_done is None
+            and any(isinstance(n, callback_kinds) for n in self._deps)
+        )
         self._buffers: dict[Node, _Buffer] = {}
         self._lock = threading.Lock()
         self._final_callbacks: list[Callable[[], None]] = []
@@ -271,7 +282,7 @@ class GraphTask:
     def _run(self, ready: list[Node]) -> None:
         buffers, lock = self._buffers, self._lock
         callback, kinds = self.callback, self.callback_kinds
-        may_split = self.eager_leaves and callback is not None
+        may_split = self._defer_leaves
         #: Splittable nodes whose leaves' gradients wait until nothing else is
         #: ready: ``(node, grads, which edges are deferred leaves)``.
         later: list[tuple[Node, list[Any], tuple[bool, ...]]] = []
@@ -310,7 +321,7 @@ class GraphTask:
                 outs = (None,) * len(node.next_edges)
             else:
                 if may_split and node.splittable:
-                    deferred = _deferred_leaves(node, kinds)
+                    deferred = _deferred_leaves(node)
                 if deferred is None:
                     outs = _apply(node, grads, None)
                 else:  # what leaves the worker first, the parameters' gradients later
@@ -419,15 +430,15 @@ def _apply(node: Node, grads: list[Any], wanted: tuple[bool, ...] | None) -> Seq
     return outs
 
 
-def _deferred_leaves(node: Node, kinds: tuple[type[Node], ...]) -> tuple[bool, ...] | None:
-    """For a node with a gradient that leaves the worker (its edge reaches a
-    callback node, a receive function) and some for leaves (parameters): the
-    leaf edges, whose gradients wait until the rest has gone on. A pipeline
-    stage or parameter server thus answers upstream before it computes its
-    weights' gradients, which overlap the peer's work. Else ``None``."""
+def _deferred_leaves(node: Node) -> tuple[bool, ...] | None:
+    """A node's leaf edges, when it also has others: their gradients (the
+    parameters') wait until everything else ready has run, so that gradients
+    bound for other workers leave first. A pipeline stage or parameter
+    server thus answers upstream before it computes its weights' gradients,
+    and a trainer sends to its parameter server before computing its own."""
     edges = node.next_edges
     leaves = tuple(e is not None and type(e[0]) is AccumulateGrad for e in edges)
-    if any(leaves) and any(e is not None and isinstance(e[0], kinds) for e in edges):
+    if any(leaves) and any(e is not None and not x for e, x in zip(edges, leaves)):
         return leaves
     return None
 

@@ -311,3 +311,24 @@ def test_a_failure_in_the_deferred_half_fails_the_pass_naming_the_node() -> None
     with pytest.raises(AutogradError, match="WeightFailsBackward failed in backward: no gradient"):
         task.execute(tensor_roots([loss]))
     assert sent == [recv]  # the upstream half went first
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_parameters_above_a_receive_function_wait_unless_ddp_wants_them_early(ddp: bool) -> None:
+    """A trainer's own layers above what it received: the gradient for the
+    sender leaves before these layers' parameter gradients are computed; with
+    a ``leaf_done`` consumer (DDP's reducer) they come first as before."""
+    from rpcdist.nn import functional as F
+
+    recv, h, _ = _recv_input((5, 3))
+    w = rt.tensor(np.random.default_rng(2).standard_normal((2, 3)), requires_grad=True)
+    loss = F.linear(rt.relu(rt.tanh(h)), w).sum()
+    grads: dict[Tensor, Any] = {}
+    held: list[bool] = []
+    done: list[Tensor] = []
+    task = GraphTask([node_of(loss)], grad_map=grads, eager_leaves=True,
+                     callback=lambda n, g: held.append(w in grads),
+                     leaf_done=done.append if ddp else None)  # fmt: skip
+    task.execute(tensor_roots([loss]))
+    assert held == [ddp]
+    assert w in grads and done == ([w] if ddp else [])
