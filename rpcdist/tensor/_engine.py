@@ -20,6 +20,10 @@ distributed autograd are both thin users of it:
    walk; a caller that feeds a task in several calls runs them itself with
    :meth:`GraphTask.run_final_callbacks` (data parallelism waits for its
    gradient all-reduces there).
+6. In a pass that hands gradients to a callback (distributed autograd:
+   they are sent to other workers), a :attr:`Node.splittable` node computes
+   its leaves' gradients only once nothing else is ready, so what is sent
+   leaves first and the parameters' gradients overlap the receivers' work.
 """
 
 from __future__ import annotations
