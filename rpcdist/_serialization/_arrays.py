@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import sys
 from typing import Any, Final, Protocol
 
@@ -41,6 +42,10 @@ from ._extensions import (
 __all__: list[str] = []
 
 _KINDS: Final = frozenset("biufcmMSU")
+#: What ``dtype.str`` looks like for those kinds ('<f4', '|S3', '<M8[ns]'):
+#: anything else from the wire is refused before NumPy parses it (its
+#: deprecated aliases warn, and it accepts record and sub-array syntax).
+_DTYPE_TEXT: Final = re.compile(r"[<>|=][biufcmMSU][0-9]{1,9}(\[[0-9]{0,9}[a-zA-Z]{1,7}\])?")
 _MAX_DIMS: Final = 64
 _dtypes: dict[str, np.dtype[Any]] = {}
 
@@ -101,6 +106,8 @@ def _dtype(text: object) -> np.dtype[Any]:
     dtype = _dtypes.get(text)
     if dtype is not None:
         return dtype
+    if _DTYPE_TEXT.fullmatch(text) is None:
+        raise SerializationError(f"malformed array payload: bad dtype {text!r}")
     try:
         dtype = np.dtype(text)
     except Exception as exc:
