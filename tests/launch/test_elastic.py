@@ -147,11 +147,12 @@ def test_a_signalled_node_stops_its_worker_and_leaves_the_others_to_go_on(
     leaver.send_signal(signal.SIGTERM)
     rc, out = launchers.finish(leaver)
     assert rc == 128 + signal.SIGTERM, out
-    assert not running(holder["pid"])  # stopped and reaped before its launcher left
+    assert not running(holder["pid"]), out  # stopped and reaped before its launcher left
     outs = [launchers.finish(p) for p in nodes if p is not leaver]
     assert [rc for rc, _ in outs] == [0, 0], outs
-    assert all("received signal 15 and left" in out for _, out in outs)
-    assert [s[:2] for s in read_starts(tmp_path)][3:] == [(1, 2), (1, 2)]
+    assert all("received signal 15 and left" in out for _, out in outs), outs
+    starts = read_starts(tmp_path)
+    assert [s[:2] for s in starts][3:] == [(1, 2), (1, 2)], (starts, outs)
 
 
 def test_when_node_0_is_lost_the_others_stop_their_workers_and_exit_1(tmp_path, launchers, port):
