@@ -288,17 +288,17 @@ class GraphTask:
         callback, kinds = self.callback, self.callback_kinds
         may_split = self._defer_leaves
         #: Splittable nodes whose leaves' gradients wait until nothing else is
-        #: ready: ``(node, grads, which edges are deferred leaves)``.
-        later: list[tuple[Node, list[Any], tuple[bool, ...]]] = []
+        #: ready: ``(node, grads, its deferred leaf edges, its other edges)``.
+        later: list[tuple[Node, list[Any], tuple[bool, ...], tuple[bool, ...]]] = []
         grads: list[Any]
         outs: Sequence[Any]
         while ready or later:
             if not ready:
-                node, grads, leaves = later.pop()
+                node, grads, leaves, others = later.pop()
                 outs = _apply(node, grads, leaves)
                 if not self.retain_graph:
                     node.release()
-                self._route(node, grads, outs, ready, tuple(not x for x in leaves))
+                self._route(node, grads, outs, ready, others)
                 continue
             node = ready.pop()
             with lock:
@@ -329,8 +329,9 @@ class GraphTask:
                 if deferred is None:
                     outs = _apply(node, grads, None)
                 else:  # what leaves the worker first, the parameters' gradients later
-                    outs = _apply(node, grads, tuple(not x for x in deferred))
-                    later.append((node, grads, deferred))
+                    others = tuple(not x for x in deferred)
+                    outs = _apply(node, grads, others)
+                    later.append((node, grads, deferred, others))
             if deferred is None and not self.retain_graph:
                 node.release()
             self._route(node, grads, outs, ready, deferred)
