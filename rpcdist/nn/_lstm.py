@@ -12,7 +12,9 @@ Gate order and parameter names follow PyTorch (``i, f, g, o``;
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy as np
 from .._errors import ConfigError
 from ..tensor import Function, Generator, Tensor, cat, dropout, zeros
 from ..tensor._device import array_module
-from ._lstm_core import Saved, layer_backward, layer_forward
+from ._lstm_core import Saved, gate_grads, input_grad, layer_forward, weight_grads
 from ._module import Module, Parameter
 from .init import uniform_
 
@@ -38,6 +40,7 @@ class LSTMFn(Function):
 
     __slots__ = ("bias", "layers", "saved", "weights", "x")
     op = "lstm"
+    splittable = True
 
     def _weights(self, weights: tuple[Any, ...], layer: int) -> tuple[Any, Any, Any, Any]:
         per = 4 if self.bias else 2
@@ -87,50 +90,97 @@ class LSTMFn(Function):
         return inp, h_n, c_n
 
     def backward(self, g_out: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
+        grads, _ = self._backward(g_out, g_h, g_c, self.needs_input_grad, None)
+        return grads
+
+    def apply_split(
+        self, grads: Sequence[Any], first: Sequence[bool]
+    ) -> tuple[Sequence[Any], Callable[[], Sequence[Any]]]:
+        # The recurrence runs once, in the first part; the second keeps its
+        # gate gradients for the GEMMs it still owes (the weights', in a
+        # distributed pass: see GraphTask).
+        self._check_live()
         needs = self.needs_input_grad
+        now = tuple(n and f for n, f in zip(needs, first))
+        then = tuple(n and not f for n, f in zip(needs, first))
+        g_out, g_h, g_c = grads
+        return self._backward(g_out, g_h, g_c, now, then)
+
+    def _backward(
+        self, g_out: Any, g_h: Any, g_c: Any, now: Sequence[bool], then: Sequence[bool] | None
+    ) -> tuple[tuple[Any, ...], Callable[[], tuple[Any, ...]]]:
+        """The input gradients ``now`` asks for, and a function computing those
+        ``then`` asks for (``None``: no second part)."""
         saved, weights, layers = self.saved, self.weights, self.layers
         xp = array_module(saved[0].acts)
         per = 4 if self.bias else 2
-        grads: list[Any] = [None] * (3 + len(weights))
+        n = 3 + len(weights)
+        needs = now if then is None else tuple(a or b for a, b in zip(now, then))
+        grads: list[Any] = [None] * n
+        fixed: dict[int, Any] = {}  # the second part's gradients already computed
+        jobs: list[Callable[[list[Any]], None]] = []  # and those it computes
         dh0: list[Any] = []
         dc0: list[Any] = []
         g_seq = g_out
         for layer in range(layers - 1, -1, -1):
             w_ih, w_hh, _, _ = self._weights(weights, layer)
-            base = 3 + layer * per
-            want_b = self.bias and (needs[base + 2] or needs[base + 3])
-            wants = (
-                layer > 0 or needs[0],
-                needs[1],
-                needs[2],
-                needs[base],
-                needs[base + 1],
-                want_b,
-            )
             x = self.x if layer == 0 else saved[layer - 1].hsb[1:]
-            dx, dh, dc, dw_ih, dw_hh, db = layer_backward(
+            flat, dh, dc = gate_grads(
                 xp,
                 saved[layer],
-                x,
-                w_ih,
                 w_hh,
                 g_seq,
                 None if g_h is None else g_h[layer],
                 None if g_c is None else g_c[layer],
-                wants,
+                needs[1],
+                needs[2],
             )
-            grads[base], grads[base + 1] = dw_ih, dw_hh
-            if want_b:
-                grads[base + 2], grads[base + 3] = db, db
             dh0.append(dh)
             dc0.append(dc)
-            g_seq = dx
-        grads[0] = g_seq if needs[0] else None
-        if needs[1]:
-            grads[1] = xp.stack(dh0[::-1])
-        if needs[2]:
-            grads[2] = xp.stack(dc0[::-1])
-        return tuple(grads)
+            base = 3 + layer * per
+            idx = tuple(range(base, base + per))
+            _put_weight_grads(xp, flat, x, saved[layer], idx, now, grads)
+            if then is not None and any(then[i] for i in idx):
+                jobs.append(functools.partial(_put_weight_grads, xp, flat, x, saved[layer],
+                                              idx, then))  # fmt: skip
+            if layer or now[0]:
+                g_seq = input_grad(xp, flat, x, w_ih)
+            elif then is not None and then[0]:
+                jobs.append(functools.partial(_put_input_grad, xp, flat, x, w_ih))
+        if layers and now[0]:
+            grads[0] = g_seq
+        for i, parts in ((1, dh0), (2, dc0)):
+            if needs[i]:
+                (grads if now[i] else fixed)[i] = xp.stack(parts[::-1])
+
+        def rest() -> tuple[Any, ...]:
+            out: list[Any] = [None] * n
+            for i, g in fixed.items():
+                out[i] = g
+            for job in jobs:
+                job(out)
+            return tuple(out)
+
+        return tuple(grads), rest
+
+
+def _put_weight_grads(
+    xp: Any, flat: Any, x: Any, saved: Saved, idx: tuple[int, ...], mask: Sequence[bool],
+    out: list[Any],
+) -> None:  # fmt: skip
+    """Put the gradients ``mask`` asks for of one layer's weights (at ``idx``:
+    ``w_ih, w_hh`` and, with biases, ``b_ih, b_hh``) into ``out``."""
+    want_b = len(idx) == 4 and (mask[idx[2]] or mask[idx[3]])
+    if not (mask[idx[0]] or mask[idx[1]] or want_b):
+        return
+    dw_ih, dw_hh, db = weight_grads(xp, flat, x, saved, mask[idx[0]], mask[idx[1]], want_b)
+    out[idx[0]], out[idx[1]] = dw_ih, dw_hh
+    if want_b:
+        out[idx[2]], out[idx[3]] = db, db
+
+
+def _put_input_grad(xp: Any, flat: Any, x: Any, w_ih: Any, out: list[Any]) -> None:
+    out[0] = input_grad(xp, flat, x, w_ih)
 
 
 class LSTM(Module):

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _buffers
 
-__all__ = ["Saved", "layer_backward", "layer_forward"]
+__all__ = ["Saved", "gate_grads", "input_grad", "layer_forward", "weight_grads"]
 
 #: Internal gate block ``k`` is PyTorch's block ``_FROM_TORCH[k]`` (PyTorch: i, f, g, o).
 _FROM_TORCH = (3, 0, 1, 2)
@@ -168,35 +168,19 @@ def _local_derivatives(xp: Any, saved: Saved) -> tuple[Any, Any]:
     return k, m
 
 
-def layer_backward(
-    xp: Any,
-    saved: Saved,
-    x: Any,
-    w_ih: Any,
-    w_hh: Any,
-    g_seq: Any,
-    g_h: Any,
-    g_c: Any,
-    needs: tuple[bool, bool, bool, bool, bool, bool],
-) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """Backpropagate one layer through all its steps.
-
-    Args:
-        xp: The array module.
-        saved: The layer's :class:`Saved`.
-        x: The layer's input ``(T, B, n)``.
-        w_ih: Input weights ``(4H, n)``.
-        w_hh: Recurrent weights ``(4H, H)``.
-        g_seq: Gradient of the output ``(T, B, H)``, or None.
-        g_h: Gradient of the final hidden state ``(B, H)``, or None.
-        g_c: Gradient of the final cell state ``(B, H)``, or None.
-        needs: Whether to compute the gradients of x, h0, c0, w_ih, w_hh, bias.
+def gate_grads(
+    xp: Any, saved: Saved, w_hh: Any, g_seq: Any, g_h: Any, g_c: Any, want_h0: bool, want_c0: bool
+) -> tuple[Any, Any, Any]:
+    """The recurrence of one layer's backward: the gradients of every step's
+    gate pre-activations, from which :func:`weight_grads` and
+    :func:`input_grad` each take one GEMM.
 
     Returns:
-        ``(dx, dh0, dc0, dw_ih, dw_hh, db)``, None where not needed; ``db``
-        is the gradient of either bias.
+        ``(flat, dh0, dc0)``: the gate gradients ``(4H, T*B)`` in internal
+        gate order, and the initial states' gradients ``(B, H)`` (None unless
+        wanted).
     """
-    acts, hsb = saved.acts, saved.hsb
+    acts = saved.acts
     steps, _, batch = acts.shape
     steps -= 1
     hidden = w_hh.shape[1]
@@ -230,32 +214,42 @@ def layer_backward(
         d_o *= dh
         d_rest *= dc
         dc *= f_g
-        if t or needs[1]:
+        if t or want_h0:
             xp.matmul(whh_t, d_t, out=dh)
-    dx = dw_ih = dw_hh = db = None
-    if needs[0] or needs[3] or needs[4] or needs[5]:
-        flat = _buffers.empty(xp, (h4, steps, batch), dt)
-        xp.copyto(flat, d.transpose(1, 0, 2))
-        flat2 = flat.reshape(h4, steps * batch)
-        n_in = x.shape[2]
-        if needs[3]:
-            dw = _buffers.empty(xp, (h4, n_in), dt)
-            dw_ih = _to_torch(xp, xp.matmul(flat2, x.reshape(steps * batch, n_in), out=dw))
-        if needs[4]:
-            dw = _buffers.empty(xp, (h4, hidden), dt)
-            hs = hsb[:steps].reshape(steps * batch, hidden)
-            dw_hh = _to_torch(xp, xp.matmul(flat2, hs, out=dw))
-        if needs[5]:
-            db = _to_torch(xp, flat2.sum(axis=1))
-        if needs[0]:
-            dx = _buffers.empty(xp, (steps, batch, n_in), dt)
-            w_int = _internal(xp, w_ih, 1.0)
-            xp.matmul(flat2.T, w_int, out=dx.reshape(steps * batch, n_in))
+    flat = _buffers.empty(xp, (h4, steps, batch), dt)
+    xp.copyto(flat, d.transpose(1, 0, 2))
     return (
-        dx,
-        dh.T.copy() if needs[1] else None,
-        dc.T.copy() if needs[2] else None,
-        dw_ih,
-        dw_hh,
-        db,
+        flat.reshape(h4, steps * batch),
+        dh.T.copy() if want_h0 else None,
+        dc.T.copy() if want_c0 else None,
     )
+
+
+def weight_grads(
+    xp: Any, flat: Any, x: Any, saved: Saved, want_ih: bool, want_hh: bool, want_b: bool
+) -> tuple[Any, Any, Any]:
+    """``(dw_ih, dw_hh, db)`` of one layer from its gate gradients ``flat``
+    (:func:`gate_grads`), its input ``x`` and its :class:`Saved`; None where
+    not wanted. ``db`` is the gradient of either bias."""
+    dw_ih = dw_hh = db = None
+    h4, rows = flat.shape
+    if want_ih:
+        n_in = x.shape[2]
+        dw = _buffers.empty(xp, (h4, n_in), flat.dtype)
+        dw_ih = _to_torch(xp, xp.matmul(flat, x.reshape(rows, n_in), out=dw))
+    if want_hh:
+        hidden, steps = h4 // 4, saved.acts.shape[0] - 1
+        dw = _buffers.empty(xp, (h4, hidden), flat.dtype)
+        hs = saved.hsb[:steps].reshape(rows, hidden)
+        dw_hh = _to_torch(xp, xp.matmul(flat, hs, out=dw))
+    if want_b:
+        db = _to_torch(xp, flat.sum(axis=1))
+    return dw_ih, dw_hh, db
+
+
+def input_grad(xp: Any, flat: Any, x: Any, w_ih: Any) -> Any:
+    """The gradient of one layer's input ``x`` ``(T, B, n)`` from its gate
+    gradients ``flat`` (:func:`gate_grads`)."""
+    dx = _buffers.empty(xp, x.shape, flat.dtype)
+    xp.matmul(flat.T, _internal(xp, w_ih, 1.0), out=dx.reshape(flat.shape[1], x.shape[2]))
+    return dx

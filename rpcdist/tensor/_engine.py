@@ -288,14 +288,14 @@ class GraphTask:
         callback, kinds = self.callback, self.callback_kinds
         may_split = self._defer_leaves
         #: Splittable nodes whose leaves' gradients wait until nothing else is
-        #: ready: ``(node, grads, its deferred leaf edges, its other edges)``.
-        later: list[tuple[Node, list[Any], tuple[bool, ...], tuple[bool, ...]]] = []
+        #: ready: ``(node, grads, what computes them, the node's other edges)``.
+        later: list[tuple[Node, list[Any], Callable[[], Sequence[Any]], tuple[bool, ...]]] = []
         grads: list[Any]
         outs: Sequence[Any]
         while ready or later:
             if not ready:
-                node, grads, leaves, others = later.pop()
-                outs = _apply(node, grads, leaves)
+                node, grads, rest, others = later.pop()
+                outs = _counted(node, _apply(node, rest))
                 if not self.retain_graph:
                     node.release()
                 self._route(node, grads, outs, ready, others)
@@ -327,11 +327,12 @@ class GraphTask:
                 if may_split and node.splittable:
                     deferred = _deferred_leaves(node)
                 if deferred is None:
-                    outs = _apply(node, grads, None)
+                    outs = _counted(node, _apply(node, node.apply, grads))
                 else:  # what leaves the worker first, the parameters' gradients later
                     others = tuple(not x for x in deferred)
-                    outs = _apply(node, grads, others)
-                    later.append((node, grads, deferred, others))
+                    outs, rest = _apply(node, node.apply_split, grads, others)
+                    outs = _counted(node, outs)
+                    later.append((node, grads, rest, others))
             if deferred is None and not self.retain_graph:
                 node.release()
             self._route(node, grads, outs, ready, deferred)
@@ -420,14 +421,18 @@ class GraphTask:
                 post(var)
 
 
-def _apply(node: Node, grads: list[Any], wanted: tuple[bool, ...] | None) -> Sequence[Any]:
-    """``node.apply(grads)`` (or ``apply_some``), with failures named."""
+def _apply(node: Node, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``: ``node.apply(grads)`` or a part of it, with failures named."""
     try:
-        outs = node.apply(grads) if wanted is None else node.apply_some(grads, wanted)
+        return call(*args)
     except RpcdistError:
         raise
     except Exception as exc:
         raise AutogradError(f"{node.name()} failed in backward: {exc}") from exc
+
+
+def _counted(node: Node, outs: Sequence[Any]) -> Sequence[Any]:
+    """``outs``, checked to hold one gradient per input of ``node``."""
     if len(outs) != len(node.next_edges):
         raise AutogradError(
             f"{node.name()} returned {len(outs)} gradients for {len(node.next_edges)} inputs"

@@ -123,13 +123,17 @@ class Function(Node):
         raise NotImplementedError
 
     def apply(self, grads: Sequence[Any | None]) -> Sequence[Any | None]:
+        self._check_live()
+        return self.backward(*grads)
+
+    def _check_live(self) -> None:
+        """Raise if :meth:`release` already freed what backward needs."""
         if self._freed:
             raise AutogradError(
                 f"{self.name()}: trying to backward through the graph a second time; its "
                 "saved arrays were freed by the first backward (pass retain_graph=True to "
                 "the first call to keep them)"
             )
-        return self.backward(*grads)
 
     def apply_some(
         self, grads: Sequence[Any | None], wanted: Sequence[bool]

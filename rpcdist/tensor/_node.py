@@ -71,10 +71,10 @@ class Node:
     __module__ = "rpcdist.tensor"
     __slots__ = ("__weakref__", "_pre_hooks", "next_edges", "num_outputs")
 
-    #: Whether :meth:`apply_some` may compute some input gradients now and the
-    #: rest later, each call doing only its own share of the work (a matrix
-    #: product's two gradients). The engine then sends a gradient that leaves
-    #: the worker before it computes the parameters' (see GraphTask).
+    #: Whether :meth:`apply_split` may compute some input gradients now and
+    #: the rest later, each part doing only its own share of the work (a
+    #: matrix product's two gradients). The engine then sends a gradient that
+    #: leaves the worker before it computes the parameters' (see GraphTask).
     splittable: ClassVar[bool] = False
 
     next_edges: tuple[Edge | None, ...]
@@ -110,6 +110,17 @@ class Node:
         """:meth:`apply`, computing only the input gradients where ``wanted`` is
         true (the others are ``None``); only for :attr:`splittable` nodes."""
         raise NotImplementedError(f"{self.name()} cannot compute some input gradients alone")
+
+    def apply_split(
+        self, grads: Sequence[Any | None], first: Sequence[bool]
+    ) -> tuple[Sequence[Any | None], Callable[[], Sequence[Any | None]]]:
+        """:meth:`apply` in two parts: the input gradients where ``first`` is
+        true now, and a function computing the others later (it is called
+        once, before :meth:`release`). By default two :meth:`apply_some`
+        calls; a node whose two parts share work (an LSTM's gate gradients)
+        overrides this to do that work once."""
+        rest = tuple(not f for f in first)
+        return self.apply_some(grads, first), lambda: self.apply_some(grads, rest)
 
     def release(self) -> None:
         """Free what the backward pass needed (called unless retain_graph)."""

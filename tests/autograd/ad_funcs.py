@@ -64,6 +64,20 @@ def linear_stage(x: Tensor, rest: list[str]) -> Tensor:
     return rpcdist.rpc_sync(rest[0], linear_stage, args=(y, rest[1:]))
 
 
+def embed(tokens: Any) -> Tensor:
+    """Rows of this worker's table ``E`` (7 x 3): the rnn workload's first server."""
+    from rpcdist.nn import functional as F
+
+    return F.embedding(tokens, param("E", shape=(7, 3), seed=30))
+
+
+def decode(h: Tensor) -> Tensor:
+    """``linear(h, D, d)`` to 5 outputs: the rnn workload's second server."""
+    from rpcdist.nn import functional as F
+
+    return F.linear(h, param("D", shape=(5, 4), seed=31), param("d", shape=(5,), seed=32))
+
+
 def mul(a: Tensor, b: Tensor) -> Tensor:
     return a * b
 

@@ -110,6 +110,45 @@ def test_a_pipeline_of_linear_stages_equals_the_oracle(agents):
             np.testing.assert_allclose(run[name], g, **TOL, err_msg=name)
 
 
+def test_an_lstm_between_two_parameter_servers_equals_the_oracle(agents):
+    """The rnn workload's shape: an embedding on one server, an LSTM here, a
+    decoder on another. The LSTM sends the embedding's gradient before it
+    computes its weights' (the engine splits its node); every gradient is
+    exact, twice in a row."""
+    from rpcdist import nn
+    from rpcdist.nn import functional as F
+
+    tokens = np.random.default_rng(4).integers(0, 7, (5, 2))
+
+    def lstm() -> nn.LSTM:
+        return nn.LSTM(3, 4, num_layers=2, dtype=np.float64, generator=rt.Generator(0))
+
+    got = []
+    with as_current(agents[0]):
+        mine = lstm()
+        for _ in range(2):
+            with dist_autograd.context() as cid:
+                emb = rpcdist.rpc_sync("worker1", af.embed, args=(tokens,))
+                out, _ = mine(emb)
+                logits = rpcdist.rpc_sync("worker2", af.decode, args=(out,))
+                dist_autograd.backward(cid, [(logits * logits).sum()])
+                here = dist_autograd.get_gradients(cid)
+                got.append({
+                    **{n: here[p] for n, p in mine.named_parameters()},
+                    **_remote_grads("worker1", cid), **_remote_grads("worker2", cid),
+                })  # fmt: skip
+    oracle = lstm()
+    p = {"E": _w((7, 3), 30), "D": _w((5, 4), 31), "d": _w((5,), 32)}
+    out, _ = oracle(F.embedding(tokens, p["E"]))
+    (F.linear(out, p["D"], p["d"]) ** 2).sum().backward()
+    expected = {**{n: t.grad.data for n, t in oracle.named_parameters()},
+                **{n: t.grad.data for n, t in p.items()}}  # fmt: skip
+    for run in got:
+        assert set(run) == set(expected)
+        for name, g in expected.items():
+            np.testing.assert_allclose(run[name], g, **TOL, err_msg=name)
+
+
 def test_fan_out_same_tensor_twice_and_async_paths(agents):
     x0 = np.array([0.5, -1.0, 2.0])
 

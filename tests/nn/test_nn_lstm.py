@@ -160,3 +160,107 @@ def test_dropout_between_layers_composes_single_layers() -> None:
     np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6)
     np.testing.assert_allclose(h.numpy(), np.concatenate([h1.numpy(), h2.numpy()]), rtol=1e-6)
     np.testing.assert_allclose(c.numpy(), np.concatenate([c1.numpy(), c2.numpy()]), rtol=1e-6)
+
+
+def _received(arr: np.ndarray) -> tuple[rt.RecvFunction, rt.Tensor]:
+    recv = rt.RecvFunction(1)
+    (t,) = recv.make_outputs([arr])
+    return recv, t
+
+
+@pytest.mark.parametrize("case", ["input", "input+leaf state", "state, leaf input"])
+def test_a_distributed_pass_sends_before_the_weights_and_runs_the_recurrence_once(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pass that sends gradients on, the LSTM node hands what leaves the
+    worker (a received input's or state's gradient) to the callback before
+    it computes the weights' gradients, runs each layer's recurrence once
+    for both parts, and every gradient equals a plain backward's."""
+    from rpcdist.nn import _lstm
+
+    rng = np.random.default_rng(12)
+    x_arr, h_arr, c_arr = (rng.normal(size=s) for s in ((5, 2, 3), (2, 2, 4), (2, 2, 4)))
+    lstm = make("cpu", num_layers=2)
+    params = list(lstm.parameters())
+    received_input = case != "state, leaf input"
+
+    def loss_of(x: rt.Tensor, h0: rt.Tensor | None, c0: rt.Tensor | None) -> rt.Tensor:
+        out, (h, c) = lstm(x, None if h0 is None else (h0, c0))  # type: ignore[arg-type]
+        return (out * out).sum() + h.sum() - (c * c).sum()
+
+    # The plain pass: every input a leaf, gradients in .grad.
+    xl = rt.tensor(x_arr, requires_grad=True)
+    hl, cl = rt.tensor(h_arr, requires_grad=True), rt.tensor(c_arr, requires_grad=True)
+    loss_of(xl, hl if case != "input" else None, cl if case != "input" else None).backward()
+    want = {p: p.grad.numpy().copy() for p in params}  # type: ignore[union-attr]
+    lstm.zero_grad()
+
+    calls: list[int] = []
+    real = _lstm.gate_grads
+    monkeypatch.setattr(_lstm, "gate_grads", lambda *a: calls.append(1) or real(*a))
+    leaves: list[rt.Tensor] = []
+    if received_input:
+        recv, x = _received(x_arr)
+        h0 = c0 = None
+        if case == "input+leaf state":
+            h0, c0 = rt.tensor(h_arr, requires_grad=True), rt.tensor(c_arr, requires_grad=True)
+            leaves = [h0, c0]
+    else:
+        recv, h0 = _received(h_arr)
+        c0 = rt.tensor(c_arr)
+        x = rt.tensor(x_arr, requires_grad=True)
+        leaves = [x]
+    grads: dict[rt.Tensor, object] = {}
+    seen: list[tuple[set[rt.Tensor], bool, np.ndarray]] = []
+
+    def callback(node: rt.Node, g: list[np.ndarray]) -> None:
+        assert node is recv
+        seen.append((set(grads), task.more_ready, g[0]))
+
+    loss = loss_of(x, h0, c0)
+    edge = loss.gradient_edge()
+    assert edge is not None
+    task = rt.GraphTask([edge[0]], grad_map=grads, callback=callback, eager_leaves=True)
+    task.execute(rt.tensor_roots([loss]))
+
+    ((held, more_ready, sent),) = seen
+    assert not held & {*params, *leaves} and more_ready
+    assert len(calls) == 2  # one recurrence per layer, not one per part
+    np.testing.assert_allclose(sent, (xl if received_input else hl).grad.numpy(), rtol=1e-12)  # type: ignore[union-attr]
+    for p in params:
+        np.testing.assert_allclose(grads[p], want[p], rtol=1e-12)
+    for mine, plain in zip(leaves, [hl, cl] if received_input else [xl]):
+        np.testing.assert_allclose(grads[mine], plain.grad.numpy(), rtol=1e-12)  # type: ignore[union-attr]
+
+
+def test_a_split_pass_over_pooled_buffers_equals_an_unpooled_plain_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer's gate gradients have one shape and wait, held, for the
+    second part: the pool must not hand them out again meanwhile (a retained
+    graph walked twice, on fresh buffers and on buffers given back)."""
+    lstm = make("cpu", num_layers=3)
+    x_arr = np.random.default_rng(13).normal(size=(4, 3, 3))
+
+    def loss_of(x: rt.Tensor) -> rt.Tensor:
+        out, (h, _) = lstm(x)
+        return (out * out).sum() + h.sum()
+
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 1 << 40)  # pool off: the reference
+    loss_of(rt.tensor(x_arr)).backward()
+    want = {p: p.grad.numpy().copy() for p in lstm.parameters()}  # type: ignore[union-attr]
+    monkeypatch.setattr(_buffers, "MIN_BYTES", 0)
+    _buffers.clear()
+    for _ in range(2):
+        _, x = _received(x_arr)
+        loss = loss_of(x)
+        edge = loss.gradient_edge()
+        assert edge is not None
+        grads: dict[rt.Tensor, object] = {}
+        for _ in range(2):
+            task = rt.GraphTask([edge[0]], grad_map=grads, callback=lambda n, g: None,
+                                eager_leaves=True, retain_graph=True)  # fmt: skip
+            task.execute(rt.tensor_roots([loss]))
+        for p in lstm.parameters():
+            np.testing.assert_allclose(grads[p], 2 * want[p], rtol=1e-12)
+    assert _buffers.statistics()["hits"] > 0
