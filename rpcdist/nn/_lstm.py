@@ -147,7 +147,7 @@ class LSTMFn(Function):
                 g_seq = input_grad(xp, flat, x, w_ih)
             elif then is not None and then[0]:
                 jobs.append(functools.partial(_put_input_grad, xp, flat, x, w_ih))
-        if layers and now[0]:
+        if now[0]:
             grads[0] = g_seq
         for i, parts in ((1, dh0), (2, dc0)):
             if needs[i]:
