@@ -90,7 +90,8 @@ class LSTMFn(Function):
         return inp, h_n, c_n
 
     def backward(self, g_out: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-        grads, _ = self._backward(g_out, g_h, g_c, self.needs_input_grad, None)
+        needs = self.needs_input_grad
+        grads, _ = self._backward(g_out, g_h, g_c, needs, (False,) * len(needs))
         return grads
 
     def apply_split(
@@ -107,15 +108,15 @@ class LSTMFn(Function):
         return self._backward(g_out, g_h, g_c, now, then)
 
     def _backward(
-        self, g_out: Any, g_h: Any, g_c: Any, now: Sequence[bool], then: Sequence[bool] | None
+        self, g_out: Any, g_h: Any, g_c: Any, now: Sequence[bool], then: Sequence[bool]
     ) -> tuple[tuple[Any, ...], Callable[[], tuple[Any, ...]]]:
         """The input gradients ``now`` asks for, and a function computing those
-        ``then`` asks for (``None``: no second part)."""
+        ``then`` asks for (all false: no second part)."""
         saved, weights, layers = self.saved, self.weights, self.layers
         xp = array_module(saved[0].acts)
         per = 4 if self.bias else 2
         n = 3 + len(weights)
-        needs = now if then is None else tuple(a or b for a, b in zip(now, then))
+        needs = self.needs_input_grad  # ``now`` or ``then``
         grads: list[Any] = [None] * n
         fixed: dict[int, Any] = {}  # the second part's gradients already computed
         jobs: list[Callable[[list[Any]], None]] = []  # and those it computes
@@ -140,12 +141,12 @@ class LSTMFn(Function):
             base = 3 + layer * per
             idx = tuple(range(base, base + per))
             _put_weight_grads(xp, flat, x, saved[layer], idx, now, grads)
-            if then is not None and any(then[i] for i in idx):
+            if any(then[i] for i in idx):
                 jobs.append(functools.partial(_put_weight_grads, xp, flat, x, saved[layer],
                                               idx, then))  # fmt: skip
             if layer or now[0]:
                 g_seq = input_grad(xp, flat, x, w_ih)
-            elif then is not None and then[0]:
+            elif then[0]:
                 jobs.append(functools.partial(_put_input_grad, xp, flat, x, w_ih))
         if now[0]:
             grads[0] = g_seq
