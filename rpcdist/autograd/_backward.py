@@ -148,14 +148,17 @@ def _task(agent: Agent, ctx: DistContext, st: PassState, unreached: set[DistSend
 
 
 def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
-    key = list(st.key)
+    # Closes over values, not ``st``: ``st.task`` holds this function, and a
+    # cycle would keep the graph (and its saved arrays) alive after the pass
+    # until the garbage collector next ran.
+    key, retain = list(st.key), st.retain
 
     def send_back(node: Node, grads: list[Any]) -> None:
         assert isinstance(node, DistRecv)
         run: _Run | None = getattr(_collect, "run", None)
         if run is None:
             raise AutogradError("internal: gradients for a receive function outside a pass")
-        payload: Any = ((ctx.id, key, node.message_id, grads, st.retain), {})
+        payload: Any = ((ctx.id, key, node.message_id, grads, retain), {})
         run.send(agent, node.peer, payload, later=not run.task.more_ready)
 
     return send_back

@@ -7,7 +7,9 @@ with the same parameter values (float64) and the local engine.
 
 from __future__ import annotations
 
+import gc
 import threading
+import types
 
 import ad_funcs as af
 import numpy as np
@@ -342,6 +344,48 @@ def test_rref_backward_runs_on_the_owner(agents):
     (xo * w).sum().backward()
     np.testing.assert_allclose(gx, xo.grad.data, **TOL)
     np.testing.assert_allclose(gw, w.grad.data, **TOL)
+
+
+def _rpcdist_garbage(run) -> list[str]:
+    """rpcdist's objects that ``run()`` left in reference cycles (freed only
+    when the garbage collector runs, not when their last reference goes)."""
+
+    def ours(o: object) -> bool:
+        mod = o.__module__ if isinstance(o, types.FunctionType) else type(o).__module__
+        return isinstance(mod, str) and mod.startswith("rpcdist")
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # the collector keeps what it finds in gc.garbage
+    try:
+        run()
+        gc.collect()
+        found = {getattr(o, "__qualname__", type(o).__qualname__) for o in gc.garbage if ours(o)}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return sorted(found)
+
+
+def test_a_pass_leaves_no_reference_cycles_behind(agents):
+    # A cycle through the pass state or a call's wire context would keep the
+    # graph, and every array it saved, alive after the pass until the
+    # collector next ran: memory the user cannot free.
+    with as_current(agents[0]):
+        x = Tensor(np.ones(3), requires_grad=True)
+
+        def iterations() -> None:
+            for _ in range(3):
+                with dist_autograd.context() as cid:
+                    y = rpcdist.rpc_sync("worker1", af.chain, args=(x, ["worker2"]))
+                    dist_autograd.backward(cid, [y.sum()])
+                with dist_autograd.context() as cid:
+                    loss = rpcdist.remote("worker1", af.loss_here, args=(x,))
+                    loss.backward(cid)  # (the RRef goes back to its owner)
+                    del loss
+            assert contexts_settled(agents)
+
+        iterations()  # (state made once, on first use, is not garbage)
+        assert _rpcdist_garbage(iterations) == []
 
 
 def test_contexts_are_released_everywhere_and_counted(agents):
