@@ -435,17 +435,19 @@ def _accept_in_reply(ctx: RRefContext, wctx: WireContext, child: int) -> None:
     accepts = wctx.reply_meta.get(ACCEPTS)
     if accepts is None:
         accepts = wctx.reply_meta[ACCEPTS] = []
-        wctx.extra.setdefault("undo", []).append(functools.partial(_post_accepts, ctx, wctx))
+        # (not ``wctx`` itself: the undo list is its own, and a cycle would
+        # outlive the call until the garbage collector ran)
+        undo = functools.partial(_post_accepts, ctx, wctx.reply_meta, wctx.peer.id)
+        wctx.extra.setdefault("undo", []).append(undo)
     assert isinstance(accepts, list)
     accepts.append(child)
 
 
-def _post_accepts(ctx: RRefContext, wctx: WireContext) -> None:
-    assert wctx.reply_meta is not None
-    accepts = wctx.reply_meta.pop(ACCEPTS, None)
+def _post_accepts(ctx: RRefContext, reply_meta: dict[str, Any], peer: int) -> None:
+    accepts = reply_meta.pop(ACCEPTS, None)
     assert accepts is None or isinstance(accepts, list)
     for child in accepts or ():
-        ctx.post(wctx.peer.id, CHILD_ACCEPT, [child])
+        ctx.post(peer, CHILD_ACCEPT, [child])
 
 
 def accepts_in_reply(agent: Agent, src: WorkerInfo, children: Any) -> None:
