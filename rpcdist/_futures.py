@@ -80,12 +80,15 @@ class Future(Generic[T]):
         self._gate.release()
         for cb in callbacks:
             self._run_callback(cb)
+        callbacks = cb = None  # type: ignore[assignment]  # (as in _run_callback)
 
     def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
         try:
             cb(self)
         except Exception:
             _log.exception("rpcdist.Future callback %r raised", cb)
+        finally:
+            cb = None  # type: ignore[assignment]  # (a traceback may hold this frame)
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until complete and return the result (or raise its exception).
@@ -102,7 +105,10 @@ class Future(Generic[T]):
             elif not self._gate.acquire(True, min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)):
                 raise RpcTimeoutError(f"Future not complete after waiting {timeout} s")
             self._gate.release()
-        return self.value()
+        try:
+            return self.value()
+        finally:
+            self = None  # type: ignore[assignment]  # (see value())
 
     def value(self) -> T:
         """The result of a completed future; raises its exception if it failed.
@@ -112,8 +118,16 @@ class Future(Generic[T]):
         """
         if self._state != _DONE:
             raise RuntimeError("Future.value() called before the future completed")
-        if self._exc is not None:
-            raise self._exc
+        exc = self._exc
+        if exc is not None:
+            try:
+                raise exc
+            finally:
+                # The exception's traceback holds this frame: were the frame
+                # still to hold the future, which holds the exception, the
+                # three would be a cycle that only the collector frees (with
+                # everything the frames refer to), after every failed call.
+                self = exc = None  # type: ignore[assignment]
         return self._value  # type: ignore[no-any-return]
 
     def exception(self) -> BaseException | None:
@@ -134,11 +148,16 @@ class Future(Generic[T]):
         """A new Future completed with ``callback(self)``, or with what it raised."""
         out: Future[U] = Future()
 
+        box = [out]  # (taken out on completion: see value())
+
         def chain(f: Future[T]) -> None:
+            target = box.pop()
             try:
-                out.set_result(callback(f))
+                target.set_result(callback(f))
             except BaseException as e:
-                out.set_exception(e)
+                target.set_exception(e)
+            finally:
+                f = target = None  # type: ignore[assignment]
 
         self.add_done_callback(chain)
         return out
@@ -163,7 +182,10 @@ class Future(Generic[T]):
 
             self.add_done_callback(wake)
             yield from waiter.__await__()
-        return self.value()
+        try:
+            return self.value()
+        finally:
+            self = None  # type: ignore[assignment]  # (see value())
 
     def __repr__(self) -> str:
         if self._state != _DONE:

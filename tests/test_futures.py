@@ -1,5 +1,7 @@
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -25,6 +27,42 @@ def test_exception_propagates_from_wait_and_value():
         f.wait()
     with pytest.raises(KeyError):
         f.value()
+
+
+class _Marked(Exception):
+    """An exception a weak reference can follow."""
+
+
+def _raise(box: list[BaseException]) -> None:
+    raise box.pop()  # (held by no local: a frame that did would be a cycle itself)
+
+
+@pytest.mark.parametrize("how", ["wait", "value", "then"])
+def test_a_raised_failure_is_freed_without_the_collector(how):
+    # Raising an exception stored in a future puts the raising frames in its
+    # traceback; were those frames to keep the future, the future (and all
+    # the frames hold) would live on in a cycle until the collector ran,
+    # after every failed call.
+    exc = _Marked("x")
+    gone = weakref.ref(exc)
+    f: Future[int] = Future()
+    if how == "then":
+        box = [exc]
+        src, f = f, f.then(lambda _: _raise(box))
+        src.set_result(1)
+    else:
+        f.set_exception(exc)
+    del exc
+    gc.disable()
+    try:
+        with pytest.raises(_Marked):
+            f.wait() if how != "value" else f.value()
+        del f
+        if how == "then":
+            del src
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_wait_timeout():
