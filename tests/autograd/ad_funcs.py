@@ -7,6 +7,7 @@ share this module); ``oracle`` modules compute the same functions locally.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -189,3 +190,15 @@ def hold(x: Tensor) -> Tensor:
 
 def contexts_here() -> int:
     return int(dist_autograd.statistics()["contexts"])
+
+
+#: Weak references to arrays made by :func:`fresh_weight` (to see when they are freed).
+MADE: list[Any] = []
+
+
+def fresh_weight(x: Tensor) -> Tensor:
+    """``x @ w`` with a weight made here for this call only: the graph and
+    the context are all that keep ``w`` alive once this returns."""
+    w = Tensor(np.ones((x.shape[-1], 8)), requires_grad=True)
+    MADE.append(weakref.ref(w.data))
+    return x @ w

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import types
 
 import ad_funcs as af
@@ -386,6 +387,29 @@ def test_a_pass_leaves_no_reference_cycles_behind(agents):
 
         iterations()  # (state made once, on first use, is not garbage)
         assert _rpcdist_garbage(iterations) == []
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_released_context_frees_what_its_pass_held_without_the_collector(agents, retain):
+    # What the graph kept alive (here a weight made on worker1 for one call)
+    # goes when the context is released, by reference counting alone.
+    af.MADE.clear()
+    with as_current(agents[0]):
+        x = Tensor(np.ones((2, 4)), requires_grad=True)
+        gc.collect()
+        gc.disable()
+        try:
+            with dist_autograd.context() as cid:
+                y = rpcdist.rpc_sync("worker1", af.fresh_weight, args=(x,))
+                dist_autograd.backward(cid, [y.sum()], retain_graph=retain)
+                del y
+            deadline = time.monotonic() + 10
+            while any(a.statistics()["autograd_contexts"] for a in agents):
+                assert time.monotonic() < deadline, "contexts were not released"
+                time.sleep(0.01)
+            assert len(af.MADE) == 1 and af.MADE[0]() is None
+        finally:
+            gc.enable()
 
 
 def test_contexts_are_released_everywhere_and_counted(agents):
