@@ -80,15 +80,12 @@ class Future(Generic[T]):
         self._gate.release()
         for cb in callbacks:
             self._run_callback(cb)
-        callbacks = cb = None  # type: ignore[assignment]  # (as in _run_callback)
 
     def _run_callback(self, cb: Callable[[Future[T]], None]) -> None:
         try:
             cb(self)
         except Exception:
             _log.exception("rpcdist.Future callback %r raised", cb)
-        finally:
-            cb = None  # type: ignore[assignment]  # (a traceback may hold this frame)
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until complete and return the result (or raise its exception).
@@ -157,7 +154,7 @@ class Future(Generic[T]):
             except BaseException as e:
                 target.set_exception(e)
             finally:
-                f = target = None  # type: ignore[assignment]
+                target = None  # type: ignore[assignment]  # (see value())
 
         self.add_done_callback(chain)
         return out
