@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,12 @@ _PRELOAD = [
     "netlab",
 ]
 _ctx: Any = None
+#: Held around everything that polls a child process. ``Process.start()``
+#: polls every child of this process (``multiprocessing.process._cleanup``),
+#: and two threads polling one forkserver child race: the loser reads EOF
+#: where the exit code was and records 255 for a process that exited 0.
+#: The kill -9 test runs two jobs at a time, on two threads.
+_POLL = threading.Lock()
 
 
 def context() -> Any:
@@ -110,7 +117,8 @@ def run_job(
         readers = {pipes[r][0]: r for r in range(world_size)}
         try:
             for r, p in enumerate(procs):
-                p.start()
+                with _POLL:
+                    p.start()
                 pipes[r][1].close()  # the child holds the only writing end
             end = started + timeout
             while readers and not expect <= set(out.values) | set(out.errors):
@@ -125,15 +133,18 @@ def run_job(
                         continue  # it died without a word
                     (out.values if ok else out.errors)[r] = value
             for r, p in enumerate(procs):
-                if r in expect:
-                    p.join(max(0.0, min(5.0, end - time.monotonic())))
-            out.hung = [r for r, p in enumerate(procs) if p.is_alive() and r in expect]
+                if r in expect:  # (waiting on the sentinel reads nothing from it)
+                    mp.connection.wait([p.sentinel], max(0.0, min(5.0, end - time.monotonic())))
+            with _POLL:
+                out.hung = [r for r, p in enumerate(procs) if p.is_alive() and r in expect]
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(5)
+            with _POLL:
+                live = [p for p in procs if p.pid is not None]  # (started)
+                for p in live:
+                    if p.is_alive():
+                        p.kill()
+            for p in live:
+                mp.connection.wait([p.sentinel], 5)
             for conn, r in readers.items():  # reports that raced with the end
                 try:
                     if conn.poll():  # type: ignore[union-attr]
@@ -143,6 +154,7 @@ def run_job(
                     pass
             for reader, _ in pipes:
                 reader.close()
-        out.exitcodes = {r: p.exitcode for r, p in enumerate(procs)}
+        with _POLL:
+            out.exitcodes = {r: p.exitcode for r, p in enumerate(procs)}
     out.seconds = time.monotonic() - started
     return out
