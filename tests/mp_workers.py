@@ -52,3 +52,29 @@ def duplicate_name(rank, world_size, init_method):
         return str(e)
     rpcdist.shutdown(graceful=False)
     return "initialised"
+
+
+def busy_poll_counters():
+    s = rpcdist.statistics()
+    return s["busy_polls"], s["busy_poll_hits"], s["direct_sync_calls"]
+
+
+def busy_polling(rank, world_size, init_method, busy_poll_us):
+    """Rank 0 makes 200 quick blocking calls to rank 1, then 5 that each take
+    20 ms; it returns its busy-polling counters after the quick calls, the
+    callee's, and its own before and after the slow calls."""
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
+                     options=rpcdist.RpcOptions(busy_poll_us=busy_poll_us))  # fmt: skip
+    try:
+        if rank != 0:
+            return None
+        quick = [rpcdist.rpc_sync("w1", rf.add, args=(i, 1)) for i in range(200)]
+        assert quick == [i + 1 for i in range(200)]
+        after_quick = busy_poll_counters()
+        callee = rpcdist.rpc_sync("w1", busy_poll_counters)
+        before_slow = busy_poll_counters()
+        slow = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.02, i)) for i in range(5)]
+        assert slow == list(range(5))
+        return after_quick, callee, before_slow, busy_poll_counters()
+    finally:
+        rpcdist.shutdown()

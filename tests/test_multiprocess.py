@@ -12,7 +12,7 @@ import pytest
 import rpc_funcs as rf
 
 import rpcdist
-from rpcdist._transport import _grpc, _tcp
+from rpcdist._transport import _grpc, _tcp, _tcp_dial
 from rpcdist._transport._frames import CALL, REPLY, OutMessage, pack_batch, parse_envelope
 from rpcdist.testing import local_agents, run_workers
 
@@ -101,7 +101,7 @@ def _raw_tcp(
         s.settimeout(10)
         s.connect("\0" + unix)
     else:
-        s = socket.create_connection(_tcp.split_address(agent_addr), timeout=10)
+        s = socket.create_connection(_tcp_dial.split_address(agent_addr), timeout=10)
     with s:
         hello = {"rank": 1, "name": "worker1", "token": token}
         if sync:

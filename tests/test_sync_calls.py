@@ -12,7 +12,7 @@ import rpc_funcs as rf
 import rpcdist
 from rpcdist import ConfigError, RpcOptions, RpcTimeoutError
 from rpcdist._transport._shm import shm_available
-from rpcdist.testing import as_current, local_agents
+from rpcdist.testing import as_current, local_agents, run_workers
 
 _defaults = RpcOptions().validated()
 pytestmark = pytest.mark.skipif(
@@ -279,3 +279,66 @@ def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents
     finally:
         gate.set()
     assert acked.wait(10) == "ok"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_quick_replies_and_calls_are_read_by_threads_that_polled_for_them():
+    """Between two processes, the caller waiting for a quick reply and the
+    callee's thread waiting for the next call poll before they sleep, and
+    what they wait for comes while they poll; a caller whose replies take
+    longer than the window stops polling after the first."""
+    import mp_workers
+
+    after_quick, callee, before_slow, after_slow = run_workers(
+        mp_workers.busy_polling, 2, args=(200,), timeout=90
+    )[0]
+    polls, hits, direct = after_quick
+    assert direct == 200
+    assert 0 < hits <= polls <= 200
+    assert 0 < callee[1] <= callee[0]
+    assert after_slow[2] - before_slow[2] == 5  # the slow calls took the same path
+    assert after_slow[0] - before_slow[0] <= 1  # polled (at most) for the first
+    assert after_slow[1] == before_slow[1]  # and nothing came while it did
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_busy_poll_off_no_thread_polls():
+    import mp_workers
+
+    after_quick, callee, _, after_slow = run_workers(
+        mp_workers.busy_polling, 2, args=(0,), timeout=90
+    )[0]
+    assert after_quick == (0, 0, 200)
+    assert callee[:2] == (0, 0)
+    assert after_slow[:2] == (0, 0)
+
+
+def test_agents_sharing_a_process_never_poll(agents2):
+    """An in-process peer needs the GIL to answer, which a polling thread holds."""
+    a, b = agents2
+    assert a.options.busy_poll_us > 0
+    with as_current(a):
+        for i in range(50):
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(i, 1)) == i + 1
+    assert _direct(a) == 50
+    for agent in (a, b):
+        s = agent.statistics()
+        assert (s["busy_polls"], s["busy_poll_hits"]) == (0, 0)
+
+
+@pytest.mark.parametrize("bad", [-1, "soon", True, float("nan"), 2e6])
+def test_bad_busy_poll_option_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="busy_poll_us"):
+        RpcOptions(busy_poll_us=bad).validated()
+
+
+def test_environment_sets_the_busy_poll_window(monkeypatch):
+    monkeypatch.setenv("RPCDIST_BUSY_POLL_US", "50")
+    assert RpcOptions().validated().busy_poll_us == 50.0
+    monkeypatch.delenv("RPCDIST_BUSY_POLL_US")
+    assert RpcOptions().validated().busy_poll_us == 200.0
+    monkeypatch.setenv("RPCDIST_BUSY_POLL_US", "soon")
+    with pytest.raises(ConfigError, match="RPCDIST_BUSY_POLL_US"):
+        RpcOptions().validated()

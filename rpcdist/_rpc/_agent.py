@@ -546,6 +546,8 @@ class Agent:
             "calls_sent": activity.sent,
             "calls_handled": activity.handled,
             "direct_sync_calls": self.sync.calls,
+            "busy_polls": self.sync.polls,
+            "busy_poll_hits": self.sync.polled,
         }
         stats.update(self.links.statistics())
         stats.update(self.mailbox.statistics())
@@ -585,5 +587,6 @@ class Agent:
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
         sync = getattr(self, "sync", None)
         if sync is not None:
+            sync.close()  # idempotent; a start that failed has not closed it
             sync.join(None if wait else 1.0)
         self._lt.stop()

@@ -66,15 +66,28 @@ NOT_TAKEN: Any = object()
 _MAX_SERVED = 64
 
 
+class _Polling:
+    """This process's busy-polling (``RpcOptions.busy_poll_us``): one thread
+    polls at a time (more would take the GIL from each other and from the
+    handlers they wait for), and only while the process holds one agent (a
+    peer in the same process needs the GIL to answer)."""
+
+    slot = threading.Lock()
+    lock = threading.Lock()
+    agents = 0
+
+
 class _Channel:
     """The caller's end of a thread-driven link: replies land in ``replies``."""
 
-    __slots__ = ("link", "replies")
+    __slots__ = ("fast", "link", "replies")
 
     def __init__(self, link: Any, replies: list[InMessage]) -> None:
         #: A ``TcpLink`` in threaded mode (possibly wrapped for fault injection).
         self.link = link
         self.replies = replies
+        #: Whether the last reply came within the busy-polling window.
+        self.fast = True
 
 
 def _keeper(replies: list[InMessage]) -> Hooks:
@@ -125,6 +138,15 @@ class SyncCalls:
         #: How long a thread waits for a reply before looking whether the peer
         #: was lost (a call without a deadline still ends when it is).
         self._slice = agent.options.heartbeat_interval
+        #: Seconds a waiting thread polls before it sleeps (0: never).
+        self._spin = float(agent.options.busy_poll_us) * 1e-6 if self._limit else 0.0
+        self._counted = True
+        #: Waits that began by polling, and those whose bytes came meanwhile
+        #: (written by the one polling thread of the process).
+        self.polls = 0
+        self.polled = 0
+        with _Polling.lock:
+            _Polling.agents += 1
 
     def outstanding(self) -> list[tuple[int, str, float]]:
         """``(peer, label, started)`` of each call in flight here (any thread)."""
@@ -202,8 +224,10 @@ class SyncCalls:
         try:
             sent = link.send_blocking(msg, msg.deadline)
             watched = False
+            waited = time.monotonic()
+            spin_end = waited + self._spin if chan.fast else 0.0
             while sent and not chan.replies and link.closed is None:
-                if link.read_blocking(self._until(msg.deadline)):
+                if self._wait(link, self._until(msg.deadline), spin_end):
                     continue
                 if liveness.is_lost(dst):
                     lost = True
@@ -223,6 +247,7 @@ class SyncCalls:
             self._give_back(chan)
             msg.dropped()
             raise
+        chan.fast = time.monotonic() - waited <= self._spin
         if lost or (link.closed is not None and not chan.replies and liveness.is_lost(dst)):
             self._drop(chan)
             raise self._lost(label, liveness.error(dst))
@@ -244,6 +269,26 @@ class SyncCalls:
         else:
             self._give_back(chan)
         return reply
+
+    def _wait(self, link: Any, until: float | None, spin_end: float) -> bool:
+        """``link.read_blocking(until)``, polling without sleeping first until
+        ``spin_end`` if this thread may (see :class:`_Polling`) and nothing
+        else of this agent runs: a handler elsewhere would wait for the GIL."""
+        if spin_end and _Polling.agents == 1 and not self._agent.activity.inflight:
+            if until is not None:
+                spin_end = min(spin_end, until)
+            if time.monotonic() < spin_end and _Polling.slot.acquire(blocking=False):
+                try:
+                    self.polls += 1
+                    readable = link.readable
+                    while not readable():
+                        if time.monotonic() >= spin_end:
+                            break
+                    else:
+                        self.polled += 1
+                finally:
+                    _Polling.slot.release()
+        return bool(link.read_blocking(until))
 
     def _until(self, deadline: float | None) -> float:
         """The end of the next wait for a reply: a slice, or the deadline if sooner."""
@@ -344,6 +389,7 @@ class SyncCalls:
         ones (any thread)."""
         with self._lock:
             self._closed = True
+            counted, self._counted = self._counted, False
             idle = [c for chans in self._free.values() for c in chans]
             self._free.clear()
             for chan in self._busy:
@@ -352,6 +398,9 @@ class SyncCalls:
                 served.interrupt()
         for chan in idle:
             chan.link.close_threaded()
+        if counted:
+            with _Polling.lock:
+                _Polling.agents -= 1
 
     def join(self, timeout: float | None) -> None:
         """Wait for the serving threads to end (after :meth:`close`)."""
@@ -389,9 +438,12 @@ class SyncCalls:
         return True
 
     def _serve(self, link: Any, inbox: list[InMessage]) -> None:
+        fast = True
         try:
             while link.closed is None:
-                link.read_blocking(None)
+                waited = time.monotonic()
+                self._wait(link, None, waited + self._spin if fast else 0.0)
+                fast = time.monotonic() - waited <= self._spin
                 while inbox:
                     self._run(link, inbox.pop(0))
         except Exception:  # a bug here: drop the link, loudly (the caller sees it lost)

@@ -41,7 +41,7 @@ from ._base import Hooks, Link
 from ._frames import OutMessage, pack_batch_parts, parse_envelope
 from ._shm import SegmentWriter
 
-__all__ = ["DIRECT_BYTES", "MAGIC", "TcpLink", "split_address"]
+__all__ = ["DIRECT_BYTES", "MAGIC", "TcpLink"]
 
 _log = logging.getLogger(__name__)
 
@@ -90,12 +90,6 @@ def _tune(sock: socket.socket) -> None:
         if opt is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, opt, value)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` to ``(host, port)``."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class TcpLink(Link):
@@ -419,6 +413,11 @@ class TcpLink(Link):
             return False
         self._read()
         return True
+
+    def readable(self) -> bool:
+        """Threaded mode: whether bytes (or the end) wait to be read; never blocks."""
+        pending = self._tls and self._sock is not None and self._sock.pending()  # type: ignore[attr-defined]
+        return bool(pending) or bool(self._poll.poll(0))
 
     def idle_ok(self) -> bool:
         """Threaded mode, between calls: open, and nothing (EOF) waiting in it."""

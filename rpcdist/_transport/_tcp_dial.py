@@ -27,10 +27,18 @@ import msgpack
 from .._errors import ConnectError, ProtocolError, RpcdistError
 from .._options import RpcOptions
 from ._base import Accept, Hooks, Link, Peer, TransportBase, Validate, segment_writer
-from ._tcp import MAGIC, TcpLink, split_address
+from ._tcp import MAGIC, TcpLink
 from ._tls import TlsContexts, TlsStream, handshake, recv_exact, send_all, tls_contexts
 
-__all__ = ["TcpServer", "TcpTransport", "Unreachable", "check_hello", "parse_hello", "tcp_connect"]
+__all__ = [
+    "TcpServer",
+    "TcpTransport",
+    "Unreachable",
+    "check_hello",
+    "parse_hello",
+    "split_address",
+    "tcp_connect",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +62,12 @@ async def _recv_msg(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Any
     if n > _HELLO_MAX:
         raise ProtocolError(f"handshake message of {n} bytes is too large")
     return parse_hello(await _recv_exact(loop, sock, n))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` to ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def parse_hello(body: bytes) -> Any:

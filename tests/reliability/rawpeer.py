@@ -11,7 +11,7 @@ import msgpack
 
 from rpcdist._proto import rpc_pb2
 from rpcdist._serialization import encode
-from rpcdist._transport import _tcp
+from rpcdist._transport import _tcp, _tcp_dial
 from rpcdist._transport._frames import CALL, OutMessage, pack_batch
 
 _LEN = struct.Struct("<I")
@@ -39,7 +39,7 @@ class RawPeer:
     """A socket that presents itself as worker ``rank``/``name`` with ``token``."""
 
     def __init__(self, address: str, *, rank: int, name: str, token: str | None) -> None:
-        self.sock = socket.create_connection(_tcp.split_address(address), timeout=10)
+        self.sock = socket.create_connection(_tcp_dial.split_address(address), timeout=10)
         body = msgpack.packb({"rank": rank, "name": name, "token": token})
         self.sock.sendall(_tcp.MAGIC + _LEN.pack(len(body)) + body)
         (n,) = _LEN.unpack(self.recv_exact(4))

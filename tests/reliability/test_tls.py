@@ -16,7 +16,7 @@ from certs import HAVE_OPENSSL, make_ca, make_cert
 
 import rpcdist
 from rpcdist._store import GrpcTls, StoreClient
-from rpcdist._transport import _tcp
+from rpcdist._transport import _tcp, _tcp_dial
 from rpcdist._transport._tcp_dial import tcp_connect
 from rpcdist._transport._tls import TlsStream, tls_contexts
 from rpcdist.testing import as_current, local_agents
@@ -176,7 +176,7 @@ def _hello(sock, token: str | None) -> dict:
 
 
 def _raw_tls_hello(agent, pki, *, with_cert: bool, token: str = "t") -> str:
-    host, port = _tcp.split_address(agent.links.address(0))
+    host, port = _tcp_dial.split_address(agent.links.address(0))
     ctx = ssl.create_default_context(cafile=pki["worker"]["tls_ca_file"])
     if with_cert:
         ctx.load_cert_chain(pki["worker"]["tls_cert_file"], pki["worker"]["tls_key_file"])
@@ -190,7 +190,7 @@ def _raw_tls_hello(agent, pki, *, with_cert: bool, token: str = "t") -> str:
 
 
 def _plaintext_hello(agent) -> str:
-    host, port = _tcp.split_address(agent.links.address(0))
+    host, port = _tcp_dial.split_address(agent.links.address(0))
     with socket.create_connection((host, port), timeout=10) as s:
         try:
             answer = _hello(s, "t")
