@@ -189,17 +189,30 @@ def test_graceful_shutdown_waits_for_a_blocking_call_in_flight():
     assert got == ["done"]
 
 
-@pytest.mark.parametrize("bad", [-1, "many", 1.5, True])
-def test_bad_sync_channels_option_is_a_clear_error(bad):
-    with pytest.raises(ConfigError, match="sync_channels"):
-        RpcOptions(sync_channels=bad).validated()
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [("sync_channels", b) for b in (-1, "many", 1.5, True)]
+    + [("busy_poll_us", b) for b in (-1, "soon", True, float("nan"), 2e6)],
+)
+def test_a_bad_option_is_a_clear_error(name, bad):
+    with pytest.raises(ConfigError, match=name):
+        RpcOptions(**{name: bad}).validated()
 
 
-def test_environment_sets_the_default(monkeypatch):
-    monkeypatch.setenv("RPCDIST_SYNC_CHANNELS", "2")
-    assert RpcOptions().validated().sync_channels == 2
-    monkeypatch.setenv("RPCDIST_SYNC_CHANNELS", "lots")
-    with pytest.raises(ConfigError, match="RPCDIST_SYNC_CHANNELS"):
+@pytest.mark.parametrize(
+    ("name", "var", "default", "value", "parsed"),
+    [
+        ("sync_channels", "RPCDIST_SYNC_CHANNELS", 4, "2", 2),
+        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 200.0, "50", 50.0),
+    ],
+)
+def test_environment_sets_the_default(monkeypatch, name, var, default, value, parsed):
+    monkeypatch.delenv(var, raising=False)
+    assert getattr(RpcOptions().validated(), name) == default
+    monkeypatch.setenv(var, value)
+    assert getattr(RpcOptions().validated(), name) == parsed
+    monkeypatch.setenv(var, "lots")
+    with pytest.raises(ConfigError, match=var):
         RpcOptions().validated()
 
 
@@ -326,19 +339,3 @@ def test_agents_sharing_a_process_never_poll(agents2):
     for agent in (a, b):
         s = agent.statistics()
         assert (s["busy_polls"], s["busy_poll_hits"]) == (0, 0)
-
-
-@pytest.mark.parametrize("bad", [-1, "soon", True, float("nan"), 2e6])
-def test_bad_busy_poll_option_is_a_clear_error(bad):
-    with pytest.raises(ConfigError, match="busy_poll_us"):
-        RpcOptions(busy_poll_us=bad).validated()
-
-
-def test_environment_sets_the_busy_poll_window(monkeypatch):
-    monkeypatch.setenv("RPCDIST_BUSY_POLL_US", "50")
-    assert RpcOptions().validated().busy_poll_us == 50.0
-    monkeypatch.delenv("RPCDIST_BUSY_POLL_US")
-    assert RpcOptions().validated().busy_poll_us == 200.0
-    monkeypatch.setenv("RPCDIST_BUSY_POLL_US", "soon")
-    with pytest.raises(ConfigError, match="RPCDIST_BUSY_POLL_US"):
-        RpcOptions().validated()
