@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import os
@@ -254,21 +255,16 @@ class RpcOptions:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
         spin: Any = self.busy_poll_us
-        if isinstance(spin, str):
-            try:
-                spin = float(spin)
-            except ValueError:
-                raise ConfigError(
-                    "RpcOptions.busy_poll_us (or RPCDIST_BUSY_POLL_US) must be a number of "
-                    f"microseconds >= 0, got {spin!r}"
-                ) from None
+        with contextlib.suppress(ValueError):
+            spin = float(spin) if isinstance(spin, str) else spin
         if (
             not isinstance(spin, int | float)
             or isinstance(spin, bool)
             or not 0 <= spin <= 1_000_000
         ):
             raise ConfigError(
-                f"RpcOptions.busy_poll_us must be a number of microseconds in [0, 1e6], got {spin!r}"
+                "RpcOptions.busy_poll_us (or RPCDIST_BUSY_POLL_US) must be a number of "
+                f"microseconds in [0, 1e6], got {self.busy_poll_us!r}"
             )
         if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
