@@ -16,6 +16,7 @@ from .._errors import (
     ClosedError,
     RpcTimeoutError,
     RRefError,
+    SerializationError,
     WrongThreadError,
 )
 from .._futures import Future
@@ -395,8 +396,8 @@ def _encode_rref(rref: RRef[Any], wctx: Any) -> list[int]:
 
 
 def _decode_rref(desc: Any, wctx: Any) -> RRef[Any]:
-    if not isinstance(wctx, WireContext):
-        raise RRefError("an RRef can only be received as part of an RPC")
+    if not isinstance(wctx, WireContext):  # bad input for the codec: SerializationError
+        raise SerializationError("an RRef can only be received as part of an RPC")
     owner, r0, r1, c = desc
     agent = wctx.agent
     ctx = context_of(agent)

@@ -147,3 +147,17 @@ def test_non_contiguous_buffer_is_refused() -> None:
     strided = memoryview(bytearray(4))[::2]
     with pytest.raises(SerializationError, match="not contiguous"):
         decode(header, [strided])
+
+
+@pytest.mark.parametrize("payload", [1, None, [1, 2, 3, 4], {"a": 1}, b"xx"])
+def test_a_plugin_marker_outside_an_rpc_is_refused(payload):
+    """A mutated header can spell another rpcdist module's marker (an RRef's,
+    found by the fuzz test above); decoded with no RPC around it, that is
+    malformed input like any other (it raised RRefError before)."""
+    import rpcdist._rref._rref  # noqa: F401  (registers the RRef marker)
+    from rpcdist._serialization._extensions import PLUGINS
+
+    assert PLUGINS, "no plugin registered"
+    for code, _ in PLUGINS.values():
+        with pytest.raises(SerializationError):
+            decode(msgpack.packb([EXT(code, b""), payload]), [])
