@@ -11,7 +11,9 @@ peer, shared by all threads.
 On the callee, such a connection (its hello says so) is read by a thread of
 its own, which runs a plain function in a slot borrowed from the handler
 pool and writes the reply itself. So a round trip wakes two threads instead
-of four (docs/design.md, "Blocking calls").
+of four (docs/design.md, "Blocking calls"), and often none: both waits first
+poll their socket for up to ``RpcOptions.busy_poll_us`` (see :class:`_Polling`
+and :meth:`SyncCalls._wait` for when).
 
 When a call times out, its connection goes to the loop, which half-closes
 it and reads any reply that still comes (so RRef forks in a late reply are
