@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import rpc_funcs as rf
@@ -76,5 +77,42 @@ def busy_polling(rank, world_size, init_method, busy_poll_us):
         slow = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.02, i)) for i in range(5)]
         assert slow == list(range(5))
         return after_quick, callee, before_slow, busy_poll_counters()
+    finally:
+        rpcdist.shutdown()
+
+
+_held_started = threading.Event()
+_held_release = threading.Event()
+
+
+def hold_here():
+    _held_started.set()
+    _held_release.wait(60)
+    return "released"
+
+
+def busy_polling_beside_a_handler(rank, world_size, init_method):
+    """Rank 1 keeps a handler running on rank 0 while rank 0 makes 50 quick
+    blocking calls to rank 1; rank 0 then ends the handler and makes 50 more.
+    Rank 0 returns its counters after each batch."""
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
+                     options=rpcdist.RpcOptions(busy_poll_us=200))  # fmt: skip
+    try:
+        if rank == 1:
+            assert rpcdist.rpc_async("w0", hold_here).wait(60) == "released"
+            return None
+        assert _held_started.wait(30)
+        assert [rpcdist.rpc_sync("w1", rf.add, args=(i, 1)) for i in range(50)] == [
+            i + 1 for i in range(50)
+        ]
+        during = busy_poll_counters()
+        _held_release.set()
+        end = time.monotonic() + 30
+        while rpcdist.statistics()["inflight_handlers"]:  # the handler's own end
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        for i in range(50):
+            rpcdist.rpc_sync("w1", rf.add, args=(i, 1))
+        return during, busy_poll_counters()
     finally:
         rpcdist.shutdown()

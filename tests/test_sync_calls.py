@@ -339,3 +339,15 @@ def test_agents_sharing_a_process_never_poll(agents2):
     for agent in (a, b):
         s = agent.statistics()
         assert (s["busy_polls"], s["busy_poll_hits"]) == (0, 0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_worker_running_a_handler_does_not_poll():
+    """A polling thread would keep the running handler from the GIL."""
+    import mp_workers
+
+    during, after = run_workers(mp_workers.busy_polling_beside_a_handler, 2, timeout=90)[0]
+    assert during == (0, 0, 50)  # all 50 on the caller's own connection, none polled
+    assert after[2] == 100
+    assert after[1] > 0  # with the handler gone, the same calls poll and hit
