@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import rpc_funcs as rf
@@ -81,14 +80,12 @@ def busy_polling(rank, world_size, init_method, busy_poll_us):
         rpcdist.shutdown()
 
 
-_held_started = threading.Event()
-_held_release = threading.Event()
-
-
-def hold_here():
-    _held_started.set()
-    _held_release.wait(60)
-    return "released"
+def _until_handlers(running: bool) -> None:
+    """Wait (at most 30 s) until this worker runs a handler, or runs none."""
+    end = time.monotonic() + 30
+    while bool(rpcdist.statistics()["inflight_handlers"]) != running:
+        assert time.monotonic() < end
+        time.sleep(0.001)
 
 
 def busy_polling_beside_a_handler(rank, world_size, init_method):
@@ -99,18 +96,15 @@ def busy_polling_beside_a_handler(rank, world_size, init_method):
                      options=rpcdist.RpcOptions(busy_poll_us=200))  # fmt: skip
     try:
         if rank == 1:
-            assert rpcdist.rpc_async("w0", hold_here).wait(60) == "released"
+            assert rpcdist.rpc_async("w0", rf.held, args=("released",)).wait(60) == "released"
             return None
-        assert _held_started.wait(30)
+        _until_handlers(running=True)  # rank 1's call runs here
         assert [rpcdist.rpc_sync("w1", rf.add, args=(i, 1)) for i in range(50)] == [
             i + 1 for i in range(50)
         ]
         during = busy_poll_counters()
-        _held_release.set()
-        end = time.monotonic() + 30
-        while rpcdist.statistics()["inflight_handlers"]:  # the handler's own end
-            assert time.monotonic() < end
-            time.sleep(0.001)
+        rf.release.set()
+        _until_handlers(running=False)  # its own end, after the reply
         for i in range(50):
             rpcdist.rpc_sync("w1", rf.add, args=(i, 1))
         return during, busy_poll_counters()
