@@ -296,8 +296,8 @@ def statistics() -> dict[str, int]:
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``busy_polls`` and ``busy_poll_hits`` (waits on those calls' connections,
     at either end, that began by polling, and those whose bytes came
-    meanwhile: ``RpcOptions.busy_poll_us``), ``heartbeats_sent``, ``collectives_completed``, ``collectives_failed``,
-    ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()``
+    meanwhile: ``RpcOptions.busy_poll_us``), ``heartbeats_sent``,
+    ``collectives_completed``, ``collectives_failed``, ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()``
     says more about what is outstanding.
 
     Raises:

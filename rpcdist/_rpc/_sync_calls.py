@@ -142,7 +142,6 @@ class SyncCalls:
         self._slice = agent.options.heartbeat_interval
         #: Seconds a waiting thread polls before it sleeps (0: never).
         self._spin = float(agent.options.busy_poll_us) * 1e-6 if self._limit else 0.0
-        self._counted = True
         #: Waits that began by polling, and those whose bytes came meanwhile
         #: (written by the one polling thread of the process).
         self.polls = 0
@@ -390,8 +389,7 @@ class SyncCalls:
         """Close idle connections and wake threads waiting on busy or served
         ones (any thread)."""
         with self._lock:
-            self._closed = True
-            counted, self._counted = self._counted, False
+            counted, self._closed = not self._closed, True  # (counted in _Polling until now)
             idle = [c for chans in self._free.values() for c in chans]
             self._free.clear()
             for chan in self._busy:
