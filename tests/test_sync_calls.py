@@ -203,7 +203,7 @@ def test_a_bad_option_is_a_clear_error(name, bad):
     ("name", "var", "default", "value", "parsed"),
     [
         ("sync_channels", "RPCDIST_SYNC_CHANNELS", 4, "2", 2),
-        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 200.0, "50", 50.0),
+        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 1000.0, "50", 50.0),
     ],
 )
 def test_environment_sets_the_default(monkeypatch, name, var, default, value, parsed):
