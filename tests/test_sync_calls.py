@@ -11,6 +11,7 @@ import rpc_funcs as rf
 
 import rpcdist
 from rpcdist import ConfigError, RpcOptions, RpcTimeoutError
+from rpcdist._rpc._sync_calls import Started
 from rpcdist._transport._shm import shm_available
 from rpcdist.testing import as_current, local_agents, run_workers
 
@@ -351,3 +352,54 @@ def test_a_worker_running_a_handler_does_not_poll():
     assert during == (0, 0, 50)  # all 50 on the caller's own connection, none polled
     assert after[2] == 100
     assert after[1] > 0  # with the handler gone, the same calls poll and hit
+
+
+def test_a_started_call_leaves_at_once_and_is_read_later(agents2):
+    """``Agent.start_blocking``: the call is in flight on a thread-driven
+    connection when it returns, and its reply is read by ``wait()`` once."""
+    a, _ = agents2
+    with as_current(a):
+        call = a.start_blocking("worker1", a.function_name(rf.add), ((2, 3), {}), deadline=None)
+        assert isinstance(call, Started)
+        assert a.statistics()["pending_calls"] == 1
+        assert call.wait() == 5
+        assert a.statistics()["pending_calls"] == 0
+        with pytest.raises(RuntimeError, match="already waited for"):
+            call.wait()
+    assert _direct(a) == 1
+
+
+def test_a_started_call_raises_the_remote_error_at_wait(agents2):
+    a, _ = agents2
+    with as_current(a):
+        call = a.start_blocking("worker1", a.function_name(rf.raise_key_error), (("boom",), {}),
+                                deadline=time.monotonic() + 10)  # fmt: skip
+        with pytest.raises(KeyError, match="boom"):
+            call.wait()
+        assert a.statistics()["pending_calls"] == 0
+        assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 1)) == 2
+
+
+def test_an_abandoned_call_frees_its_connection_and_its_late_reply_is_dropped(agents2):
+    """A caller that gives up a started call (an error came first) counts
+    it out at once; the loop takes its connection and reads the reply."""
+    a, b = agents2
+    rf.release.clear()
+    try:
+        with as_current(a):
+            call = a.start_blocking("worker1", a.function_name(rf.held), (("late",), {}),
+                                    deadline=None)  # fmt: skip
+            _wait_until(lambda: b.statistics()["inflight_handlers"] == 1)
+            held = a.sync.connections(1)
+            call.abandon()
+            call.abandon()  # once only
+            assert a.statistics()["pending_calls"] == 0
+            assert a.sync.connections(1) == held - 1
+            with pytest.raises(RuntimeError, match="abandoned"):
+                call.wait()
+            rf.release.set()
+            _wait_until(lambda: b.statistics()["inflight_handlers"] == 0)
+            assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 2)) == 3
+    finally:
+        rf.release.set()
+    assert _direct(a) == 2

@@ -61,7 +61,7 @@ from ._links import Links
 from ._liveness import PING, Liveness, on_ping
 from ._p2p import Mailbox, send_one_way
 from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
-from ._sync_calls import NOT_TAKEN, SyncCalls
+from ._sync_calls import NOT_TAKEN, Started, SyncCalls
 
 __all__ = ["AUTO", "Agent"]
 
@@ -383,7 +383,7 @@ class Agent:
         """Call ``func(*args, **kwargs)`` on ``to`` and wait; see ``rpcdist.rpc_sync``."""
         self._lt.check_not_loop_thread("rpc_sync()")
         peer, msg = self._user_call(to, func, args, kwargs, timeout)
-        return self._wait_for(peer, msg)
+        return self._begin(peer, msg).wait()
 
     def call_blocking(
         self,
@@ -397,25 +397,47 @@ class Agent:
         label: str = "",
         where: tuple[Any, Any] | None = None,
     ) -> Any:
-        """:meth:`call` and wait for the reply's value, on a thread-driven link
-        when the call qualifies (see ``_sync_calls``).
+        """:meth:`start_blocking` and wait for the reply's value.
 
         Raises:
             WrongThreadError: called on the agent's loop thread.
             Exception: what the call raised (see :meth:`call` and ``rpc_sync``).
         """
+        return self.start_blocking(to, method, payload, deadline=deadline, meta=meta,
+                                   internal=internal, label=label, where=where).wait()  # fmt: skip
+
+    def start_blocking(
+        self,
+        to: str | int | WorkerInfo,
+        method: str,
+        payload: Any,
+        *,
+        deadline: float | None,
+        meta: Meta | _Auto | None = AUTO,
+        internal: bool = False,
+        label: str = "",
+        where: tuple[Any, Any] | None = None,
+    ) -> Started | Future[Any]:
+        """:meth:`call`, on a thread-driven link when the call qualifies (see
+        ``_sync_calls``): returns once it is sent, with something whose
+        ``wait()`` reads the reply on the calling thread (so the caller can
+        work meanwhile). Give up a ``Started`` with ``_sync_calls.abandon``.
+
+        Raises:
+            WrongThreadError: called on the agent's loop thread.
+        """
         self._lt.check_not_loop_thread(f"a blocking call of {method!r}")
         peer = self.worker(to)
         msg = self.request(peer, method, payload, deadline=deadline, meta=meta,
                            internal=internal, label=label, where=where)  # fmt: skip
-        return self._wait_for(peer, msg)
+        return self._begin(peer, msg)
 
-    def _wait_for(self, peer: WorkerInfo, msg: OutMessage) -> Any:
+    def _begin(self, peer: WorkerInfo, msg: OutMessage) -> Started | Future[Any]:
         if self.sync.eligible(msg):
-            got = self.sync.call(peer, msg)
-            if got is not NOT_TAKEN:
-                return got
-        return self.calls.submit(peer.id, msg).wait()
+            started = self.sync.start(peer, msg)
+            if started is not NOT_TAKEN:
+                return started
+        return self.calls.submit(peer.id, msg)
 
     async def send_control(
         self, dst: int, method: str, payload: Any, *, give_up_after: float | None = None
@@ -538,23 +560,7 @@ class Agent:
 
     def statistics(self) -> dict[str, int]:
         """Counters for tests and debugging; every gauge is 0 when idle."""
-        activity = self.activity
-        stats = {
-            # (calls handed to the loop count from the moment they are made)
-            "pending_calls": len(self.calls) + self.calls.queued + self.sync.inflight,
-            "inflight_handlers": activity.inflight,
-            "calls_sent": activity.sent,
-            "calls_handled": activity.handled,
-            "direct_sync_calls": self.sync.calls,
-            "busy_polls": self.sync.polls,
-            "busy_poll_hits": self.sync.polled,
-        }
-        stats.update(self.links.statistics())
-        stats.update(self.mailbox.statistics())
-        stats.update(self.liveness.statistics())
-        for ext in list(self.registry.extensions.values()):
-            stats.update(ext.statistics())
-        return stats
+        return _doctor.statistics(self)
 
     # --------------------------------------------------------------- shutdown
 

@@ -11,6 +11,7 @@ no handler running on the other, or collective sequence numbers that
 differ between ranks.
 
 Taking one reads the tables under their locks and costs nothing until then.
+:func:`statistics` is the flat dict of counters ``rpcdist.statistics()`` returns.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["snapshot", "summary"]
+__all__ = ["snapshot", "statistics", "summary"]
 
 #: Calls listed per peer (the oldest); the rest are counted.
 _SHOWN = 5
@@ -101,3 +102,25 @@ def summary(info: dict[str, Any]) -> str:
     if lost:
         parts.append("lost: " + ", ".join(repr(w) for w in lost))
     return "outstanding on " + repr(info.get("worker", "?")) + ": " + "; ".join(parts)
+
+
+def statistics(agent: Agent) -> dict[str, int]:
+    """``Agent.statistics()``: counters for tests and debugging; every gauge
+    is 0 when idle."""
+    activity = agent.activity
+    stats = {
+        # (calls handed to the loop count from the moment they are made)
+        "pending_calls": len(agent.calls) + agent.calls.queued + agent.sync.inflight,
+        "inflight_handlers": activity.inflight,
+        "calls_sent": activity.sent,
+        "calls_handled": activity.handled,
+        "direct_sync_calls": agent.sync.calls,
+        "busy_polls": agent.sync.polls,
+        "busy_poll_hits": agent.sync.polled,
+    }
+    stats.update(agent.links.statistics())
+    stats.update(agent.mailbox.statistics())
+    stats.update(agent.liveness.statistics())
+    for ext in list(agent.registry.extensions.values()):
+        stats.update(ext.statistics())
+    return stats

@@ -15,7 +15,11 @@ of four (docs/design.md, "Blocking calls"), and often none: both waits first
 poll their socket for up to ``RpcOptions.busy_poll_us`` (see :class:`_Polling`
 and :meth:`SyncCalls._wait` for when).
 
-When a call times out, its connection goes to the loop, which half-closes
+A caller may also write a call and read its reply later
+(:meth:`SyncCalls.start`), working meanwhile: a backward pass sends a
+gradient message as soon as it has it and goes on with its own part.
+
+When a call times out (or its caller abandons it), its connection goes to the loop, which half-closes
 it and reads any reply that still comes (so RRef forks in a late reply are
 registered and released like those of any late reply). Anything that does
 not fit (a busy worker, a request for /dev/shm, fault injection, the gRPC
@@ -57,7 +61,7 @@ from ._context import WireContext
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["NOT_TAKEN", "SyncCalls"]
+__all__ = ["NOT_TAKEN", "Started", "SyncCalls", "abandon"]
 
 _log = logging.getLogger(__name__)
 
@@ -90,6 +94,41 @@ class _Channel:
         self.replies = replies
         #: Whether the last reply came within the busy-polling window.
         self.fast = True
+
+
+class Started:
+    """A call written on a thread-driven connection, whose reply the caller
+    reads later with :meth:`wait` (or gives up with :meth:`abandon`)."""
+
+    __slots__ = ("_calls", "chan", "done", "label", "msg", "sent", "started")
+
+    def __init__(self, calls: SyncCalls, chan: _Channel, msg: OutMessage, label: str,
+                 started: float) -> None:  # fmt: skip
+        self._calls = calls
+        self.chan = chan
+        self.msg = msg
+        self.label = label
+        self.started = started
+        self.sent = False
+        self.done = False
+
+    def wait(self) -> Any:
+        """The call's result, read on this thread (see :meth:`SyncCalls.call`)."""
+        return self._calls._finish(self)
+
+    def abandon(self) -> None:
+        """No one will wait for the reply (an error came first): the agent's
+        loop reads it and drops it. A no-op once waited for."""
+        self._calls._abandon(self)
+
+
+def abandon(calls: list[Any]) -> None:
+    """Give up each of ``calls`` that can be (a :class:`Started`, or what
+    wraps one); a Future needs nothing."""
+    for c in calls:
+        give_up = getattr(c, "abandon", None)
+        if give_up is not None:
+            give_up()
 
 
 def _keeper(replies: list[InMessage]) -> Hooks:
@@ -188,26 +227,67 @@ class SyncCalls:
             ClosedError: this agent shut down meanwhile.
             Exception: what the remote function raised.
         """
+        call = self.start(peer, msg)
+        return NOT_TAKEN if call is NOT_TAKEN else call.wait()
+
+    def start(self, peer: WorkerInfo, msg: OutMessage) -> Started:
+        """Write the call and return at once; :meth:`Started.wait` reads the
+        reply (so the caller can work meanwhile). Returns :data:`NOT_TAKEN`
+        having sent nothing if no connection is free.
+
+        Raises:
+            WorkerLostError: the connection failed while the call was written.
+            RpcdistError: a fault rule failed the call (nothing was sent).
+        """
         agent = self._agent
         chan = self._take(peer.id, msg.deadline)
         if chan is None:
-            return NOT_TAKEN
+            return NOT_TAKEN  # type: ignore[no-any-return]
         msg.id = next(agent.calls.ids)
-        label = msg.label or msg.method
-        activity = agent.activity
-        started = time.monotonic()
-        with activity.lock:
-            activity.sent += 1
+        call = Started(self, chan, msg, msg.label or msg.method, time.monotonic())
+        with agent.activity.lock:
+            agent.activity.sent += 1
             self.calls += 1
             self.inflight += 1
-            self._active[msg.id] = (peer.id, label, started)
+            self._active[msg.id] = (peer.id, call.label, call.started)
+        link = chan.link
         try:
-            reply = self._round_trip(chan, msg, label, started)
+            call.sent = link.send_blocking(msg, msg.deadline)
+        except OSError as e:  # (no RpcTimeoutError, also an OSError, is raised in here)
+            self._ended(call)
+            self._drop(chan)
+            raise self._lost_link(link, call.label, e) from e
+        except RpcdistError:  # a fault rule failed the call: nothing was sent
+            self._ended(call)
+            self._give_back(chan)
+            msg.dropped()
+            raise
+        except BaseException:  # interrupted mid-write: the connection is unusable
+            self._ended(call)
+            self._drop(chan)
+            raise
+        return call
+
+    def _ended(self, call: Started) -> None:
+        """Count ``call`` out of the calls in flight (once)."""
+        if call.done:
+            return
+        call.done = True
+        activity = self._agent.activity
+        with activity.lock:
+            self.inflight -= 1
+            del self._active[call.msg.id]
+        activity.woke_threadsafe()
+
+    def _finish(self, call: Started) -> Any:
+        if call.done:
+            raise RuntimeError(f"call {call.label!r} was already waited for or abandoned")
+        try:
+            reply = self._await(call)
         finally:
-            with activity.lock:
-                self.inflight -= 1
-                del self._active[msg.id]
-            activity.woke_threadsafe()
+            self._ended(call)
+        agent = self._agent
+        peer = agent.workers[call.chan.link.peer_rank]
         agent.registry.on_reply(agent, peer, reply.meta)
         wire = WireContext(agent, peer, off_loop=True, meta=reply.meta)
         value = decode(
@@ -217,17 +297,33 @@ class SyncCalls:
             raise exception_from_wire(value)
         return value
 
-    def _round_trip(self, chan: _Channel, msg: OutMessage, label: str, started: float) -> InMessage:
+    def _abandon(self, call: Started) -> None:
+        if call.done:
+            return
+        self._ended(call)
+        if call.sent:
+            self._retire(call.chan)  # the loop reads the reply when it comes
+        else:
+            self._drop(call.chan)
+
+    def _lost_link(self, link: Any, label: str, e: OSError) -> RpcdistError:
+        why: RpcdistError = WorkerLostError(f"lost the connection to {link.label}: {e}")
+        liveness = self._agent.liveness
+        if liveness.is_lost(link.peer_rank):
+            why = liveness.error(link.peer_rank)
+        return self._lost(label, why)
+
+    def _await(self, call: Started) -> InMessage:
+        chan, msg, label = call.chan, call.msg, call.label
         link = chan.link
         liveness = self._agent.liveness
         dst = link.peer_rank
         lost = False
+        waited = time.monotonic()
         try:
-            sent = link.send_blocking(msg, msg.deadline)
             watched = False
-            waited = time.monotonic()
             spin_end = waited + self._spin if chan.fast else 0.0
-            while sent and not chan.replies and link.closed is None:
+            while call.sent and not chan.replies and link.closed is None:
                 if self._wait(link, self._until(msg.deadline), spin_end):
                     continue
                 if liveness.is_lost(dst):
@@ -238,29 +334,22 @@ class SyncCalls:
                 if not watched:  # a slow reply: make sure the detector watches the callee
                     watched = True
                     liveness.watch_threadsafe(dst)
-        except OSError as e:  # (no RpcTimeoutError, also an OSError, is raised in here)
+        except OSError as e:
             self._drop(chan)
-            why = WorkerLostError(f"lost the connection to {link.label}: {e}")
-            if liveness.is_lost(dst):
-                why = liveness.error(dst)
-            raise self._lost(label, why) from e
-        except RpcdistError:  # a fault rule failed the call: nothing was sent
-            self._give_back(chan)
-            msg.dropped()
-            raise
+            raise self._lost_link(link, label, e) from e
         chan.fast = time.monotonic() - waited <= self._spin
         if lost or (link.closed is not None and not chan.replies and liveness.is_lost(dst)):
             self._drop(chan)
             raise self._lost(label, liveness.error(dst))
-        if not sent:
+        if not call.sent:
             self._drop(chan)  # cut mid-message: nothing will answer it
-            raise self._timeout(chan, label, started)
+            raise self._timeout(chan, label, call.started)
         if link.closed is not None and not chan.replies:
             self._drop(chan)
             raise self._lost(label, link.closed)
         if not chan.replies:
             self._retire(chan)  # the deadline passed
-            raise self._timeout(chan, label, started)
+            raise self._timeout(chan, label, call.started)
         reply = chan.replies.pop()
         if reply.id != msg.id or chan.replies:
             self._drop(chan)

@@ -27,6 +27,7 @@ from .._errors import (
 from .._futures import Future
 from .._rpc._agent import AUTO
 from .._rpc._context import WireContext
+from .._rpc._sync_calls import abandon
 from .._serialization import decode
 from .._worker import WorkerInfo
 from ._context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext
@@ -36,7 +37,15 @@ from ._protocol import Record
 if TYPE_CHECKING:
     from ._rref import RRef
 
-__all__ = ["call_owner", "check_args", "create", "lost", "to_here_after_creation"]
+__all__ = [
+    "OwnerCall",
+    "call_owner",
+    "check_args",
+    "create",
+    "lost",
+    "start_owner_call",
+    "to_here_after_creation",
+]
 
 Make = Callable[..., "RRef[Any]"]
 """``make(ctx, rid, fork, owner, record, state)``: the RRef factory."""
@@ -87,6 +96,61 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
         reply.add_done_callback(functools.partial(_first, box))
         confirmed.add_done_callback(functools.partial(_guard, box, hold))
     return out
+
+
+class OwnerCall:
+    """A call to an RRef's owner already sent from this thread, whose reply
+    :meth:`wait` reads here (see :func:`start_owner_call`)."""
+
+    __slots__ = ("_call", "_ctx", "_hold", "_owner", "_what")
+
+    def __init__(self, call: Any, ctx: RRefContext, owner: int, what: str, hold: list[Any]) -> None:
+        self._call = call
+        self._ctx = ctx
+        self._owner = owner
+        self._what = what
+        self._hold = hold  # the RRef (so its fork) stays alive until the reply
+
+    def wait(self) -> Any:
+        try:
+            return self._call.wait()
+        except BaseException as e:
+            if lost(e):
+                self._ctx.mark_lost(self._owner)
+                raise self._ctx.lost_error(self._owner, self._what, e) from e
+            raise
+        finally:
+            self._hold.clear()
+
+    def abandon(self) -> None:
+        abandon([self._call])
+        self._hold.clear()
+
+
+def start_owner_call(rref: RRef[Any], method: str, payload: Any, deadline: float | None,
+                     what: str, args: Any, kwargs: Any, internal: bool) -> Any:  # fmt: skip
+    """:func:`call_owner` with ``blocking``, split: the call leaves now (on a
+    thread-driven link when it qualifies) and ``wait()`` on what this returns
+    reads the reply on the calling thread, the caller working meanwhile. An
+    RRef whose creation is not yet confirmed takes :func:`call_owner`'s path
+    (its Future also has ``wait()``)."""
+    ctx = rref._ctx
+    confirmed = rref._confirmed
+    if confirmed is not None and not confirmed.done():
+        return call_owner(rref, method, payload, deadline, what, args, kwargs, internal)
+    owner = rref._owner
+    if owner in ctx.lost:
+        raise ctx.lost_error(owner, f"{what} on {rref!r}")
+    what = f"{what} on RRef {rref._rid}"
+    try:
+        call = ctx.agent.start_blocking(owner, method, payload, deadline=deadline,
+                                        internal=internal, where=(args, kwargs))  # fmt: skip
+    except BaseException as e:
+        if lost(e):
+            ctx.mark_lost(owner)
+            raise ctx.lost_error(owner, what, e) from e
+        raise
+    return OwnerCall(call, ctx, owner, what, [rref])
 
 
 def _guard(box: list[Future[Any]], hold: list[Any], confirmed: Future[None]) -> None:

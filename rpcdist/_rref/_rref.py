@@ -24,7 +24,7 @@ from .._rpc._context import WireContext, current_agent
 from .._rpc._doctor import summary
 from .._serialization import register_extension
 from .._worker import WorkerInfo
-from ._calls import call_owner, create, to_here_after_creation
+from ._calls import call_owner, create, start_owner_call, to_here_after_creation
 from ._context import (
     ACCEPTS,
     CHILD_ACCEPT,
@@ -296,6 +296,20 @@ class RRef(Generic[T]):
         payload = [*self._rid, name, list(args), kwargs]
         reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs, blocking=blocking)
         return reply.then(functools.partial(_invoked, self, name))
+
+    def _start_invoke(self, name: str, args: Any, kwargs: Any,
+                      timeout: float | Unset | None) -> Any:  # fmt: skip
+        """``rpc_sync()``'s call of method ``name``, split: it leaves now, and
+        ``wait()`` on what this returns reads its value here (the caller
+        works meanwhile; give it up with ``_sync_calls.abandon``). A method
+        not yet known to be plain takes :meth:`_invoke`'s path."""
+        if self._plain is None or name not in self._plain:
+            return self._invoke(name, args, kwargs, timeout)
+        self._check(f"proxy call {name}()")
+        deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
+        call: Any = ((*self._rid, name, list(args), kwargs), {})
+        return start_owner_call(self, CALL_METHOD, call, deadline, f"{name}()", args, kwargs,
+                                False)  # fmt: skip
 
     def _remote_method(
         self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None

@@ -39,6 +39,7 @@ from .._deadline import UNSET, current_deadline, deadline_for
 from .._errors import AutogradError, ConfigError
 from .._futures import Future
 from .._rpc._context import current_agent
+from .._rpc._sync_calls import Started, abandon
 from .._worker import WorkerInfo
 from ..tensor import AccumulateGrad, GraphTask, Node, Tensor
 from ._context import DistContext, DistRecv, DistSend
@@ -159,55 +160,50 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
         if run is None:
             raise AutogradError("internal: gradients for a receive function outside a pass")
         payload: Any = ((ctx.id, key, node.message_id, grads, retain), {})
-        run.send(agent, node.peer, payload, later=not run.task.more_ready)
+        run.send(agent, node.peer, payload)
 
     return send_back
 
 
 class _Run:
-    """The gradient messages one ``execute`` sends. While nodes are still
-    ready a message leaves at once (the receiver works meanwhile); the last
-    one, found with nothing left to run here, waits for the end of the run:
-    if it is the only one, the caller sends it as a blocking call (on a
-    thread-driven link when it qualifies, two thread wake-ups fewer)."""
+    """The gradient messages one ``execute`` sends. Each leaves as soon as it
+    is made (the receiver works meanwhile, while this worker goes on with its
+    own part), and the run's end reads every reply on this thread: on a
+    thread-driven link when the call qualifies (``Agent.start_blocking``), so
+    no loop thread wakes for it here or at the receiver."""
 
-    __slots__ = ("deferred", "futures", "task")
+    __slots__ = ("calls",)
 
-    def __init__(self, task: GraphTask) -> None:
-        self.task = task
-        self.futures: list[Future[Any]] = []
-        self.deferred: list[tuple[int, Any]] = []
+    def __init__(self) -> None:
+        self.calls: list[Started | Future[Any]] = []
 
-    def send(self, agent: Agent, peer: int, payload: Any, *, later: bool) -> None:
-        if later:
-            self.deferred.append((peer, payload))
-            return
-        self.futures.append(_call(agent, peer, payload))
+    def send(self, agent: Agent, peer: int, payload: Any) -> None:
+        self.calls.append(agent.start_blocking(peer, GRADS, payload, deadline=_deadline(agent),
+                                               meta=None, label="autograd.grads"))  # fmt: skip
 
-    def finish(self, agent: Agent) -> None:
-        """Send what was deferred and wait for every reply (blocking)."""
-        if len(self.deferred) == 1 and not self.futures:
-            peer, payload = self.deferred.pop()
-            agent.call_blocking(peer, GRADS, payload, deadline=_deadline(agent), meta=None,
-                                label="autograd.grads")  # fmt: skip
-            return
-        for peer, payload in self.deferred:
-            self.futures.append(_call(agent, peer, payload))
-        self.deferred.clear()
-        for fut in self.futures:
-            fut.wait()
+    def finish(self) -> None:
+        """Wait for every reply (blocking); on the first error, give up the rest."""
+        calls, self.calls = self.calls, []
+        try:
+            for call in calls:
+                call.wait()
+        except BaseException:
+            abandon(calls)
+            raise
 
-
-def _call(agent: Agent, peer: int, payload: Any) -> Future[Any]:
-    return agent.call(peer, GRADS, payload, deadline=_deadline(agent), meta=None,
-                      label="autograd.grads")  # fmt: skip
+    def abandon(self) -> None:
+        calls, self.calls = self.calls, []
+        abandon(calls)
 
 
 def _execute(task: GraphTask, seeds: list[tuple[Node, Any]]) -> _Run:
     """``task.execute(seeds)``, collecting the gradient messages it sends."""
-    run = _collect.run = _Run(task)
+    run = _collect.run = _Run()
     try:
         task.execute(seeds)
+    except BaseException:
+        run.abandon()
+        raise
     finally:
         _collect.run = None
     return run
@@ -251,7 +247,7 @@ def backward_blocking(
     unreached = {s for s in overlapping if isinstance(s, DistSend) and not _ask(agent, ctx, st, s)}
     task = st.task = _task(agent, ctx, st, unreached)
     try:
-        _execute(task, _merge(seeds)).finish(agent)
+        _execute(task, _merge(seeds)).finish()
     finally:
         reducers, ctx.reducers = ctx.reducers, []
     for reducer in reducers:  # DDP inside the pass: average, into the context
@@ -323,7 +319,7 @@ def apply_grads(context_id: int, key_list: list[int], message_id: int, grads: li
         run = _execute(st.task, [(send, grads)])
     except AutogradError as e:
         raise AutogradError(f"backward on worker {agent.name!r} failed: {e}") from e
-    run.finish(agent)
+    run.finish()
 
 
 def _ready(agent: Agent, ctx: DistContext, key: Key, retain: bool) -> PassState:

@@ -13,13 +13,14 @@ scheduler can drive them: changes travel with the next step.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .._deadline import UNSET
 from .._errors import AutogradError, ConfigError
-from .._futures import Future
 from .._rpc._api import rpc_async
 from .._rpc._context import current_agent
 from .._rref._rref import RRef
@@ -85,8 +86,9 @@ def _grads(context_id: int) -> Mapping[Tensor, Any]:
         return {}
 
 
-def _wait_all(futures: list[Future[Any]]) -> list[Any]:
-    """Every result; the first error (with its remote traceback) after all finished."""
+def _wait_all(futures: list[Any]) -> list[Any]:
+    """Every result (of Futures, or calls with ``wait()``); the first error
+    (with its remote traceback) after all finished."""
     results: list[Any] = []
     first: BaseException | None = None
     for fut in futures:
@@ -98,6 +100,24 @@ def _wait_all(futures: list[Future[Any]]) -> list[Any]:
     if first is not None:
         raise first
     return results
+
+
+def step_all(calls: list[Any], here: Sequence[Callable[[], None]]) -> None:
+    """Run ``here`` (this worker's own steps) while ``calls`` (the owners'
+    steps, already sent) run elsewhere, then wait for those; re-raise the
+    first error after all ended."""
+    first: BaseException | None = None
+    for step in here:
+        try:
+            step()
+        except BaseException as e:
+            first = first or e
+    try:
+        _wait_all(calls)
+    except BaseException as e:
+        first = first or e
+    if first is not None:
+        raise first
 
 
 class DistributedOptimizer:
@@ -164,19 +184,11 @@ class DistributedOptimizer:
         if len(remote) == 1 and not self._here:  # a blocking call: its cheapest path
             remote[0].rpc_sync().step(context_id, hyper, scale)
             return
-        futs = [opt.rpc_async().step(context_id, hyper, scale) for opt in remote]
-        first: BaseException | None = None
-        for local in self._here:  # this worker's own parameters: no call to itself
-            try:
-                local.step(context_id, hyper, scale)
-            except BaseException as e:
-                first = e
-        try:
-            _wait_all(futs)
-        except BaseException as e:
-            first = first or e
-        if first is not None:
-            raise first
+        # Sent now, read here after the local step (a thread-driven link each
+        # when the calls qualify: no loop thread wakes for them).
+        calls = [opt._start_invoke("step", (context_id, hyper, scale), {}, UNSET) for opt in remote]
+        here = [functools.partial(local.step, context_id, hyper, scale) for local in self._here]
+        step_all(calls, here)
 
     def clip_grad_norm_(self, context_id: int, max_norm: float) -> float:
         """Clip context ``context_id``'s gradients to a total 2-norm of ``max_norm``.

@@ -9,6 +9,7 @@ worker's own parameters step in the calling thread, meanwhile).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import Any
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 from torch.optim.sgd import sgd
 
+from .._deadline import UNSET
 from .._futures import wait_all
 from .._rpc._context import current_agent
 from .._rpc._dispatch import resolve
 from .._rref._rref import RRef, remote
 from .._worker import WorkerInfo
+from ..optim._distributed import step_all
 from ._grads import get_gradients
 
 __all__ = ["DistributedOptimizer"]
@@ -137,7 +140,7 @@ class DistributedOptimizer:
         if len(remote) == 1 and not self._here:
             remote[0].rpc_sync().step(context_id)  # the blocking path: fewer thread hops
             return
-        futs = [r.rpc_async().step(context_id) for r in remote]
-        for local in self._here:  # this worker's own parameters: no call to itself
-            local.step(context_id)
-        wait_all(futs)
+        # Sent now, read here after the local step (a thread-driven link each
+        # when the calls qualify: no loop thread wakes for them).
+        calls = [r._start_invoke("step", (context_id,), {}, UNSET) for r in remote]
+        step_all(calls, [functools.partial(local.step, context_id) for local in self._here])

@@ -188,6 +188,19 @@ def hold(x: Tensor) -> Tensor:
     return Hold.call(x) * param("w")
 
 
+class FailWhenHeld(Function):
+    """Raises in backward once a :class:`Hold` elsewhere holds its pass (a
+    worker's own part failing while a gradient message it sent is still in
+    flight)."""
+
+    def forward(self, x: Any) -> Any:
+        return x * 1.0
+
+    def backward(self, g: Any) -> tuple[Any]:
+        ENTERED.wait(20)
+        raise ValueError("local part failed")
+
+
 def contexts_here() -> int:
     return int(dist_autograd.statistics()["contexts"])
 

@@ -8,10 +8,11 @@ import time
 import ad_funcs as af
 import numpy as np
 import pytest
+from agent_support import contexts_settled
 
 import rpcdist
 import rpcdist.autograd as dist_autograd
-from rpcdist import RpcOptions
+from rpcdist import AutogradError, RpcOptions
 from rpcdist.tensor import Tensor
 from rpcdist.testing import as_current, local_agents
 
@@ -116,3 +117,25 @@ def test_a_live_creator_keeps_its_contexts_when_a_link_ends(agents):
             assert np.array_equal(
                 rpcdist.rpc_sync("worker1", af.grads_here, args=(cid,))["w"], np.ones(3)
             )
+
+
+def test_a_local_error_while_a_gradient_message_is_out_abandons_that_call(agents):
+    """The root's own part fails while worker2 still works on the gradients
+    it was sent: backward raises the local error without waiting for
+    worker2, the call in flight is counted out at once, and worker2's late
+    answer is dropped (every context is still released)."""
+    a = agents[0]
+    with as_current(a):
+        x = Tensor(np.ones(3), requires_grad=True)
+        w = Tensor(np.ones(3), requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpcdist.rpc_sync("worker2", af.hold, args=(x,))
+            z = af.FailWhenHeld.call(w) * 3.0
+            started = time.monotonic()
+            with pytest.raises(AutogradError, match="local part failed"):
+                dist_autograd.backward(cid, [(z + y).sum()])  # (y's edge runs first)
+            assert af.ENTERED.is_set()  # the message had left and was being worked on
+            assert time.monotonic() - started < 15  # not the 20 s deadline
+            assert a.statistics()["pending_calls"] == 0
+            af.HOLD.set()
+    assert contexts_settled(agents)
