@@ -385,27 +385,6 @@ class Agent:
         peer, msg = self._user_call(to, func, args, kwargs, timeout)
         return self._begin(peer, msg).wait()
 
-    def call_blocking(
-        self,
-        to: str | int | WorkerInfo,
-        method: str,
-        payload: Any,
-        *,
-        deadline: float | None,
-        meta: Meta | _Auto | None = AUTO,
-        internal: bool = False,
-        label: str = "",
-        where: tuple[Any, Any] | None = None,
-    ) -> Any:
-        """:meth:`start_blocking` and wait for the reply's value.
-
-        Raises:
-            WrongThreadError: called on the agent's loop thread.
-            Exception: what the call raised (see :meth:`call` and ``rpc_sync``).
-        """
-        return self.start_blocking(to, method, payload, deadline=deadline, meta=meta,
-                                   internal=internal, label=label, where=where).wait()  # fmt: skip
-
     def start_blocking(
         self,
         to: str | int | WorkerInfo,
@@ -418,10 +397,12 @@ class Agent:
         label: str = "",
         where: tuple[Any, Any] | None = None,
     ) -> Started | Future[Any]:
-        """:meth:`call`, on a thread-driven link when the call qualifies (see
-        ``_sync_calls``): returns once it is sent, with something whose
-        ``wait()`` reads the reply on the calling thread (so the caller can
-        work meanwhile). Give up a ``Started`` with ``_sync_calls.abandon``.
+        """:meth:`call` for a caller that will block on the reply: on a
+        thread-driven link when the call qualifies (see ``_sync_calls``).
+        Returns once it is sent, with something whose ``wait()`` reads the
+        reply's value on the calling thread, so the caller can work meanwhile
+        (``start_blocking(...).wait()`` is a blocking call). Give up a
+        ``Started`` with ``_sync_calls.abandon``.
 
         Raises:
             WrongThreadError: called on the agent's loop thread.

@@ -72,8 +72,9 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     if blocking and (confirmed is None or confirmed.done()):
         reply: Future[Any] = Future()
         try:
-            value = agent.call_blocking(rref._owner, method, payload, deadline=deadline,
-                                        internal=internal, where=(args, kwargs), meta=meta)  # fmt: skip
+            value = agent.start_blocking(rref._owner, method, payload, deadline=deadline,
+                                         internal=internal, where=(args, kwargs),
+                                         meta=meta).wait()  # fmt: skip
         except BaseException as e:
             reply.set_exception(e)
         else:

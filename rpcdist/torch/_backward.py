@@ -91,8 +91,8 @@ def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, 
 
     def deliver(index: int, grad: torch.Tensor) -> None:
         payload: Any = ((context_id, recv.message_id, index, grad.contiguous()), {})
-        agent.call_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None,
-                            label="rpcdist.torch autograd gradients")  # fmt: skip
+        agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None,
+                             label="rpcdist.torch autograd gradients").wait()  # fmt: skip
 
     return deliver
 
