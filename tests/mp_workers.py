@@ -80,6 +80,22 @@ def busy_polling(rank, world_size, init_method, busy_poll_us):
         rpcdist.shutdown()
 
 
+def busy_polling_under_nested_calls(rank, world_size, init_method):
+    """Rank 0 makes 20 blocking calls to rank 1 whose handler calls back
+    into rank 0, with a polling window far longer than a round trip; rank 0
+    returns the results and its polls and yields."""
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
+                     options=rpcdist.RpcOptions(busy_poll_us=500_000))  # fmt: skip
+    try:
+        if rank != 0:
+            return None
+        got = [rpcdist.rpc_sync("w1", rf.nested_add, args=("w0", i, 1)) for i in range(20)]
+        s = rpcdist.statistics()
+        return got, s["busy_polls"], s["busy_poll_yields"]
+    finally:
+        rpcdist.shutdown()
+
+
 def _until_handlers(running: bool) -> None:
     """Wait (at most 30 s) until this worker runs a handler, or runs none."""
     end = time.monotonic() + 30

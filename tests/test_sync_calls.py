@@ -11,7 +11,7 @@ import rpc_funcs as rf
 
 import rpcdist
 from rpcdist import ConfigError, RpcOptions, RpcTimeoutError
-from rpcdist._rpc._sync_calls import Started
+from rpcdist._rpc._started import Started
 from rpcdist._transport._shm import shm_available
 from rpcdist.testing import as_current, local_agents, run_workers
 
@@ -204,7 +204,7 @@ def test_a_bad_option_is_a_clear_error(name, bad):
     ("name", "var", "default", "value", "parsed"),
     [
         ("sync_channels", "RPCDIST_SYNC_CHANNELS", 4, "2", 2),
-        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 1000.0, "50", 50.0),
+        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 200.0, "50", 50.0),
     ],
 )
 def test_environment_sets_the_default(monkeypatch, name, var, default, value, parsed):
@@ -352,6 +352,20 @@ def test_a_worker_running_a_handler_does_not_poll():
     assert during == (0, 0, 50)  # all 50 on the caller's own connection, none polled
     assert after[2] == 100
     assert after[1] > 0  # with the handler gone, the same calls poll and hit
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_polling_thread_sleeps_when_another_thread_of_its_worker_gets_a_call():
+    """A nested call back into the caller's process must not wait for the
+    polling thread's window (it would hold the GIL for it): the caller stops
+    polling as soon as the nested call's bytes arrive."""
+    import mp_workers
+
+    got, polls, yields = run_workers(mp_workers.busy_polling_under_nested_calls, 2, timeout=90)[0]
+    assert got == [i + 1 for i in range(20)]
+    assert polls >= 1
+    assert yields >= 1  # (0 when the polling loop ignores the other threads)
 
 
 def test_a_started_call_leaves_at_once_and_is_read_later(agents2):

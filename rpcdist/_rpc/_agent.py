@@ -61,7 +61,8 @@ from ._links import Links
 from ._liveness import PING, Liveness, on_ping
 from ._p2p import Mailbox, send_one_way
 from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
-from ._sync_calls import NOT_TAKEN, Started, SyncCalls
+from ._started import Started
+from ._sync_calls import NOT_TAKEN, SyncCalls
 
 __all__ = ["AUTO", "Agent"]
 
@@ -402,7 +403,7 @@ class Agent:
         Returns once it is sent, with something whose ``wait()`` reads the
         reply's value on the calling thread, so the caller can work meanwhile
         (``start_blocking(...).wait()`` is a blocking call). Give up a
-        ``Started`` with ``_sync_calls.abandon``.
+        ``Started`` with ``_started.abandon``.
 
         Raises:
             WrongThreadError: called on the agent's loop thread.

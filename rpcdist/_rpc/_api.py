@@ -294,9 +294,11 @@ def statistics() -> dict[str, int]:
     held for sending them; back to 0 about a minute after the last one).
     ``lost_workers``: workers declared lost (it stays up after a loss).
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
-    ``busy_polls`` and ``busy_poll_hits`` (waits on those calls' connections,
-    at either end, that began by polling, and those whose bytes came
-    meanwhile: ``RpcOptions.busy_poll_us``), ``heartbeats_sent``,
+    ``busy_polls``, ``busy_poll_hits`` and ``busy_poll_yields`` (waits on
+    those calls' connections, at either end, that began by polling, those
+    whose bytes came meanwhile, and those that stopped polling because bytes
+    came for another thread of the worker: ``RpcOptions.busy_poll_us``),
+    ``heartbeats_sent``,
     ``collectives_completed``, ``collectives_failed``, ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()``
     says more about what is outstanding.
 

@@ -117,6 +117,7 @@ def statistics(agent: Agent) -> dict[str, int]:
         "direct_sync_calls": agent.sync.calls,
         "busy_polls": agent.sync.polls,
         "busy_poll_hits": agent.sync.polled,
+        "busy_poll_yields": agent.sync.yielded,
     }
     stats.update(agent.links.statistics())
     stats.update(agent.mailbox.statistics())

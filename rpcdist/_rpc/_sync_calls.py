@@ -29,7 +29,9 @@ transport, a peer that cannot be dialled) takes the usual path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import select
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -57,11 +59,12 @@ from .._transport._frames import (
 from .._worker import WorkerInfo
 from . import _dispatch, _doctor
 from ._context import WireContext
+from ._started import Started
 
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["NOT_TAKEN", "Started", "SyncCalls", "abandon"]
+__all__ = ["NOT_TAKEN", "SyncCalls"]
 
 _log = logging.getLogger(__name__)
 
@@ -94,41 +97,6 @@ class _Channel:
         self.replies = replies
         #: Whether the last reply came within the busy-polling window.
         self.fast = True
-
-
-class Started:
-    """A call written on a thread-driven connection, whose reply the caller
-    reads later with :meth:`wait` (or gives up with :meth:`abandon`)."""
-
-    __slots__ = ("_calls", "chan", "done", "label", "msg", "sent", "started")
-
-    def __init__(self, calls: SyncCalls, chan: _Channel, msg: OutMessage, label: str,
-                 started: float) -> None:  # fmt: skip
-        self._calls = calls
-        self.chan = chan
-        self.msg = msg
-        self.label = label
-        self.started = started
-        self.sent = False
-        self.done = False
-
-    def wait(self) -> Any:
-        """The call's result, read on this thread (see :meth:`SyncCalls.call`)."""
-        return self._calls._finish(self)
-
-    def abandon(self) -> None:
-        """No one will wait for the reply (an error came first): the agent's
-        loop reads it and drops it. A no-op once waited for."""
-        self._calls._abandon(self)
-
-
-def abandon(calls: list[Any]) -> None:
-    """Give up each of ``calls`` that can be (a :class:`Started`, or what
-    wraps one); a Future needs nothing."""
-    for c in calls:
-        give_up = getattr(c, "abandon", None)
-        if give_up is not None:
-            give_up()
 
 
 def _keeper(replies: list[InMessage]) -> Hooks:
@@ -185,6 +153,16 @@ class SyncCalls:
         #: (written by the one polling thread of the process).
         self.polls = 0
         self.polled = 0
+        #: Polls cut short because bytes came for another thread of this agent.
+        self.yielded = 0
+        #: What the agent's other threads wait on: the loop's selector and the
+        #: connections served here (see :meth:`_wait`).
+        self._others: Any = None
+        if self._spin:
+            self._others = select.epoll()
+            selector = getattr(agent.loop, "_selector", None)  # (asyncio's epoll)
+            if selector is not None:
+                self._watch(selector.fileno())
         with _Polling.lock:
             _Polling.agents += 1
 
@@ -314,7 +292,8 @@ class SyncCalls:
         return self._lost(label, why)
 
     def _await(self, call: Started) -> InMessage:
-        chan, msg, label = call.chan, call.msg, call.label
+        chan: _Channel = call.chan
+        msg, label = call.msg, call.label
         link = chan.link
         liveness = self._agent.liveness
         dst = link.peer_rank
@@ -370,8 +349,11 @@ class SyncCalls:
             if time.monotonic() < spin_end and _Polling.slot.acquire(blocking=False):
                 try:
                     self.polls += 1
-                    readable = link.readable
+                    readable, others = link.readable, self._others.poll
                     while not readable():
+                        if others(0):  # another thread needs the GIL: sleep, let it run
+                            self.yielded += 1
+                            break
                         if time.monotonic() >= spin_end:
                             break
                     else:
@@ -379,6 +361,13 @@ class SyncCalls:
                 finally:
                     _Polling.slot.release()
         return bool(link.read_blocking(until))
+
+    def _watch(self, fd: int) -> None:
+        """Count ``fd``'s bytes as another thread's in :meth:`_wait` (until it
+        is closed: epoll forgets a closed socket by itself)."""
+        if self._others is not None and fd >= 0:
+            with contextlib.suppress(OSError, ValueError):  # (closed meanwhile)
+                self._others.register(fd, select.EPOLLIN)
 
     def _until(self, deadline: float | None) -> float:
         """The end of the next wait for a reply: a slice, or the deadline if sooner."""
@@ -528,6 +517,7 @@ class SyncCalls:
 
     def _serve(self, link: Any, inbox: list[InMessage]) -> None:
         fast = True
+        self._watch(link._fd)
         try:
             while link.closed is None:
                 waited = time.monotonic()

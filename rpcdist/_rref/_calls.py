@@ -27,7 +27,7 @@ from .._errors import (
 from .._futures import Future
 from .._rpc._agent import AUTO
 from .._rpc._context import WireContext
-from .._rpc._sync_calls import abandon
+from .._rpc._started import abandon
 from .._serialization import decode
 from .._worker import WorkerInfo
 from ._context import CONFIRMED, FAILED, FAILED_ABANDON, PENDING, RELEASED, RRefContext

@@ -301,7 +301,7 @@ class RRef(Generic[T]):
                       timeout: float | Unset | None) -> Any:  # fmt: skip
         """``rpc_sync()``'s call of method ``name``, split: it leaves now, and
         ``wait()`` on what this returns reads its value here (the caller
-        works meanwhile; give it up with ``_sync_calls.abandon``). A method
+        works meanwhile; give it up with ``_started.abandon``). A method
         not yet known to be plain takes :meth:`_invoke`'s path."""
         if self._plain is None or name not in self._plain:
             return self._invoke(name, args, kwargs, timeout)

@@ -39,7 +39,7 @@ from .._deadline import UNSET, current_deadline, deadline_for
 from .._errors import AutogradError, ConfigError
 from .._futures import Future
 from .._rpc._context import current_agent
-from .._rpc._sync_calls import Started, abandon
+from .._rpc._started import Started, abandon
 from .._worker import WorkerInfo
 from ..tensor import AccumulateGrad, GraphTask, Node, Tensor
 from ._context import DistContext, DistRecv, DistSend
