@@ -131,8 +131,10 @@ class RpcOptions:
             was that short, only one thread of a process polls at a time,
             and not while this worker runs other handlers, has bytes coming
             for another of its threads, or shares its process with other
-            agents (they would wait for the GIL). ``0``
-            turns it off. Defaults to ``RPCDIST_BUSY_POLL_US`` or 200
+            agents (they would wait for the GIL), nor while more threads
+            are runnable on the host than it has cores. ``0`` turns it off.
+            Defaults to ``RPCDIST_BUSY_POLL_US`` or 1000: long enough for a
+            handler that computes for a few hundred microseconds
             (docs/design.md, "Blocking calls").
         transport: How frames move: ``"tcp"`` (plain sockets, the default
             path, with or without TLS), ``"grpc"`` (gRPC streams), ``"inproc"``
@@ -206,7 +208,7 @@ class RpcOptions:
         default_factory=lambda: os.environ.get("RPCDIST_SYNC_CHANNELS", "4")
     )
     busy_poll_us: float | str = field(
-        default_factory=lambda: os.environ.get("RPCDIST_BUSY_POLL_US", "200")
+        default_factory=lambda: os.environ.get("RPCDIST_BUSY_POLL_US", "1000")
     )
     max_message_bytes: int = 2 * _GiB
     heartbeat_interval: float = 0.5

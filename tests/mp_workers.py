@@ -96,6 +96,26 @@ def busy_polling_under_nested_calls(rank, world_size, init_method):
         rpcdist.shutdown()
 
 
+def busy_polling_on_a_crowded_host(rank, world_size, init_method):
+    """As if more threads were runnable than the host has cores: rank 0's
+    calls to rank 1 (each 2 ms long, well within the polling window) start
+    polling and stop at once; rank 0 returns its counters after 20 of them."""
+    from rpcdist._rpc import _sync_calls
+
+    _sync_calls.crowded = lambda: True  # (what the polling loop reads)
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
+                     options=rpcdist.RpcOptions(busy_poll_us=100_000))  # fmt: skip
+    try:
+        if rank != 0:
+            return None
+        got = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.002, i)) for i in range(20)]
+        assert got == list(range(20))
+        s = rpcdist.statistics()
+        return s["busy_polls"], s["busy_poll_hits"], s["busy_poll_yields"]
+    finally:
+        rpcdist.shutdown()
+
+
 def _until_handlers(running: bool) -> None:
     """Wait (at most 30 s) until this worker runs a handler, or runs none."""
     end = time.monotonic() + 30

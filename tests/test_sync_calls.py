@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -204,7 +205,7 @@ def test_a_bad_option_is_a_clear_error(name, bad):
     ("name", "var", "default", "value", "parsed"),
     [
         ("sync_channels", "RPCDIST_SYNC_CHANNELS", 4, "2", 2),
-        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 200.0, "50", 50.0),
+        ("busy_poll_us", "RPCDIST_BUSY_POLL_US", 1000.0, "50", 50.0),
     ],
 )
 def test_environment_sets_the_default(monkeypatch, name, var, default, value, parsed):
@@ -366,6 +367,49 @@ def test_a_polling_thread_sleeps_when_another_thread_of_its_worker_gets_a_call()
     assert got == [i + 1 for i in range(20)]
     assert polls >= 1
     assert yields >= 1  # (0 when the polling loop ignores the other threads)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_polling_thread_gives_its_core_back_when_the_host_is_crowded():
+    import mp_workers
+
+    polls, hits, yields = run_workers(mp_workers.busy_polling_on_a_crowded_host, 2,
+                                      timeout=90)[0]  # fmt: skip
+    assert polls > 0
+    assert (hits, yields) == (0, polls)  # (hits == polls when the loop ignores the host)
+
+
+@pytest.mark.parametrize(
+    ("loadavg", "cores", "crowded"),
+    [
+        (b"0.50 0.40 0.30 3/120 4567\n", 2, True),
+        (b"0.50 0.40 0.30 2/120 4567\n", 2, False),
+        (b"1.00 1.00 1.00 1/99 1\n", 1, False),
+        (b"garbled\n", 2, False),
+    ],
+)
+def test_the_host_is_crowded_when_runnable_threads_outnumber_its_cores(
+    monkeypatch, tmp_path, loadavg, cores, crowded
+):
+    from rpcdist._rpc import _cores
+
+    path = tmp_path / "loadavg"
+    path.write_bytes(loadavg)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(_cores, "_FD", fd)
+        monkeypatch.setattr(_cores, "_CORES", cores)
+        assert _cores.crowded() is crowded
+    finally:
+        os.close(fd)
+
+
+def test_an_unreadable_load_never_counts_as_crowded(monkeypatch):
+    from rpcdist._rpc import _cores
+
+    monkeypatch.setattr(_cores, "_FD", -1)
+    assert _cores.crowded() is False
 
 
 def test_a_started_call_leaves_at_once_and_is_read_later(agents2):

@@ -59,6 +59,7 @@ from .._transport._frames import (
 from .._worker import WorkerInfo
 from . import _dispatch, _doctor
 from ._context import WireContext
+from ._cores import crowded
 from ._started import Started
 
 if TYPE_CHECKING:
@@ -351,7 +352,9 @@ class SyncCalls:
                     self.polls += 1
                     readable, others = link.readable, self._others.poll
                     while not readable():
-                        if others(0):  # another thread needs the GIL: sleep, let it run
+                        # Another thread of this worker needs the GIL, or
+                        # another thread of the host needs this core: sleep.
+                        if others(0) or crowded():
                             self.yielded += 1
                             break
                         if time.monotonic() >= spin_end:
