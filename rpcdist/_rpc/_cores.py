@@ -5,14 +5,19 @@ core is wanted (a peer's parallel kernel, other processes), that core is
 taken from work that needs it, and a parallel kernel whose threads wait for
 each other is slowed by far more than the core's share. So a polling
 thread stops as soon as more threads are runnable on this host than it has
-cores (``/proc/loadavg``'s fourth field counts them, the poller included).
+cores (``/proc/loadavg``'s fourth field counts them, the poller included)
+for :data:`CROWDED_FOR`: a thread that runs for a moment (a timer, another
+process's loop) does not count.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["crowded"]
+__all__ = ["CROWDED_FOR", "crowded"]
+
+#: How long (seconds) the host must stay crowded before a poller gives way.
+CROWDED_FOR = 50e-6
 
 _FD: int | None = None
 _CORES = os.cpu_count() or 1

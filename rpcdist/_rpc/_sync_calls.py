@@ -59,7 +59,7 @@ from .._transport._frames import (
 from .._worker import WorkerInfo
 from . import _dispatch, _doctor
 from ._context import WireContext
-from ._cores import crowded
+from ._cores import CROWDED_FOR, crowded
 from ._started import Started
 
 if TYPE_CHECKING:
@@ -351,13 +351,16 @@ class SyncCalls:
                 try:
                     self.polls += 1
                     readable, others = link.readable, self._others.poll
+                    since = 0.0  # when the host was first seen crowded (0: it is not)
                     while not readable():
+                        now = time.monotonic()
+                        since = (since or now) if crowded() else 0.0
                         # Another thread of this worker needs the GIL, or
-                        # another thread of the host needs this core: sleep.
-                        if others(0) or crowded():
+                        # others of the host need this core: sleep.
+                        if others(0) or (since and now - since >= CROWDED_FOR):
                             self.yielded += 1
                             break
-                        if time.monotonic() >= spin_end:
+                        if now >= spin_end:
                             break
                     else:
                         self.polled += 1
