@@ -351,13 +351,16 @@ class SyncCalls:
                 try:
                     self.polls += 1
                     readable, others = link.readable, self._others.poll
+                    own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
                     since = 0.0  # when the host was first seen crowded (0: it is not)
                     while not readable():
                         now = time.monotonic()
                         since = (since or now) if crowded() else 0.0
                         # Another thread of this worker needs the GIL, or
                         # others of the host need this core: sleep.
-                        if others(0) or (since and now - since >= CROWDED_FOR):
+                        if any(fd != own for fd, _ in others(0)) or (
+                            since and now - since >= CROWDED_FOR
+                        ):
                             self.yielded += 1
                             break
                         if now >= spin_end:
