@@ -461,3 +461,10 @@ def test_an_abandoned_call_frees_its_connection_and_its_late_reply_is_dropped(ag
     finally:
         rf.release.set()
     assert _direct(a) == 2
+
+
+def test_shutdown_closes_the_set_polling_threads_watch():
+    with local_agents(2) as (a, _):
+        watched = a.sync._others
+        assert watched is not None and not watched.closed
+    assert watched.closed

@@ -367,6 +367,8 @@ class SyncCalls:
                             break
                     else:
                         self.polled += 1
+                except ValueError:  # the set was closed: the agent shut down meanwhile
+                    pass
                 finally:
                     _Polling.slot.release()
         return bool(link.read_blocking(until))
@@ -490,12 +492,15 @@ class SyncCalls:
                 _Polling.agents -= 1
 
     def join(self, timeout: float | None) -> None:
-        """Wait for the serving threads to end (after :meth:`close`)."""
+        """Wait for the serving threads to end (after :meth:`close`), and
+        close the set :meth:`_wait` watches."""
         with self._lock:
             threads = list(self._served.values())
         end = None if timeout is None else time.monotonic() + timeout
         for t in threads:
             t.join(None if end is None else max(end - time.monotonic(), 0.0))
+        if self._others is not None:
+            self._others.close()
 
     # ------------------------------------------------------------ callee side
 
