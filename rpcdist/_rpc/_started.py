@@ -29,7 +29,15 @@ class Started:
         self.done = False
 
     def wait(self) -> Any:
-        """The call's result, read on this thread (see :meth:`SyncCalls.call`)."""
+        """The call's result, read on this thread (once).
+
+        Raises:
+            RpcTimeoutError: no reply before the call's deadline.
+            WorkerLostError: the connection to the callee failed.
+            ClosedError: this agent shut down meanwhile.
+            RuntimeError: waited for (or abandoned) before.
+            Exception: what the remote function raised.
+        """
         return self._calls._finish(self)
 
     def abandon(self) -> None:

@@ -69,7 +69,7 @@ __all__ = ["NOT_TAKEN", "SyncCalls"]
 
 _log = logging.getLogger(__name__)
 
-#: Returned by :meth:`SyncCalls.call` when the call was left to the usual path.
+#: Returned by :meth:`SyncCalls.start` when the call was left to the usual path.
 NOT_TAKEN: Any = object()
 #: Most connections one agent serves with threads of their own; more are
 #: served by the loop.
@@ -195,19 +195,6 @@ class SyncCalls:
     def eligible(self, msg: OutMessage) -> bool:
         agent = self._agent
         return self._limit > 0 and not agent.calls.busy() and msg.payload_bytes < self._max_request
-
-    def call(self, peer: WorkerInfo, msg: OutMessage) -> Any:
-        """Make the call and return its result (or raise its error), or
-        return :data:`NOT_TAKEN` having sent nothing.
-
-        Raises:
-            RpcTimeoutError: no reply before ``msg.deadline``.
-            WorkerLostError: the connection to the callee failed.
-            ClosedError: this agent shut down meanwhile.
-            Exception: what the remote function raised.
-        """
-        call = self.start(peer, msg)
-        return NOT_TAKEN if call is NOT_TAKEN else call.wait()
 
     def start(self, peer: WorkerInfo, msg: OutMessage) -> Started:
         """Write the call and return at once; :meth:`Started.wait` reads the
@@ -349,29 +336,29 @@ class SyncCalls:
                 spin_end = min(spin_end, until)
             if time.monotonic() < spin_end and _Polling.slot.acquire(blocking=False):
                 try:
-                    self.polls += 1
-                    readable, others = link.readable, self._others.poll
-                    own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
-                    since = 0.0  # when the host was first seen crowded (0: it is not)
-                    while not readable():
-                        now = time.monotonic()
-                        since = (since or now) if crowded() else 0.0
-                        # Another thread of this worker needs the GIL, or
-                        # others of the host need this core: sleep.
-                        if any(fd != own for fd, _ in others(0)) or (
-                            since and now - since >= CROWDED_FOR
-                        ):
-                            self.yielded += 1
-                            break
-                        if now >= spin_end:
-                            break
-                    else:
-                        self.polled += 1
+                    self._poll(link, spin_end)
                 except ValueError:  # the set was closed: the agent shut down meanwhile
                     pass
                 finally:
                     _Polling.slot.release()
         return bool(link.read_blocking(until))
+
+    def _poll(self, link: Any, spin_end: float) -> None:
+        """Poll ``link`` until it is readable, ``spin_end``, or another thread
+        of this worker (its GIL) or of the host (a core) needs what this takes."""
+        self.polls += 1
+        readable, others = link.readable, self._others.poll
+        own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
+        since = 0.0  # when the host was first seen crowded (0: it is not)
+        while not readable():
+            now = time.monotonic()
+            since = (since or now) if crowded() else 0.0
+            if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
+                self.yielded += 1
+                return
+            if now >= spin_end:
+                return
+        self.polled += 1
 
     def _watch(self, fd: int) -> None:
         """Count ``fd``'s bytes as another thread's in :meth:`_wait` (until it
