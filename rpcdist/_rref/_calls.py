@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._deadline import Unset, deadline_for
 from .._errors import (
@@ -58,8 +58,8 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     to the owner of ``rref``, with ``deadline``; a Future of the reply.
     ``meta``: the call's named fields (default: this thread's or task's).
     ``blocking``: the caller waits for the reply anyway: a confirmed RRef's
-    call is made on this thread (a thread-driven link when it qualifies) and
-    the Future returned is complete.
+    call is :func:`start_owner_call`'s, waited for on this thread, and the
+    Future returned is complete.
 
     The reply's transport failures become OwnerLostError; a pending ``rref``
     that fails meanwhile (remote() timed out, owner lost) fails it at once.
@@ -70,18 +70,14 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
     confirmed = rref._confirmed
     if blocking and (confirmed is None or confirmed.done()):
-        reply: Future[Any] = Future()
+        done: Future[Any] = Future()
         try:
-            value = agent.start_blocking(rref._owner, method, payload, deadline=deadline,
-                                         internal=internal, where=(args, kwargs),
-                                         meta=meta).wait()  # fmt: skip
+            call = start_owner_call(rref, method, payload, deadline, what, args, kwargs,
+                                    internal, meta)  # fmt: skip
+            done.set_result(call.wait())
         except BaseException as e:
-            reply.set_exception(e)
-        else:
-            reply.set_result(value)
-        return reply.then(
-            functools.partial(_from_owner, ctx, rref._owner, f"{what} on RRef {rref._rid}", [])
-        )
+            done.set_exception(e)
+        return done
     reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
                        where=(args, kwargs), meta=meta)  # fmt: skip
     # The reply's callback holds ``rref`` (so its fork) alive until the reply.
@@ -116,10 +112,7 @@ class OwnerCall:
         try:
             return self._call.wait()
         except BaseException as e:
-            if lost(e):
-                self._ctx.mark_lost(self._owner)
-                raise self._ctx.lost_error(self._owner, self._what, e) from e
-            raise
+            _raise_from_owner(self._ctx, self._owner, self._what, e)
         finally:
             self._hold.clear()
 
@@ -129,7 +122,8 @@ class OwnerCall:
 
 
 def start_owner_call(rref: RRef[Any], method: str, payload: Any, deadline: float | None,
-                     what: str, args: Any, kwargs: Any, internal: bool) -> Any:  # fmt: skip
+                     what: str, args: Any, kwargs: Any, internal: bool,
+                     meta: Any = AUTO) -> Any:  # fmt: skip
     """:func:`call_owner` with ``blocking``, split: the call leaves now (on a
     thread-driven link when it qualifies) and ``wait()`` on what this returns
     reads the reply on the calling thread, the caller working meanwhile. An
@@ -145,12 +139,10 @@ def start_owner_call(rref: RRef[Any], method: str, payload: Any, deadline: float
     what = f"{what} on RRef {rref._rid}"
     try:
         call = ctx.agent.start_blocking(owner, method, payload, deadline=deadline,
-                                        internal=internal, where=(args, kwargs))  # fmt: skip
+                                        internal=internal, where=(args, kwargs),
+                                        meta=meta)  # fmt: skip
     except BaseException as e:
-        if lost(e):
-            ctx.mark_lost(owner)
-            raise ctx.lost_error(owner, what, e) from e
-        raise
+        _raise_from_owner(ctx, owner, what, e)
     return OwnerCall(call, ctx, owner, what, [rref])
 
 
@@ -225,6 +217,12 @@ def _from_owner(ctx: RRefContext, owner: int, what: str, hold: list[Any], fut: F
     exc = fut.exception()
     if exc is None:
         return fut.value()
+    _raise_from_owner(ctx, owner, what, exc)
+
+
+def _raise_from_owner(ctx: RRefContext, owner: int, what: str, exc: BaseException) -> NoReturn:
+    """Raise ``exc``, an owner call's failure; a transport failure (the owner
+    lost) marks the owner lost and becomes its typed error."""
     if lost(exc):
         ctx.mark_lost(owner)
         raise ctx.lost_error(owner, what, exc) from exc
