@@ -189,9 +189,6 @@ class GraphTask:
         if eager_leaves and grad_map is None:
             raise AutogradError("GraphTask(eager_leaves=True) needs a grad_map")
         self.leaf_done = leaf_done
-        #: Set just before each callback: whether this thread's run has more
-        #: nodes ready after it (a callback may defer sending while it does not).
-        self.more_ready = False
         self.grad_map = grad_map
         self.callback = callback
         self.callback_kinds = callback_kinds
@@ -317,7 +314,6 @@ class GraphTask:
             if callback is not None and isinstance(node, kinds):
                 if buf is not None:  # the callback may keep them: none may change later
                     grads = [g if o or g is None else g.copy() for g, o in zip(grads, owned)]
-                self.more_ready = bool(ready) or bool(later)
                 callback(node, grads)
                 continue
             deferred = None

@@ -211,11 +211,11 @@ def test_a_distributed_pass_sends_before_the_weights_and_runs_the_recurrence_onc
         x = rt.tensor(x_arr, requires_grad=True)
         leaves = [x]
     grads: dict[rt.Tensor, object] = {}
-    seen: list[tuple[set[rt.Tensor], bool, np.ndarray]] = []
+    seen: list[tuple[set[rt.Tensor], np.ndarray]] = []
 
     def callback(node: rt.Node, g: list[np.ndarray]) -> None:
         assert node is recv
-        seen.append((set(grads), task.more_ready, g[0]))
+        seen.append((set(grads), g[0]))
 
     loss = loss_of(x, h0, c0)
     edge = loss.gradient_edge()
@@ -223,8 +223,8 @@ def test_a_distributed_pass_sends_before_the_weights_and_runs_the_recurrence_onc
     task = rt.GraphTask([edge[0]], grad_map=grads, callback=callback, eager_leaves=True)
     task.execute(rt.tensor_roots([loss]))
 
-    ((held, more_ready, sent),) = seen
-    assert not held & {*params, *leaves} and more_ready
+    ((held, sent),) = seen
+    assert not held & {*params, *leaves}
     assert len(calls) == 2  # one recurrence per layer, not one per part
     np.testing.assert_allclose(sent, (xl if received_input else hl).grad.numpy(), rtol=1e-12)  # type: ignore[union-attr]
     for p in params:

@@ -233,8 +233,7 @@ def _recv_input(shape: tuple[int, ...]) -> tuple[RecvFunction, Tensor, Any]:
 def test_a_gradient_leaving_the_worker_goes_before_the_parameters_gradients(op: str) -> None:
     """A matrix product of a received tensor and parameters: the receive
     function's callback (which sends the gradient upstream) runs before the
-    parameters' gradients are computed, told that more work is ready (so the
-    message leaves at once), and every gradient equals a plain pass's."""
+    parameters' gradients are computed, and every gradient equals a plain pass's."""
     from rpcdist.nn import functional as F
 
     rng = np.random.default_rng(0)
@@ -249,17 +248,17 @@ def test_a_gradient_leaving_the_worker_goes_before_the_parameters_gradients(op: 
     recv, x, data = _recv_input((5, 3))
     w, b = rt.tensor(w0, requires_grad=True), rt.tensor(b0, requires_grad=True)
     grads: dict[Tensor, Any] = {}
-    seen: list[tuple[set[Tensor], bool, Any]] = []
+    seen: list[tuple[set[Tensor], Any]] = []
 
     def callback(node: Node, g: list[Any]) -> None:
         assert node is recv
-        seen.append((set(grads), task.more_ready, g[0]))
+        seen.append((set(grads), g[0]))
 
     loss = model(x, w, b)
     task = GraphTask([node_of(loss)], grad_map=grads, callback=callback, eager_leaves=True)
     task.execute(tensor_roots([loss]))
-    ((held, more_ready, gx),) = seen
-    assert w not in held and more_ready
+    ((held, gx),) = seen
+    assert w not in held
     xl = rt.tensor(data, requires_grad=True)
     wl, bl = rt.tensor(w0, requires_grad=True), rt.tensor(b0, requires_grad=True)
     model(xl, wl, bl).backward()
