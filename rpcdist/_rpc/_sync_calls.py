@@ -74,6 +74,9 @@ NOT_TAKEN: Any = object()
 #: Most connections one agent serves with threads of their own; more are
 #: served by the loop.
 _MAX_SERVED = 64
+#: How often (seconds) a polling thread looks whether another thread of its
+#: worker, or of the host, needs what it holds (its own socket: every round).
+LOOK_EVERY = 20e-6
 
 
 class _Polling:
@@ -347,15 +350,18 @@ class SyncCalls:
         """Poll ``link`` until it is readable, ``spin_end``, or another thread
         of this worker (its GIL) or of the host (a core) needs what this takes."""
         self.polls += 1
-        readable, others = link.readable, self._others.poll
+        readable, others, clock = link.readable, self._others.poll, time.monotonic
         own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
         since = 0.0  # when the host was first seen crowded (0: it is not)
+        look = 0.0  # when to look at the other threads and the host next
         while not readable():
-            now = time.monotonic()
-            since = (since or now) if crowded() else 0.0
-            if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
-                self.yielded += 1
-                return
+            now = clock()
+            if now >= look:  # (two more syscalls: not every round)
+                look = now + LOOK_EVERY
+                since = (since or now) if crowded() else 0.0
+                if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
+                    self.yielded += 1
+                    return
             if now >= spin_end:
                 return
         self.polled += 1
