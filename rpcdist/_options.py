@@ -127,8 +127,9 @@ class RpcOptions:
             socket without sleeping before it sleeps in ``poll``. A reply
             that comes within it is read by a thread that never slept, which
             saves the wake-up (tens of microseconds on a virtual machine) and
-            keeps the core warm. A thread polls only when its previous wait
-            was that short, only one thread of a process polls at a time,
+            keeps the core warm. A thread polls only when the last wait of
+            its kind (a reply to the same function on the same worker) was
+            that short, only one thread of a process polls at a time,
             and not while this worker runs other handlers, has bytes coming
             for another of its threads, or shares its process with other
             agents (they would wait for the GIL), nor while more threads

@@ -116,6 +116,31 @@ def busy_polling_on_a_crowded_host(rank, world_size, init_method):
         rpcdist.shutdown()
 
 
+def busy_polling_alternating(rank, world_size, init_method):
+    """Rank 0 alternates 12 quick calls to rank 1 with slow ones (60 ms in
+    the handler), and works 60 ms itself after each quick reply, so on the
+    one connection both ends' waits alternate short and long (the polling
+    window is 20 ms). Returns both ends' polls and hits (the host's load is
+    left out: other tests may share its cores)."""
+    from rpcdist._rpc import _sync_calls
+
+    _sync_calls.crowded = lambda: False
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
+                     options=rpcdist.RpcOptions(busy_poll_us=20_000))  # fmt: skip
+    try:
+        if rank != 0:
+            return None
+        for i in range(12):
+            assert rpcdist.rpc_sync("w1", rf.add, args=(i, 1)) == i + 1
+            time.sleep(0.06)  # this worker's own part of a step
+            assert rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.06, i)) == i
+        mine = rpcdist.statistics()
+        theirs = rpcdist.rpc_sync("w1", rpcdist.statistics)
+        return [(s["busy_polls"], s["busy_poll_hits"]) for s in (mine, theirs)]
+    finally:
+        rpcdist.shutdown()
+
+
 def _until_handlers(running: bool) -> None:
     """Wait (at most 30 s) until this worker runs a handler, or runs none."""
     end = time.monotonic() + 30

@@ -319,6 +319,24 @@ def test_quick_replies_and_calls_are_read_by_threads_that_polled_for_them():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+def test_a_short_wait_polls_after_a_long_one_of_another_kind():
+    """A step's quick and slow calls alternate on one connection: each wait
+    polls if the last wait of its kind (a reply to that call, the next call
+    after serving that one) was short, so the quick replies and the calls
+    that follow a slow one are read by threads that polled for them."""
+    import mp_workers
+
+    (polls, hits), (callee_polls, callee_hits) = run_workers(
+        mp_workers.busy_polling_alternating, 2, timeout=90
+    )[0]
+    # (1 and 1 when a wait polls only after a short wait of any kind)
+    assert hits >= 4 and callee_hits >= 4
+    assert hits <= polls <= 12 + 1  # the quick replies, and the first slow one
+    assert callee_hits <= callee_polls
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_busy_poll_off_no_thread_polls():
     import mp_workers
 

@@ -77,6 +77,8 @@ _MAX_SERVED = 64
 #: How often (seconds) a polling thread looks whether another thread of its
 #: worker, or of the host, needs what it holds (its own socket: every round).
 LOOK_EVERY = 20e-6
+#: Most kinds of wait whose last length :class:`SyncCalls` remembers.
+_KINDS = 4096
 
 
 class _Polling:
@@ -93,14 +95,12 @@ class _Polling:
 class _Channel:
     """The caller's end of a thread-driven link: replies land in ``replies``."""
 
-    __slots__ = ("fast", "link", "replies")
+    __slots__ = ("link", "replies")
 
     def __init__(self, link: Any, replies: list[InMessage]) -> None:
         #: A ``TcpLink`` in threaded mode (possibly wrapped for fault injection).
         self.link = link
         self.replies = replies
-        #: Whether the last reply came within the busy-polling window.
-        self.fast = True
 
 
 def _keeper(replies: list[InMessage]) -> Hooks:
@@ -159,6 +159,12 @@ class SyncCalls:
         self.polled = 0
         #: Polls cut short because bytes came for another thread of this agent.
         self.yielded = 0
+        #: Whether the last wait of each kind ended within the window: a
+        #: reply to ``(peer, label)``, or the next call after one of
+        #: ``(peer, method)`` was served. A wait polls only if the last of
+        #: its kind was that short (a step's long and short calls alternate
+        #: on one connection).
+        self._quick: dict[tuple[int, str], bool] = {}
         #: What the agent's other threads wait on: the loop's selector and the
         #: connections served here (see :meth:`_wait`).
         self._others: Any = None
@@ -289,10 +295,11 @@ class SyncCalls:
         liveness = self._agent.liveness
         dst = link.peer_rank
         lost = False
+        kind = (dst, label)
         waited = time.monotonic()
         try:
             watched = False
-            spin_end = waited + self._spin if chan.fast else 0.0
+            spin_end = waited + self._spin if self._quick.get(kind, True) else 0.0
             while call.sent and not chan.replies and link.closed is None:
                 if self._wait(link, self._until(msg.deadline), spin_end):
                     continue
@@ -307,7 +314,7 @@ class SyncCalls:
         except OSError as e:
             self._drop(chan)
             raise self._lost_link(link, label, e) from e
-        chan.fast = time.monotonic() - waited <= self._spin
+        self._remember(kind, time.monotonic() - waited)
         if lost or (link.closed is not None and not chan.replies and liveness.is_lost(dst)):
             self._drop(chan)
             raise self._lost(label, liveness.error(dst))
@@ -365,6 +372,12 @@ class SyncCalls:
             if now >= spin_end:
                 return
         self.polled += 1
+
+    def _remember(self, kind: tuple[int, str], waited: float) -> None:
+        quick = self._quick
+        if len(quick) >= _KINDS and kind not in quick:
+            quick.clear()  # (a program of that many kinds of call: start afresh)
+        quick[kind] = waited <= self._spin
 
     def _watch(self, fd: int) -> None:
         """Count ``fd``'s bytes as another thread's in :meth:`_wait` (until it
@@ -523,15 +536,17 @@ class SyncCalls:
         return True
 
     def _serve(self, link: Any, inbox: list[InMessage]) -> None:
-        fast = True
+        kind = (link.peer_rank, "")  # (the method served last)
         self._watch(link._fd)
         try:
             while link.closed is None:
                 waited = time.monotonic()
-                self._wait(link, None, waited + self._spin if fast else 0.0)
-                fast = time.monotonic() - waited <= self._spin
+                self._wait(link, None, waited + self._spin if self._quick.get(kind, True) else 0.0)
+                self._remember(kind, time.monotonic() - waited)
                 while inbox:
-                    self._run(link, inbox.pop(0))
+                    m = inbox.pop(0)
+                    kind = (link.peer_rank, m.method)
+                    self._run(link, m)
         except Exception:  # a bug here: drop the link, loudly (the caller sees it lost)
             _log.exception("error serving blocking calls from %s", link.label)
         finally:
