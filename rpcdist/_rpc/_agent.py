@@ -286,9 +286,12 @@ class Agent:
             SerializationError: ``payload`` cannot be sent (naming where).
         """
         self.check_open()
-        if meta is AUTO:
+        auto = meta is AUTO
+        if auto:
             meta = self.registry.meta()
         wire = WireContext(self, peer, meta=meta)  # type: ignore[arg-type]
+        if auto and not internal and self.registry.riders:
+            wire.meta = self.registry.ride(peer.id, wire, wire.meta)
         pickle = self.options.allow_pickle
         try:
             header, buffers = encode(payload, allow_pickle=pickle, context=wire)

@@ -166,6 +166,7 @@ def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
     """
     if m.kind != INTERNAL and (fn := plain_function(m, agent.policy)) is not None:
         wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta, reply_meta={})
+        agent.registry.on_call(agent, wire.peer, m.meta, wire)
         try:
             args, kwargs = decode_call(agent, m, wire)
         except BaseException as e:
@@ -213,6 +214,8 @@ async def serve(
     bind_agent(agent)  # this task runs in its own copy of the context
     current_deadline.set(deadline)
     wire = decoded[0] if decoded else WireContext(agent, peer, meta=m.meta, reply_meta={})
+    if decoded is None and m.kind != INTERNAL:
+        agent.registry.on_call(agent, peer, m.meta, wire)
     scopes: AbstractContextManager[Any] | None = None
     kind = REPLY
     try:
@@ -335,6 +338,7 @@ def _reply_from_thread(agent: Agent, link: Link, m: InMessage, wire: WireContext
             agent.loop.call_soon_threadsafe(_send, agent, link, reply)
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
+    _after_reply(wire)
 
 
 def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
@@ -360,6 +364,17 @@ def _send_reply(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind:
                 header: bytes, buffers: list[memoryview]) -> None:  # fmt: skip
     """On the loop: account for the finished handler and send its reply."""
     _send(agent, link, _reply(m, wire, kind, header, buffers))
+    _after_reply(wire)
+
+
+def _after_reply(wire: WireContext) -> None:
+    """Run what extensions left for after a call's reply (``extra["after_reply"]``:
+    work the caller need not wait for, such as freeing released contexts)."""
+    for fn in wire.extra.pop("after_reply", ()):
+        try:
+            fn()
+        except Exception:  # (a bug in an extension: say so, and answer the next call)
+            _log.exception("error after replying to a call from %s", wire.peer.name)
 
 
 def _send(agent: Agent, link: Link, reply: OutMessage) -> None:

@@ -8,13 +8,23 @@ them wait, ``delay`` seconds after the first (0: on the loop's next turn), or
 at :meth:`flush`. Each
 message is retried until acknowledged, as every control message is; a
 graceful shutdown :meth:`drain`\\ s the outbox.
+
+Items may instead ride on a call to their peer (a registry rider):
+:meth:`take` hands over what waits for the peer, under a token that the
+callee's reply acknowledges (:meth:`delivered`). What is not acknowledged
+within ``delay`` (a call that failed, or is slow) is sent the usual way at
+the next flush; a call that was never sent gives its items back at once
+(:meth:`returned`). The items are idempotent, so a late acknowledgement
+after such a resend costs nothing but the resend.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from .._errors import RpcdistError
@@ -37,6 +47,9 @@ class ControlOutbox:
         self._batch = batch
         self._lock = threading.Lock()
         self._boxes: dict[int, list[Any]] = {}
+        #: Items riding on calls: token -> (peer, items, when taken).
+        self._riding: dict[int, tuple[int, list[Any], float]] = {}
+        self._tokens = itertools.count(1)
         self._armed = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -57,28 +70,66 @@ class ControlOutbox:
         except RuntimeError:  # the loop is gone: the agent shut down
             pass
 
+    def take(self, peer: int) -> tuple[int, list[Any]] | None:
+        """What waits for ``peer``, to ride on a call there (any thread):
+        ``(token, items)``, or ``None`` if nothing waits."""
+        with self._lock:
+            items = self._boxes.pop(peer, None)
+            if not items:
+                return None
+            token = next(self._tokens)
+            self._riding[token] = (peer, items, time.monotonic())
+        return token, items
+
+    def delivered(self, token: object) -> None:
+        """The callee acknowledged the items that rode under ``token`` (any thread)."""
+        with self._lock:
+            self._riding.pop(token, None)  # type: ignore[call-overload]
+
+    def returned(self, token: int) -> None:
+        """The call that took the items under ``token`` was never sent (any thread)."""
+        with self._lock:
+            got = self._riding.pop(token, None)
+        if got is not None:
+            for item in got[1]:
+                self.post(got[0], item)
+
     def drop(self, peer: int) -> None:
         """Forget what waits for ``peer`` (it is gone)."""
         with self._lock:
             self._boxes.pop(peer, None)
+            for token in [t for t, r in self._riding.items() if r[0] == peer]:
+                del self._riding[token]
 
     def pending(self) -> int:
-        """Items waiting plus messages not yet acknowledged."""
+        """Items waiting or riding, plus messages not yet acknowledged."""
         with self._lock:
-            return sum(map(len, self._boxes.values())) + len(self._tasks)
+            riding = sum(len(r[1]) for r in self._riding.values())
+            return sum(map(len, self._boxes.values())) + riding + len(self._tasks)
 
-    def flush(self) -> None:
-        """Send everything queued now (on the loop)."""
+    def flush(self, *, everything: bool = False) -> None:
+        """Send everything queued now, and what has ridden unacknowledged for
+        ``delay`` (``everything``: all that rides) (on the loop)."""
         self._cancel_timer()
+        now = time.monotonic()
         with self._lock:
             self._armed = False
+            for token, (peer, items, taken) in list(self._riding.items()):
+                if everything or now - taken >= self._delay:
+                    del self._riding[token]
+                    self._boxes.setdefault(peer, []).extend(items)
             peers = list(self._boxes)
+            riding = bool(self._riding)
         for peer in peers:
             self._send(peer)
+        if riding and not self._agent.closed:  # look again once they are due
+            with self._lock:
+                self._armed = True
+            self._arm()
 
     async def drain(self) -> None:
         """Graceful shutdown: send what is queued and wait for the acknowledgements."""
-        self.flush()
+        self.flush(everything=True)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -86,6 +137,7 @@ class ControlOutbox:
         self._cancel_timer()
         with self._lock:
             self._boxes.clear()
+            self._riding.clear()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -20,7 +20,15 @@ statistics and shutdown steps, registered on the agent, which add
   arguments are decoded), each handed to ``handler(agent, src, value)`` on
   whichever thread reads the reply, late replies included: the owner of an
   RRef passed back to it confirms the sender's fork this way, saving a
-  control message and its acknowledgement per call.
+  control message and its acknowledgement per call;
+* **riders**: items an extension would otherwise send one peer in a control
+  message, which travel instead in the next call made to that peer
+  (``take(peer, wire)`` is asked as the call is encoded, and is told of a
+  call that is never sent through ``wire``'s undo list); the callee hands
+  them to ``receive(agent, src, value, wire)`` as the call arrives, before
+  its arguments are decoded, and acknowledges them with a reply field.
+  Distributed autograd sends context releases this way: a training loop's
+  next call carries them, and neither worker's loop wakes for them.
 
 The contract on timing: a worker may receive an extension's messages as soon
 as any peer can send them, so an extension whose handlers, scopes or codec
@@ -46,6 +54,7 @@ from .._worker import WorkerInfo
 
 if TYPE_CHECKING:
     from ._agent import Agent
+    from ._context import WireContext
 
 __all__ = [
     "BUILTIN_EXTENSIONS",
@@ -57,6 +66,8 @@ __all__ = [
     "MetaSource",
     "Registry",
     "ReplyField",
+    "RiderReceive",
+    "RiderTake",
 ]
 
 E = TypeVar("E", bound="Extension")
@@ -73,6 +84,8 @@ BUILTIN_EXTENSIONS = (
 InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
 MetaSource = Callable[[], "Meta | None"]
 ReplyField = Callable[["Agent", WorkerInfo, Any], None]
+RiderTake = Callable[[int, "WireContext"], Any]
+RiderReceive = Callable[["Agent", WorkerInfo, Any, "WireContext"], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +172,7 @@ class Registry:
         self.sources: tuple[MetaSource, ...] = ()
         #: Replaced whole, like the tuples.
         self.reply_fields: dict[str, ReplyField] = {}
+        self.riders: dict[str, tuple[RiderTake, RiderReceive]] = {}
         self.extensions: dict[str, Extension] = {}
 
     def add_handler(self, method: str, handler: InternalHandler) -> None:
@@ -197,6 +211,37 @@ class Registry:
             if self.reply_fields.get(name, handler) is not handler:
                 raise ConfigError(f"reply field {name!r} is already registered")
             self.reply_fields = {**self.reply_fields, name: handler}
+
+    def add_rider(self, name: str, take: RiderTake, receive: RiderReceive) -> None:
+        """Carry field ``name`` in calls: ``take(peer, wire)`` gives the value
+        for the next call to ``peer`` (``None``: nothing), ``receive`` takes it
+        at the callee (see the module docstring).
+
+        Raises:
+            ConfigError: another rider takes ``name``.
+        """
+        with self._lock:
+            if name in self.riders and self.riders[name] != (take, receive):
+                raise ConfigError(f"rider {name!r} is already registered")
+            self.riders = {**self.riders, name: (take, receive)}
+
+    def ride(self, peer: int, wire: WireContext, meta: Meta | None) -> Meta | None:
+        """``meta`` with what the riders have for ``peer`` (a call's, any thread)."""
+        for name, (take, _) in self.riders.items():
+            value = take(peer, wire)
+            if value is not None:
+                meta = {**meta, name: value} if meta else {name: value}
+        return meta
+
+    def on_call(self, agent: Agent, peer: WorkerInfo, meta: Meta | None,
+                wire: WireContext) -> None:  # fmt: skip
+        """A call from ``peer`` arrived with ``meta`` (any thread, before its
+        arguments are decoded): hand the riders' fields to their receivers."""
+        if meta:
+            for name, (_, receive) in self.riders.items():
+                value = meta.get(name)
+                if value is not None:
+                    receive(agent, peer, value, wire)
 
     def on_reply(self, agent: Agent, peer: WorkerInfo, meta: Meta | None) -> None:
         """A reply from ``peer`` arrived with ``meta`` (any thread, before it

@@ -575,6 +575,7 @@ class SyncCalls:
         wire = WireContext(
             agent, agent.workers[link.peer_rank], off_loop=True, meta=m.meta, reply_meta={}
         )
+        agent.registry.on_call(agent, wire.peer, m.meta, wire)
         try:
             args, kwargs = _dispatch.decode_call(agent, m, wire)
             wire.wait_gates_blocking(m.deadline)

@@ -20,8 +20,12 @@ Leaving ``with context()`` releases the context here and sends
 ``autograd.release`` to every worker it exchanged messages with; each frees
 its copy and passes the release on to the workers *it* knows, each message
 retried until acknowledged. Releases for one peer travel in batches (see
-``RELEASE_DELAY``). A context whose creator is lost is freed after
-``lease`` seconds (PyTorch leaks these: pytorch/pytorch#26379).
+``RELEASE_DELAY``), and ride on the next call made to that peer when one
+comes first (a registry rider, field ``"ar"``, acknowledged by the reply's
+field ``"ar+"``): a training loop's next step carries the last one's
+releases, and neither worker's event loop wakes for them. A context whose
+creator is lost is freed after ``lease`` seconds (PyTorch leaks these:
+pytorch/pytorch#26379).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from ._context import CURRENT, DistContext, IdMaker
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
+    from .._rpc._context import WireContext
 
 __all__ = [
     "GRADS",
@@ -64,6 +69,9 @@ REACH = "autograd.reach"
 RELEASE = "autograd.release"
 RREF_BACKWARD = "autograd.rref_backward"
 PING = "autograd.ping"
+#: Call metadata: releases riding on a call, and the reply's acknowledgement.
+RIDING = "ar"
+RELEASED = "ar+"
 #: Seconds a context outlives the loss of its creator (lets failing passes end).
 LEASE = 5.0
 #: Releases for one peer wait this long (seconds) for others to travel with,
@@ -159,6 +167,37 @@ class AutogradExtension(BaseExtension):
             return
         for peer in peers:
             self._outbox.post(peer, context_id)
+
+    def take_releases(self, peer: int, wire: WireContext) -> list[Any] | None:
+        """The releases waiting for ``peer``, to ride on a call there (a
+        registry rider): ``[token, context ids]``; given back if the call is
+        never sent."""
+        got = self._outbox.take(peer)
+        if got is None:
+            return None
+        token, ids = got
+        wire.extra.setdefault("undo", []).append(lambda: self._outbox.returned(token))
+        return [token, ids]
+
+    def receive_releases(self, agent: Agent, src: WorkerInfo, value: Any,
+                         wire: WireContext) -> None:  # fmt: skip
+        """Releases that rode on a call from ``src``: free them, and say so in the reply."""
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)):
+            return  # (malformed: the sender resends them the usual way)
+        token, ids = value
+        if wire.reply_meta is not None:
+            wire.reply_meta[RELEASED] = token
+        # Freed once the reply is out: the caller waits for the reply, not for this.
+        wire.extra.setdefault("after_reply", []).append(lambda: self._release_all(ids, src.id))
+
+    def _release_all(self, ids: list[Any], src: int) -> None:
+        for context_id in ids:
+            if type(context_id) is int:
+                self.release(context_id, src=src)
+
+    def on_released(self, agent: Agent, src: WorkerInfo, token: Any) -> None:
+        """A reply acknowledged the releases that rode under ``token``."""
+        self._outbox.delivered(token)
 
     def peer_lost(self, rank: int) -> None:
         """Worker ``rank`` is gone: its contexts here are freed after the lease."""
@@ -317,6 +356,8 @@ def install(agent: Agent) -> AutogradExtension:
         registry.add_handler(PING, _on_ping)
         registry.add_scope(e.scope, with_meta_only=True)
         registry.add_source(e.source)
+        registry.add_rider(RIDING, e.take_releases, e.receive_releases)
+        registry.add_reply_field(RELEASED, e.on_released)
         return e
 
     return agent.extension("autograd", make)

@@ -1,6 +1,8 @@
-"""Releases of finished contexts travel in batches: one control message per
-peer for several contexts, sent when ``RELEASE_BATCH`` are queued, after
-``RELEASE_DELAY``, or at a graceful shutdown; nothing is left on any worker."""
+"""Releases of finished contexts ride on the next call to the peer that knows
+them, acknowledged by its reply; what no call carries travels in batches: one
+control message per peer for several contexts, sent when ``RELEASE_BATCH``
+are queued, after ``RELEASE_DELAY``, or at a graceful shutdown; nothing is
+left on any worker."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from rpcdist import RpcOptions
 from rpcdist._rpc._outbox import ControlOutbox
 from rpcdist.autograd import _extension
 from rpcdist.tensor import Tensor
-from rpcdist.testing import as_current, local_agents
+from rpcdist.testing import FaultInjector, as_current, local_agents
 
 
 @pytest.fixture
@@ -37,6 +39,12 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int]]]:
     return got
 
 
+@pytest.fixture
+def no_riding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releases never ride on calls (only the control messages are left)."""
+    monkeypatch.setattr(_extension.AutogradExtension, "take_releases", lambda *a: None)
+
+
 def _contexts(n: int) -> list[int]:
     x = Tensor(np.ones(3), requires_grad=True)
     ids = []
@@ -48,8 +56,55 @@ def _contexts(n: int) -> list[int]:
     return ids
 
 
-def test_a_loop_of_contexts_sends_fewer_release_messages_than_contexts(
+def test_a_loop_s_releases_ride_on_its_next_calls(
     sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each iteration's call carries the release of the context before it;
+    only the last, which no call follows, needs a message of its own."""
+    monkeypatch.setattr(_extension, "RELEASE_DELAY", 0.05)
+    with local_agents(2, options=RpcOptions(token=None)) as agents, as_current(agents[0]):
+        ids = _contexts(40)
+        assert contexts_settled(agents)
+        assert agents[1].statistics()["autograd_released"] == 40  # each freed there, once
+        for agent in agents:
+            assert agent.statistics()["autograd_releases_inflight"] == 0
+    assert [batch for _, batch in sent] == [ids[-1:]]  # (all 40 without riding)
+
+
+def test_a_call_that_is_never_sent_gives_its_riding_releases_back(
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_extension, "RELEASE_DELAY", 0.05)
+    with local_agents(2, options=RpcOptions(token=None)) as agents, as_current(agents[0]):
+        ids = _contexts(1)
+        with pytest.raises(rpcdist.SerializationError):  # (it took the release, then failed)
+            rpcdist.rpc_sync("worker1", af.tanh_scale, args=(lambda: None,))
+        outbox = _extension.ext(agents[0])._outbox
+        assert not outbox._riding and outbox.pending() in (0, 1)  # back in the box (or sent)
+        assert contexts_settled(agents)
+    assert [batch for _, batch in sent] == [ids]  # sent the usual way instead
+
+
+def test_releases_that_ride_on_a_lost_call_are_sent_again(
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that carried releases but got no reply (its reply dropped, so
+    no acknowledgement) leaves them to the next flush, which sends them in
+    a message of their own."""
+    monkeypatch.setattr(_extension, "RELEASE_DELAY", 0.05)
+    faults = FaultInjector()
+    with local_agents(2, options=RpcOptions(token=None, faults=faults)) as agents:
+        with as_current(agents[0]):
+            ids = _contexts(1)
+            faults.add("reply:ad_funcs:tanh_scale", "drop")
+            with pytest.raises(rpcdist.RpcTimeoutError):
+                rpcdist.rpc_sync("worker1", af.tanh_scale, args=(Tensor(np.ones(3)),), timeout=0.5)
+            assert contexts_settled(agents)
+    assert [batch for _, batch in sent] == [ids]
+
+
+def test_a_loop_of_contexts_sends_fewer_release_messages_than_contexts(
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch, no_riding: None
 ) -> None:
     monkeypatch.setattr(_extension, "RELEASE_DELAY", 0.05)
     with local_agents(2, options=RpcOptions(token=None)) as agents, as_current(agents[0]):
@@ -62,7 +117,7 @@ def test_a_loop_of_contexts_sends_fewer_release_messages_than_contexts(
 
 
 def test_a_full_batch_goes_at_once_and_a_graceful_shutdown_sends_the_rest(
-    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch
+    sent: list[tuple[int, list[int]]], monkeypatch: pytest.MonkeyPatch, no_riding: None
 ) -> None:
     monkeypatch.setattr(_extension, "RELEASE_DELAY", 3600.0)  # only a full batch or drain
     batch = _extension.RELEASE_BATCH
