@@ -73,6 +73,8 @@ class ControlOutbox:
     def take(self, peer: int) -> tuple[int, list[Any]] | None:
         """What waits for ``peer``, to ride on a call there (any thread):
         ``(token, items)``, or ``None`` if nothing waits."""
+        if not self._boxes:  # (every call asks: no lock when nothing waits)
+            return None
         with self._lock:
             items = self._boxes.pop(peer, None)
             if not items:
