@@ -42,10 +42,12 @@ from ._context import WireContext, _current, bind_agent, reset_agent
 from ._registry import CallInfo
 
 if TYPE_CHECKING:
+    from .._worker import WorkerInfo
     from ._agent import Agent
 
 __all__ = [
     "call_user",
+    "call_wire",
     "decode_call",
     "dispatch",
     "is_async_execution",
@@ -141,6 +143,16 @@ def _check_deadline(deadline: float | None, method: str, peer: str) -> None:
         raise RpcTimeoutError(f"call {method!r} from {peer!r} arrived after its deadline")
 
 
+def call_wire(
+    agent: Agent, peer: WorkerInfo, m: InMessage, *, off_loop: bool = False
+) -> WireContext:
+    """The wire context a received CALL is handled in (any thread), after
+    handing its riders' fields to their extensions (``Registry.on_call``)."""
+    wire = WireContext(agent, peer, off_loop=off_loop, meta=m.meta, reply_meta={})
+    agent.registry.on_call(agent, peer, m.meta, wire)
+    return wire
+
+
 def decode_call(agent: Agent, m: InMessage, wire: WireContext) -> tuple[Any, Any]:
     """A CALL's ``(args, kwargs)``.
 
@@ -165,8 +177,7 @@ def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
     :func:`serve` task.
     """
     if m.kind != INTERNAL and (fn := plain_function(m, agent.policy)) is not None:
-        wire = WireContext(agent, agent.workers[link.peer_rank], meta=m.meta, reply_meta={})
-        agent.registry.on_call(agent, wire.peer, m.meta, wire)
+        wire = call_wire(agent, agent.workers[link.peer_rank], m)
         try:
             args, kwargs = decode_call(agent, m, wire)
         except BaseException as e:
@@ -213,9 +224,12 @@ async def serve(
     deadline = m.deadline
     bind_agent(agent)  # this task runs in its own copy of the context
     current_deadline.set(deadline)
-    wire = decoded[0] if decoded else WireContext(agent, peer, meta=m.meta, reply_meta={})
-    if decoded is None and m.kind != INTERNAL:
-        agent.registry.on_call(agent, peer, m.meta, wire)
+    if decoded is not None:
+        wire = decoded[0]
+    elif m.kind == INTERNAL:
+        wire = WireContext(agent, peer, meta=m.meta, reply_meta={})
+    else:
+        wire = call_wire(agent, peer, m)
     scopes: AbstractContextManager[Any] | None = None
     kind = REPLY
     try:

@@ -299,7 +299,7 @@ class SyncCalls:
         waited = time.monotonic()
         try:
             watched = False
-            spin_end = waited + self._spin if self._quick.get(kind, True) else 0.0
+            spin_end = self._spin_end(kind, waited)
             while call.sent and not chan.replies and link.closed is None:
                 if self._wait(link, self._until(msg.deadline), spin_end):
                     continue
@@ -372,6 +372,11 @@ class SyncCalls:
             if now >= spin_end:
                 return
         self.polled += 1
+
+    def _spin_end(self, kind: tuple[int, str], now: float) -> float:
+        """Until when a wait of ``kind`` starting ``now`` may poll (0: not at
+        all: the last wait of its kind was longer than the window)."""
+        return now + self._spin if self._quick.get(kind, True) else 0.0
 
     def _remember(self, kind: tuple[int, str], waited: float) -> None:
         quick = self._quick
@@ -541,7 +546,7 @@ class SyncCalls:
         try:
             while link.closed is None:
                 waited = time.monotonic()
-                self._wait(link, None, waited + self._spin if self._quick.get(kind, True) else 0.0)
+                self._wait(link, None, self._spin_end(kind, waited))
                 self._remember(kind, time.monotonic() - waited)
                 while inbox:
                     m = inbox.pop(0)
@@ -572,10 +577,7 @@ class SyncCalls:
                 pass
             return
         agent.activity.handler_started_threadsafe()
-        wire = WireContext(
-            agent, agent.workers[link.peer_rank], off_loop=True, meta=m.meta, reply_meta={}
-        )
-        agent.registry.on_call(agent, wire.peer, m.meta, wire)
+        wire = _dispatch.call_wire(agent, agent.workers[link.peer_rank], m, off_loop=True)
         try:
             args, kwargs = _dispatch.decode_call(agent, m, wire)
             wire.wait_gates_blocking(m.deadline)
