@@ -217,7 +217,8 @@ def main() -> int:
         "sender copies it into a staging block of device memory and sends the block's "
         "handle; the receiver copies it out device to device and releases the block "
         f"({lent} arrays went by handle in that run). rpcdist.torch sends a CUDA tensor "
-        "the same way, through a CuPy view of it (DLPack), when CuPy is installed. "
+        "the same way, through a CuPy view of its memory, when CuPy is installed, and "
+        "the receiver copies it straight into a new tensor. "
         "PyTorch's TensorPipe uses its CUDA channels between processes of one machine "
         "where it can."
     )
