@@ -19,6 +19,18 @@ one reduction pass over ``1/p`` of it that reads ``p`` inputs: about 2
 memory copies per byte (1.5 at p=2, 1.75 at p=4) against about 5 for the
 gRPC path (pack, socket send, socket receive, gRPC's buffer, unpack).
 
+A device (CuPy) buffer of a group of two is staged piece by piece through
+the slots: each piece's copy and each reduction is a device operation the
+rank waits for, about ``4p`` a round. Up to ``HOST_REDUCE_BYTES``, and at
+every size in larger groups, the buffer is instead copied down whole (a host
+copy of it for the call's length), reduced by the host algorithm and copied
+back: two device operations. Where processes share one GPU, each device
+operation also waits its turn on it. Measured on an H100 shared by the
+ranks (all-reduce, host path against staged): two ranks, 350 against 870
+us at 4 KB, 350 against 600 at 256 KB, but 880 against 510 at 1 MB and
+10.3 against 6.4 ms at 16 MB; four ranks, 660 against 1,650 us at 4 KB,
+1.06 against 2.24 ms at 1 MB, 12.6 against 30.0 ms at 16 MB.
+
 The other collectives are one-phase rounds: writers copy their pieces into
 their slots, a sync, readers copy them out; the next round's writes ride
 before the same sync.
@@ -32,11 +44,17 @@ from typing import Any
 import numpy as np
 
 from .._errors import CollectiveError
-from ._ops import Meta, ReduceOp, Xp
+from ._ops import Meta, ReduceOp, Xp, xp_for
 from ._ring import split
 from ._shm import Segments
 
-__all__ = ["ShmEngine"]
+__all__ = ["HOST_REDUCE_BYTES", "ShmEngine"]
+
+#: Device buffers up to this size are reduced on the host: one copy down,
+#: the host algorithm, one copy up. Below it, the staged path's many small
+#: copies and kernel launches (each waited for) cost more than the data.
+#: Groups of more than two ranks take the host path at every size.
+HOST_REDUCE_BYTES = 256 << 10
 
 
 def _rounds_for(sizes: Sequence[int], per: int) -> int:
@@ -81,6 +99,13 @@ class ShmEngine:
     ) -> None:
         """Reduce ``src`` over the group into ``out`` on every rank (``root < 0``) or at ``root``."""
         seg, p, r = self.seg, self.size, self.rank
+        if not xp.host and (p > 2 or src.nbytes <= HOST_REDUCE_BYTES):
+            h = xp.host_view(src)  # one copy down, finished when it returns
+            mine = out is not None and (root < 0 or r == root)
+            self._reduce_rounds(seq, xp_for(h), h, op, meta, h if mine else None, root)
+            if mine:
+                xp.from_host(out, h)
+            return
         seg.pin(xp)
         dtype = src.dtype
         per = max(1, seg.round_bytes // dtype.itemsize)

@@ -5,6 +5,8 @@ Skipped without CuPy and a CUDA device; run on the GPU machine when one is lent.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from gpu_support import cuda_devices, has_nccl, needs_gpu
@@ -24,14 +26,24 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
         cupy.cuda.Device(rank).use()
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=60)
     try:
-        for dtype in ("float32", "float64", "int64", "complex64"):
-            x = cupy.arange(1000, dtype=dtype) * (rank + 1)
+        # 1,000 elements go through the host (HOST_REDUCE_BYTES); 100,000 are
+        # staged piece by piece and reduced on the device in a group of two
+        # and go through the host in larger groups
+        for n, dtype in itertools.product(
+            (1000, 100_000), ("float32", "float64", "int64", "complex64")
+        ):
+            x = cupy.arange(n, dtype=dtype) * (rank + 1)
             dist.all_reduce(x)
-            expected = np.arange(1000, dtype=dtype) * sum(range(1, world + 1))
+            expected = np.arange(n, dtype=dtype) * sum(range(1, world + 1))
             np.testing.assert_array_equal(cupy.asnumpy(x), expected)
-        y = cupy.full(10, rank + 1.0)
-        dist.all_reduce(y, ReduceOp.AVG)
-        assert float(y[0]) == (world + 1) / 2
+        for n in (10, 100_000):
+            y = cupy.full(n, rank + 1.0)
+            dist.all_reduce(y, ReduceOp.AVG)
+            assert bool((y == (world + 1) / 2).all())
+            m = cupy.full(n, float(rank), "float32")
+            into = cupy.zeros_like(m)
+            dist.all_reduce(m, ReduceOp.MAX, out=into)
+            assert bool((into == world - 1).all()) and bool((m == rank).all())
         z = cupy.full(5, rank, "int32")
         dist.all_reduce(z, ReduceOp.BXOR)  # not an NCCL op: falls back, staged
         b = cupy.full(7, rank, "float32")
@@ -43,25 +55,26 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
         rs = cupy.empty(4, "float32")
         dist.reduce_scatter(rs, [cupy.full(4, 1.0, "float32") for _ in range(world)])
         assert bool((rs == world).all())
-        red = cupy.full(6, 2.0)
-        dist.reduce(red, 0, ReduceOp.PROD)
-        if rank == 0:
-            assert float(red[0]) == 2.0**world
+        for n in (6, 100_000):
+            red = cupy.full(n, 2.0)
+            dist.reduce(red, 0, ReduceOp.PROD)
+            assert bool((red == (2.0**world if rank == 0 else 2.0)).all())
         from rpcdist.collectives._api import resolve
 
         if own_gpu:  # every rank has its own GPU: the default group went through NCCL
             assert resolve(None).extra.get("nccl") is not None
-        elif backend == "shm":  # CuPy copies go straight to page-locked slots
-            assert resolve(None).engine.inner.seg.pinned
+        elif backend == "shm":  # a staged piece's copies go straight to page-locked
+            # slots; larger groups take the host path, which never pins them
+            assert resolve(None).engine.inner.seg.pinned == (world == 2)
     finally:
         dist.destroy_process_group()
 
 
 @needs_gpu
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["shm", "ring"])
-def test_cupy_buffers_on_the_cpu_engines(backend):
-    run_workers(cupy_worker, 2, args=(backend, False), timeout=150)
+@pytest.mark.parametrize(("backend", "world"), [("shm", 2), ("ring", 2), ("shm", 3)])
+def test_cupy_buffers_on_the_cpu_engines(backend, world):
+    run_workers(cupy_worker, world, args=(backend, False), timeout=150)
 
 
 @pytest.mark.skipif(cuda_devices() < 2, reason="needs two CUDA devices for NCCL")
