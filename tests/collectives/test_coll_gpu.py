@@ -21,6 +21,7 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
 
     from rpcdist import collectives as dist
     from rpcdist.collectives import ReduceOp
+    from rpcdist.collectives._api import resolve
 
     if own_gpu:
         cupy.cuda.Device(rank).use()
@@ -36,6 +37,9 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
             dist.all_reduce(x)
             expected = np.arange(n, dtype=dtype) * sum(range(1, world + 1))
             np.testing.assert_array_equal(cupy.asnumpy(x), expected)
+        if backend == "shm" and not own_gpu:
+            # only the staged path page-locks the slots (reduce_scatter below does too)
+            assert resolve(None).engine.inner.seg.pinned == (world == 2)
         for n in (10, 100_000):
             y = cupy.full(n, rank + 1.0)
             dist.all_reduce(y, ReduceOp.AVG)
@@ -59,13 +63,10 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
             red = cupy.full(n, 2.0)
             dist.reduce(red, 0, ReduceOp.PROD)
             assert bool((red == (2.0**world if rank == 0 else 2.0)).all())
-        from rpcdist.collectives._api import resolve
-
         if own_gpu:  # every rank has its own GPU: the default group went through NCCL
             assert resolve(None).extra.get("nccl") is not None
-        elif backend == "shm":  # a staged piece's copies go straight to page-locked
-            # slots; larger groups take the host path, which never pins them
-            assert resolve(None).engine.inner.seg.pinned == (world == 2)
+        elif backend == "shm":  # CuPy copies go straight to page-locked slots
+            assert resolve(None).engine.inner.seg.pinned
     finally:
         dist.destroy_process_group()
 
