@@ -30,10 +30,13 @@ def _axes(axis: Axis, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def _expand(g: Any, axes: tuple[int, ...], keepdims: bool) -> Any:
+def _expand(g: Any, axes: tuple[int, ...], keepdims: bool, src: tuple[int, ...]) -> Any:
+    """``g`` with the reduced ``axes`` of shape ``src`` put back as size 1."""
     if keepdims or not axes:
         return g
-    return array_module(g).expand_dims(g, axes)
+    if len(axes) == len(src):  # a full reduction: broadcasting takes the scalar as it is
+        return g
+    return g.reshape(tuple(1 if i in axes else n for i, n in enumerate(src)))
 
 
 class Sum(Function):
@@ -45,7 +48,7 @@ class Sum(Function):
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         xp = array_module(g)
-        return (xp.broadcast_to(_expand(g, self.axes, self.keepdims), self.src),)
+        return (xp.broadcast_to(_expand(g, self.axes, self.keepdims, self.src), self.src),)
 
 
 class Mean(Function):
@@ -58,7 +61,7 @@ class Mean(Function):
     def backward(self, g: Any) -> tuple[Any, ...]:
         xp = array_module(g)
         n = math.prod(self.src[i] for i in self.axes)
-        g = _expand(g, self.axes, self.keepdims) / n
+        g = _expand(g, self.axes, self.keepdims, self.src) / n
         return (xp.broadcast_to(g, self.src),)
 
 
@@ -82,7 +85,7 @@ class Amax(Function):
     def backward(self, g: Any) -> tuple[Any, ...]:
         mask = self.a == self.out
         count = mask.sum(axis=self.axes, keepdims=True)
-        g = _expand(g, self.axes, self.keepdims) / count
+        g = _expand(g, self.axes, self.keepdims, self.a.shape) / count
         return (mask * g,)
 
 
