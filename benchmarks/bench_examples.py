@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import table, write_section
+from _report import byte_compile, table, write_section
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a check, not a measure)")
     ap.add_argument("names", nargs="*", help="run only examples whose name contains one of these")
     a = ap.parse_args()
+    byte_compile()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     rows, failed = [], 0
     with tempfile.TemporaryDirectory(prefix="rpcdist-examples-") as tmp:

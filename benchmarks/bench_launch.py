@@ -31,7 +31,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _report import median, table, write_section
+from _report import byte_compile, median, table, write_section
 
 from rpcdist.launch import free_port
 
@@ -97,6 +97,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="print, do not update the report")
     ap.add_argument("--nproc", type=int, default=2)
     args = ap.parse_args()
+    byte_compile()
     runs = 3 if args.quick else 7
     try:
         import torch  # noqa: F401

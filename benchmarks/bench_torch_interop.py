@@ -28,7 +28,15 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import free_port, have_torch_distributed, median, percentile, table, write_section
+from _report import (
+    byte_compile,
+    free_port,
+    have_torch_distributed,
+    median,
+    percentile,
+    table,
+    write_section,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "_interop_programs.py")
@@ -61,6 +69,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
+    byte_compile()
     if not have_torch_distributed():
         print("torch with torch.distributed is not installed: nothing to compare")
         return 0
