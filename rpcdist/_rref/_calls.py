@@ -186,9 +186,10 @@ def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -
 def _after_creation(rref: RRef[Any], out: Future[Any], deadline: float | None, what: str,
                     meta: Any, confirmed: Future[None]) -> None:  # fmt: skip
     exc = confirmed.exception()
+    if exc is not None:  # (not raised here: this frame would join its traceback, and hold ``rref``)
+        out.set_exception(exc)
+        return
     try:
-        if exc is not None:
-            raise exc
         early = rref._early
         if early is None:
             fetch = call_owner(rref, FETCH, [*rref._rid], deadline, what, meta=meta)

@@ -57,6 +57,11 @@ def encode(
         if isinstance(exc, RpcdistError) and not isinstance(exc, SerializationError):
             raise
         raise _explain(obj, where, state, exc) from exc
+    finally:
+        # ``failed`` holds the exception, whose traceback holds ``state``:
+        # left in place, that cycle would keep ``obj`` alive until the
+        # garbage collector next ran.
+        state.failed = None
     return header, state.buffers
 
 

@@ -23,6 +23,23 @@ def _freed(token: int, agents, timeout: float = 10.0) -> bool:
     return not rf.alive(token)
 
 
+def _until(pred, timeout: float = 10.0) -> bool:
+    """Whether ``pred()`` became true within ``timeout`` seconds (polled)."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _made_then_freed(token: int, agents) -> bool:
+    """The owner made the value of ``token`` (a late creation ran) and then let
+    it go: at once, not at the garbage collector's next run."""
+    made = _until(lambda: token in rf.LIVE)
+    return made and _until(lambda: not rf.alive(token)) and _freed(token, agents)
+
+
 def test_fork_chain_whose_last_delete_arrives_first(start):
     # owner O -> A -> Y -> Z; Y's fork request is delayed, so Z's fork request
     # and Z's delete reach O first. A must still be known (it holds its RRef
@@ -187,14 +204,16 @@ def test_slow_creation_after_remote_timed_out_is_freed(rrefs2):
         with pytest.raises(rpcdist.RRefCreationError):
             rref.to_here()
         del rref  # its abandon-delete reaches the owner while it still runs the function
-    time.sleep(0.5)
-    assert _freed(token, rrefs2)
+        gc.collect()  # (the error's traceback holds the RRef in a cycle)
+    assert _made_then_freed(token, rrefs2)
 
 
 def test_remote_arriving_after_its_abandon_creates_nothing(start):
     a_faults = FaultInjector()
     a_faults.add("rref.remote", "delay", delay=0.4)
-    agents = start(2, faults=[a_faults, None])
+    owner_faults = FaultInjector()
+    owner_faults.add("error:*", "delay", delay=0.0)  # passes it on at once, and logs it
+    agents = start(2, faults=[a_faults, owner_faults])
     token = next(_tokens)
     with as_current(agents[0]):
         rref = rpcdist.remote("worker1", rf.make_tracked, args=(token,), timeout=0.1)
@@ -202,6 +221,9 @@ def test_remote_arriving_after_its_abandon_creates_nothing(start):
             rref.to_here()
         del rref
         gc.collect()
-    time.sleep(0.6)
+    # The late request reaches the owner past its deadline, which refuses it.
+    assert _until(lambda: owner_faults.log), "the owner never answered the late remote()"
+    assert owner_faults.log[0][0].startswith("error:")
     assert _freed(token, agents)
+    assert token not in rf.LIVE
     assert agents[1].statistics()["rref_tombstones"] <= 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -89,6 +91,27 @@ def test_reference_cycles_are_reported_not_crashed() -> None:
     cycle.append(cycle)
     with pytest.raises(SerializationError, match="nested too deeply"):
         encode({"c": cycle})
+
+
+def test_a_refused_value_is_freed_with_its_error() -> None:
+    # The refusal must not leave a reference cycle behind (exception ->
+    # traceback -> the encoder's state -> exception) holding the value until
+    # the garbage collector runs: an owner whose early copy of a new value
+    # failed kept that value alive that way.
+    value = [np.zeros(4), Opaque()]
+    ref = weakref.ref(value[1])
+    gc.disable()
+    try:
+        try:
+            encode(value)
+        except SerializationError:
+            pass
+        else:
+            raise AssertionError("an unknown type was encoded")
+        del value
+        assert ref() is None, "the refused value outlived its error"
+    finally:
+        gc.enable()
 
 
 def test_unknown_types_are_pickled_when_allowed_with_buffers_out_of_band() -> None:
