@@ -149,12 +149,20 @@ class Future(Generic[T]):
 
         def chain(f: Future[T]) -> None:
             target = box.pop()
+            failed = f._exc
+            tb = None if failed is None else failed.__traceback__
             try:
                 target.set_result(callback(f))
             except BaseException as e:
+                if e is failed:
+                    # ``f``'s own error, re-raised by ``callback`` (``f.wait()``):
+                    # keep its traceback as it was. This stack in it would
+                    # make a cycle (``f``, the error, these frames) holding
+                    # whatever the frames hold until the collector ran.
+                    e.__traceback__ = tb
                 target.set_exception(e)
             finally:
-                target = None  # type: ignore[assignment]  # (see value())
+                target = failed = tb = None  # type: ignore[assignment]  # (see value())
 
         self.add_done_callback(chain)
         return out

@@ -73,18 +73,7 @@ class WorkerPool(concurrent.futures.Executor):
             RuntimeError: the pool was shut down.
         """
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-
-        self._put((run, (), fut))
+        self._put((_run_into, (fut, fn, args, kwargs), fut))
         return fut
 
     def _put(self, item: _Item) -> None:
@@ -190,3 +179,19 @@ class WorkerPool(concurrent.futures.Executor):
             for t in threads:
                 if t is not threading.current_thread():
                     t.join()
+
+
+def _run_into(fut: concurrent.futures.Future[Any], fn: Callable[..., Any], args: Any,
+              kwargs: Any) -> None:  # fmt: skip
+    """``fut``'s outcome is ``fn(*args, **kwargs)``."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as e:
+        fut.set_exception(e)
+        # The error's traceback holds this frame, which must not hold ``fut``
+        # (that holds the error): a cycle only the collector would free.
+        fut = None  # type: ignore[assignment]
+    else:
+        fut.set_result(result)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import pickle
+import types
 
 import numpy as np
 import pytest
@@ -99,6 +101,44 @@ def test_missing_attribute_raises_at_the_caller_in_all_modes(rrefs2):
                 rref.rpc_async().nope().wait()
             with pytest.raises(AttributeError, match="has no attribute 'nope'"):
                 rref.remote().nope()
+
+
+def _frames_in_cycles(fn, n: int = 10) -> set[str]:
+    """The functions whose frames ``n`` runs of ``fn`` left in reference cycles."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(n):
+            fn()
+        gc.collect()
+        return {o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_failed_owner_calls_leave_no_reference_cycles(rrefs2):
+    # Two ways a failure used to make a cycle that held frames (and the
+    # buffers and arguments they refer to) until the garbage collector ran:
+    # a Future.then callback re-raising the reply's stored error added its
+    # stack to that error's traceback (the caller: ``nope``); a pool thread's
+    # frame held the Future its error went into (the owner: ``incr`` given
+    # the wrong arguments).
+    a, _ = rrefs2
+    with as_current(a):
+        rref = rpcdist.remote("worker1", rf.make_counter)
+
+        def fail() -> None:
+            with pytest.raises(AttributeError):
+                rref.rpc_async().nope().wait()
+            with pytest.raises(TypeError):
+                rref.rpc_async().incr(1, 2, 3).wait()
+
+        left = _frames_in_cycles(fail)
+        del rref, fail
+    assert left == set()
 
 
 def test_remote_error_is_kept_on_the_owner_with_its_type(rrefs2):
