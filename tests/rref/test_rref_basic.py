@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import gc
 import pickle
 import types
@@ -128,16 +129,16 @@ def test_failed_owner_calls_leave_no_reference_cycles(rrefs2):
     # the wrong arguments).
     a, _ = rrefs2
     with as_current(a):
-        rref = rpcdist.remote("worker1", rf.make_counter)
 
-        def fail() -> None:
+        def fail(rref: RRef[rf.Counter]) -> None:
             with pytest.raises(AttributeError):
                 rref.rpc_async().nope().wait()
             with pytest.raises(TypeError):
                 rref.rpc_async().incr(1, 2, 3).wait()
 
-        left = _frames_in_cycles(fail)
-        del rref, fail
+        left = _frames_in_cycles(
+            functools.partial(fail, rpcdist.remote("worker1", rf.make_counter))
+        )
     assert left == set()
 
 
