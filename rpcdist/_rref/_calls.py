@@ -59,7 +59,7 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     ``meta``: the call's named fields (default: this thread's or task's).
     ``blocking``: the caller waits for the reply anyway: a confirmed RRef's
     call is :func:`start_owner_call`'s, waited for on this thread, and the
-    Future returned is complete.
+    Future returned is complete (a failure is raised at once).
 
     The reply's transport failures become OwnerLostError; a pending ``rref``
     that fails meanwhile (remote() timed out, owner lost) fails it at once.
@@ -70,13 +70,12 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
     confirmed = rref._confirmed
     if blocking and (confirmed is None or confirmed.done()):
+        # A failure is raised from here, not kept in the Future: a frame of
+        # its traceback (a caller's) would hold that Future, a cycle.
+        value = start_owner_call(rref, method, payload, deadline, what, args, kwargs,
+                                 internal, meta).wait()  # fmt: skip
         done: Future[Any] = Future()
-        try:
-            call = start_owner_call(rref, method, payload, deadline, what, args, kwargs,
-                                    internal, meta)  # fmt: skip
-            done.set_result(call.wait())
-        except BaseException as e:
-            done.set_exception(e)
+        done.set_result(value)
         return done
     reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
                        where=(args, kwargs), meta=meta)  # fmt: skip
@@ -115,6 +114,7 @@ class OwnerCall:
             _raise_from_owner(self._ctx, self._owner, self._what, e)
         finally:
             self._hold.clear()
+            self = None  # type: ignore[assignment]  # (it holds the reply, which may hold the error)
 
     def abandon(self) -> None:
         abandon([self._call])
@@ -227,7 +227,10 @@ def _raise_from_owner(ctx: RRefContext, owner: int, what: str, exc: BaseExceptio
     if lost(exc):
         ctx.mark_lost(owner)
         raise ctx.lost_error(owner, what, exc) from exc
-    raise exc
+    try:
+        raise exc
+    finally:
+        exc = None  # type: ignore[assignment]  # (its traceback keeps this frame)
 
 
 def check_args(args: Any, kwargs: Any) -> None:

@@ -73,7 +73,10 @@ async def value_of(ctx: RRefContext, rec: Record) -> Any:
                 f"RRef {rec.rid} on {ctx.agent.name!r}: its value was not created before the "
                 "deadline (its remote() is still running, or never reached the owner)"
             ) from None
-    return rec.get()
+    try:
+        return rec.get()
+    finally:
+        rec = None  # type: ignore[assignment]  # (a creation error's traceback keeps this frame)
 
 
 def _rid(r0: int, r1: int) -> tuple[int, int]:
@@ -124,6 +127,7 @@ async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
         raise
     except BaseException as e:
         ctx.owners.finish_creation(rec, error=e)
+        del rec  # (the error's traceback keeps this frame: it must not keep the record)
         return [False]
     return _created(agent, ctx, rec, src, f is not None, value)
 
@@ -141,6 +145,7 @@ def create_value(src: int, n: int, f: int | None, name: str, args: Any, kwargs: 
         value = _call(_resolve(name), name, args, kwargs)
     except BaseException as e:
         ctx.owners.finish_creation(rec, error=e)
+        del rec  # (see _on_remote)
         return [False]
     return _created(agent, ctx, rec, agent.workers[src], f is not None, value)
 

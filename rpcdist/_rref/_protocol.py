@@ -79,7 +79,12 @@ class Record:
     def get(self) -> Any:
         """The value, or the creation error raised again (a finished record only)."""
         if self.error is not None:
-            raise self.error.with_traceback(self.traceback)
+            try:
+                raise self.error.with_traceback(self.traceback)
+            finally:
+                # The error's traceback keeps this frame: it must not keep
+                # the record, which keeps the error (a cycle).
+                self = None  # type: ignore[assignment]
         return self.value
 
 

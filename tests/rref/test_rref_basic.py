@@ -120,21 +120,27 @@ def _frames_in_cycles(fn, n: int = 10) -> set[str]:
         gc.enable()
 
 
-def test_failed_owner_calls_leave_no_reference_cycles(rrefs2):
-    # Two ways a failure used to make a cycle that held frames (and the
-    # buffers and arguments they refer to) until the garbage collector ran:
-    # a Future.then callback re-raising the reply's stored error added its
-    # stack to that error's traceback (the caller: ``nope``); a pool thread's
-    # frame held the Future its error went into (the owner: ``incr`` given
-    # the wrong arguments).
+def test_failed_rref_calls_leave_no_reference_cycles(rrefs2):
+    # A failure kept in a Future (or on the owner's record) and raised again
+    # gains the raising stack in its traceback; when one of those frames holds
+    # the keeper, that is a cycle holding the frames (and the arguments and
+    # buffers they refer to) until the garbage collector runs. Each kind of
+    # call below used to leave one, at the caller or at the owner.
     a, _ = rrefs2
     with as_current(a):
 
         def fail(rref: RRef[rf.Counter]) -> None:
-            with pytest.raises(AttributeError):
-                rref.rpc_async().nope().wait()
-            with pytest.raises(TypeError):
-                rref.rpc_async().incr(1, 2, 3).wait()
+            for mode in ("sync", "async", "remote"):
+                for call in (lambda p: p.nope(), lambda p: p.incr(1, 2, 3)):
+                    with pytest.raises((AttributeError, TypeError)):
+                        if mode == "sync":
+                            call(rref.rpc_sync())
+                        elif mode == "async":
+                            call(rref.rpc_async()).wait()
+                        else:
+                            call(rref.remote()).to_here()
+            with pytest.raises(ValueError):
+                rpcdist.remote("worker1", rf.raise_value_error, args=("x",)).to_here()
 
         left = _frames_in_cycles(
             functools.partial(fail, rpcdist.remote("worker1", rf.make_counter))
