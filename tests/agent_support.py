@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,3 +49,20 @@ def ok(results: list[Any]) -> list[Any]:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+def frames_in_cycles(fn: Callable[[], Any], n: int = 10) -> set[str]:
+    """The functions whose frames ``n`` runs of ``fn`` left in reference cycles
+    (found by a collection with everything it frees kept for a look)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(n):
+            fn()
+        gc.collect()
+        return {o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

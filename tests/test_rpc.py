@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import rpc_funcs as rf
+from agent_support import frames_in_cycles
 
 import rpcdist
 from rpcdist import (
@@ -143,6 +144,27 @@ def test_async_execution_static_and_class_methods(agents2):
         futs = [rpcdist.rpc_async("worker1", rf.Batcher.submit, args=(i,)) for i in range(4)]
         assert wait_all(futs) == [6, 6, 6, 6]
         assert rpcdist.rpc_sync("worker1", rf.Batcher.cls_add, args=(2, 3)) == ("Batcher", 5)
+
+
+def test_failed_calls_leave_no_reference_cycles(agents2):
+    # A failure's traceback keeps the frames it passed through; none of them
+    # may hold what keeps the failure (a Future), or the frames, arguments
+    # and buffers wait for the garbage collector. ``@async_execution`` used
+    # to leave one at the callee (the handler's frame held the Future).
+    a, _ = agents2
+
+    def fail() -> None:
+        with pytest.raises(KeyError):
+            rpcdist.rpc_sync("worker1", rf.raise_key_error, args=("k",))
+        with pytest.raises(KeyError):
+            rpcdist.rpc_async("worker1", rf.raise_key_error, args=("k",)).wait()
+        with pytest.raises(TypeError):
+            rpcdist.rpc_sync("worker1", rf.async_add, args=(1, "x"))
+        with pytest.raises(TypeError):
+            rpcdist.rpc_sync("worker1", rf.async_exec_nested, args=("worker0", 1, "x"))
+
+    with as_current(a):
+        assert frames_in_cycles(fail) == set()
 
 
 def test_a_b_a_with_one_worker_thread_does_not_deadlock():

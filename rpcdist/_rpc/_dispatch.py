@@ -129,7 +129,10 @@ async def call_user(
     if how == _PLAIN:
         return ret
     if isinstance(ret, Future) or inspect.isawaitable(ret):
-        return await ret
+        try:
+            return await ret
+        finally:
+            ret = None  # (a failure's traceback keeps this frame: not the Future that holds it)
     raise TypeError(
         f"an @async_execution function must return an rpcdist.Future or awaitable, "
         f"got {type(ret).__name__}"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import gc
 import pickle
-import types
 
 import numpy as np
 import pytest
 import rref_funcs as rf
+from agent_support import frames_in_cycles
 
 import rpcdist
 from rpcdist import (
@@ -104,22 +103,6 @@ def test_missing_attribute_raises_at_the_caller_in_all_modes(rrefs2):
                 rref.remote().nope()
 
 
-def _frames_in_cycles(fn, n: int = 10) -> set[str]:
-    """The functions whose frames ``n`` runs of ``fn`` left in reference cycles."""
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        for _ in range(n):
-            fn()
-        gc.collect()
-        return {o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)}
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
-
-
 def test_failed_rref_calls_leave_no_reference_cycles(rrefs2):
     # A failure kept in a Future (or on the owner's record) and raised again
     # gains the raising stack in its traceback; when one of those frames holds
@@ -142,9 +125,7 @@ def test_failed_rref_calls_leave_no_reference_cycles(rrefs2):
             with pytest.raises(ValueError):
                 rpcdist.remote("worker1", rf.raise_value_error, args=("x",)).to_here()
 
-        left = _frames_in_cycles(
-            functools.partial(fail, rpcdist.remote("worker1", rf.make_counter))
-        )
+        left = frames_in_cycles(functools.partial(fail, rpcdist.remote("worker1", rf.make_counter)))
     assert left == set()
 
 
