@@ -51,6 +51,16 @@ def ok(results: list[Any]) -> list[Any]:
     return results
 
 
+def until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``cond()`` became true within ``timeout`` seconds (polled)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
 def frames_in_cycles(fn: Callable[[], Any], n: int = 10) -> set[str]:
     """The functions whose frames ``n`` runs of ``fn`` left in reference cycles
     (found by a collection with everything it frees kept for a look)."""

@@ -13,11 +13,12 @@ import itertools
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from agent_support import until
 from fake_cupy import FakeArray, install
 
 import rpcdist
@@ -116,15 +117,6 @@ def echo(x: Any) -> Any:
 
 def ext(agent: Any) -> _cuda_ipc.CudaIpc:
     return agent.registry.extensions["cuda_ipc"]
-
-
-def until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import rref_funcs as rf
+from agent_support import until
 from rref_support import settle
 
 import rpcdist
@@ -23,21 +24,11 @@ def _freed(token: int, agents, timeout: float = 10.0) -> bool:
     return not rf.alive(token)
 
 
-def _until(pred, timeout: float = 10.0) -> bool:
-    """Whether ``pred()`` became true within ``timeout`` seconds (polled)."""
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def _made_then_freed(token: int, agents) -> bool:
     """The owner made the value of ``token`` (a late creation ran) and then let
     it go: at once, not at the garbage collector's next run."""
-    made = _until(lambda: token in rf.LIVE)
-    return made and _until(lambda: not rf.alive(token)) and _freed(token, agents)
+    made = until(lambda: token in rf.LIVE)
+    return made and until(lambda: not rf.alive(token)) and _freed(token, agents)
 
 
 def test_fork_chain_whose_last_delete_arrives_first(start):
@@ -222,7 +213,7 @@ def test_remote_arriving_after_its_abandon_creates_nothing(start):
         del rref
         gc.collect()
     # The late request reaches the owner past its deadline, which refuses it.
-    assert _until(lambda: owner_faults.log), "the owner never answered the late remote()"
+    assert until(lambda: owner_faults.log), "the owner never answered the late remote()"
     assert owner_faults.log[0][0].startswith("error:")
     assert _freed(token, agents)
     assert token not in rf.LIVE
