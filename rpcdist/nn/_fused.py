@@ -8,7 +8,6 @@ backward is one scaled copy.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import numpy as np
@@ -69,7 +68,7 @@ def _sum_rows(xp: Any, n_rows: int, idx: Any, values: Any) -> Any:
     dim = values.shape[1]
     if xp is not np:
         out = xp.zeros((n_rows, dim), dtype=values.dtype)
-        importlib.import_module("cupyx").scatter_add(out, idx, values)
+        xp.add.at(out, idx, values)
         return out
     out = _buffers.empty(np, (n_rows, dim), values.dtype)
     out.fill(0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,10 +120,8 @@ class Index(Function):
         gx = xp.zeros(self.src, dtype=self.dtype)
         if self.basic:
             gx[self.idx] = g
-        elif xp is np:
-            np.add.at(gx, self.idx, g)
         else:
-            importlib.import_module("cupyx").scatter_add(gx, self.idx, g)
+            xp.add.at(gx, self.idx, g)
         return (gx,)
 
 
