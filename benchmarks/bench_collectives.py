@@ -160,13 +160,13 @@ def gloo_worker(
 
 
 _GPU_NOTE = (
-    "\n\nBoth libraries stage GPU buffers through host memory here. rpcdist copies "
-    "each piece between the GPU and the shared-memory slots, which it page-locks for "
-    "the device at the group's first large CuPy collective, and reduces on the GPU; "
-    "an all_reduce or reduce of up to 256 KB (`HOST_REDUCE_BYTES`), or of any size "
-    "in a group of more than two, is instead copied down whole, reduced on the host "
-    "and copied back, two device copies in all (the "
-    "message ring, `unix`, stages through ordinary memory). Gloo copies into pinned "
+    "\n\nBoth libraries stage GPU buffers through host memory here. On shared memory "
+    "(`shm`) rpcdist copies each piece between the GPU and the slots, which it "
+    "page-locks for the device at the group's first large CuPy collective, and "
+    "reduces on the GPU; an all_reduce or reduce of up to 256 KB, or of any size in "
+    "a group of more than two, is instead copied down whole, reduced on the host and "
+    "copied back, two device copies in all. The message ring (`tcp`, `unix`) reduces "
+    "every CuPy buffer that way. Gloo copies into pinned "
     "buffers it keeps. With one GPU per rank the default backend is NCCL instead, "
     "which one GPU cannot show."
 )

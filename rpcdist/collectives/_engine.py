@@ -10,7 +10,10 @@ calls it; which engine that is, and how buffers reach it, is decided here:
 * :class:`HostEngine` around the group's CPU engine: shared memory on one
   host (``ShmEngine``, blocking), or the message ring over the agent's
   links (``RingEngine``, coroutines run on the agent loop); CuPy buffers are
-  staged through host memory where the engine needs host arrays;
+  staged through host memory where the engine needs host arrays, and a
+  reduction of a CuPy buffer of the sizes the engine names
+  (``reduces_on_host``) is copied down whole, reduced by the host algorithm
+  and copied back (two device copies instead of a few per piece);
 * the same :class:`HostEngine` around :class:`LocalOps` for a group of one
   (copies only).
 """
@@ -42,6 +45,8 @@ __all__ = [
 ]
 
 Finish = Callable[[], None]
+#: The array operations of host (NumPy) buffers.
+_HOST = Xp()
 
 
 class Engine(Protocol):
@@ -175,6 +180,9 @@ class LocalOps:
     def barrier(self, seq: int, meta: Meta) -> None:
         return None
 
+    def reduces_on_host(self, nbytes: int) -> bool:
+        return False  # copies only: device buffers stay on their device
+
     def close(self) -> None:
         return None
 
@@ -195,11 +203,26 @@ class HostEngine:
         if asyncio.iscoroutine(result):
             self._group.run_async(result)
 
+    def _on_host(self, xp: Xp, src: Any) -> bool:
+        """Whether to reduce the device buffer ``src`` on the host (the engine's choice)."""
+        return not xp.host and bool(self.inner.reduces_on_host(src.nbytes))
+
     def all_reduce(self, seq: int, xp: Xp, src: Any, dst: Any, op: ReduceOp, meta: Meta) -> None:
+        if self._on_host(xp, src):
+            h = xp.host_view(src)  # one copy down, finished when it returns
+            self._run(self.inner.all_reduce(seq, _HOST, h, h, op, meta))
+            xp.from_host(dst, h)
+            return
         self._run(self.inner.all_reduce(seq, xp, src, dst, op, meta))
 
     def reduce(self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp,
                meta: Meta) -> None:  # fmt: skip
+        if self._on_host(xp, src):
+            h = xp.host_view(src)
+            self._run(self.inner.reduce(seq, _HOST, h, None if out is None else h, root, op, meta))
+            if out is not None:
+                xp.from_host(out, h)
+            return
         self._run(self.inner.reduce(seq, xp, src, out, root, op, meta))
 
     def reduce_scatter(self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp,

@@ -41,6 +41,10 @@ LANES_IN_FLIGHT = 4
 #: it a pipelined chain (bandwidth); all-reduce uses recursive doubling
 #: (log2 p exchanges of the whole buffer) up to it, the ring above.
 TREE_MAX_BYTES = 64 << 10
+#: Device (CuPy) buffers up to this size are reduced on the host: copied
+#: down whole, the host algorithm, copied back (``HostEngine``); larger ones
+#: are staged piece by piece, each piece reduced on the device.
+HOST_REDUCE_BYTES = 1 << 62
 
 
 class RingEngine:
@@ -67,6 +71,10 @@ class RingEngine:
     def close(self) -> None:
         """Drop the scratch buffers; the agent owns the streams."""
         self._pool.clear()
+
+    def reduces_on_host(self, nbytes: int) -> bool:
+        """Whether ``HostEngine`` reduces a device buffer of ``nbytes`` on the host."""
+        return nbytes <= HOST_REDUCE_BYTES
 
     def scratch(self, slot: object, n: int, dtype: np.dtype[Any]) -> np.ndarray:
         """A reusable 1-D scratch array of ``n`` items (fresh pages fault slowly)."""

@@ -24,7 +24,8 @@ the slots: each piece's copy and each reduction is a device operation the
 rank waits for, about ``4p`` a round. Up to ``HOST_REDUCE_BYTES``, and at
 every size in larger groups, the buffer is instead copied down whole (a host
 copy of it for the call's length), reduced by the host algorithm and copied
-back: two device operations. Where processes share one GPU, each device
+back: two device operations (``reduces_on_host``; the copies are
+``HostEngine``'s). Where processes share one GPU, each device
 operation also waits its turn on it. Measured on an H100 shared by the
 ranks (all-reduce, host path against staged): two ranks, 350 against 870
 us at 4 KB, 350 against 600 at 256 KB, but 880 against 510 at 1 MB and
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CollectiveError
-from ._ops import Meta, ReduceOp, Xp, xp_for
+from ._ops import Meta, ReduceOp, Xp
 from ._ring import split
 from ._shm import Segments
 
@@ -92,6 +93,11 @@ class ShmEngine:
         """Wake a waiting collective so it notices an abort or shutdown (any thread)."""
         self.seg.interrupt()
 
+    def reduces_on_host(self, nbytes: int) -> bool:
+        """Whether a device buffer of ``nbytes`` is better reduced on the host
+        (``HostEngine`` copies it down whole and back) than staged piece by piece."""
+        return self.size > 2 or nbytes <= HOST_REDUCE_BYTES
+
     # ------------------------------------------------------------ reductions
 
     def _reduce_rounds(
@@ -99,13 +105,6 @@ class ShmEngine:
     ) -> None:
         """Reduce ``src`` over the group into ``out`` on every rank (``root < 0``) or at ``root``."""
         seg, p, r = self.seg, self.size, self.rank
-        if not xp.host and (p > 2 or src.nbytes <= HOST_REDUCE_BYTES):
-            h = xp.host_view(src)  # one copy down, finished when it returns
-            mine = out is not None and (root < 0 or r == root)
-            self._reduce_rounds(seq, xp_for(h), h, op, meta, h if mine else None, root)
-            if mine:
-                xp.from_host(out, h)
-            return
         seg.pin(xp)
         dtype = src.dtype
         per = max(1, seg.round_bytes // dtype.itemsize)

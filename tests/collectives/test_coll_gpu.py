@@ -27,9 +27,10 @@ def cupy_worker(rank: int, world: int, init: str, backend: str, own_gpu: bool) -
         cupy.cuda.Device(rank).use()
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=60)
     try:
-        # 1,000 elements go through the host (HOST_REDUCE_BYTES); 100,000 are
-        # staged piece by piece and reduced on the device in a group of two
-        # and go through the host in larger groups
+        # shared memory: 1,000 elements go through the host (HOST_REDUCE_BYTES);
+        # 100,000 are staged piece by piece and reduced on the device in a
+        # group of two and go through the host in larger groups; the ring
+        # reduces both through the host
         for n, dtype in itertools.product(
             (1000, 100_000), ("float32", "float64", "int64", "complex64")
         ):

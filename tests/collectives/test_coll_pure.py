@@ -7,6 +7,7 @@ import itertools
 import operator
 import types
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 
 from rpcdist import CollectiveError, ConfigError
 from rpcdist.collectives import ReduceOp
+from rpcdist.collectives._engine import HostEngine, LocalOps
 from rpcdist.collectives._nccl import NcclEngine, nccl_supports, usable, use_nccl
-from rpcdist.collectives._ops import Meta, check_op, validate
+from rpcdist.collectives._ops import Meta, Xp, check_op, validate
 from rpcdist.collectives._ring import (
     ag_step,
     chain_neighbours,
@@ -352,3 +354,96 @@ def test_host_buffers_are_never_page_locked():
     assert not seg.pin(xp_for(np.zeros(3))) and not seg.pinned
     assert seg.pin(_PinRecorder())  # a later device collective still pins them
     seg.close()
+
+
+# ------------------------------------------- device buffers reduced on the host
+
+
+class _DeviceXp(Xp):
+    """Array operations of a pretend device whose memory is NumPy's: counts
+    the copies between it and the host."""
+
+    host = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = self.up = 0
+
+    def host_view(self, a):
+        self.down += 1
+        return np.array(a)  # a copy, as from a device
+
+    def from_host(self, dst, src):
+        self.up += 1
+        np.copyto(dst, src)
+
+
+class _Inner:
+    """A blocking CPU engine that reduces as if every rank held the same buffer."""
+
+    def __init__(self, limit: int, size: int = 2) -> None:
+        self.limit, self.size = limit, size
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def reduces_on_host(self, nbytes):
+        return nbytes <= self.limit
+
+    def all_reduce(self, seq, xp, src, dst, op, meta):
+        self.seen.append(("all_reduce", xp.host, dst is src))
+        xp.ufunc(op)(src, src, out=dst)
+
+    def reduce(self, seq, xp, src, out, root, op, meta):
+        self.seen.append(("reduce", xp.host, out is None))
+        if out is not None:
+            xp.ufunc(op)(src, src, out=out)
+
+
+@pytest.mark.parametrize("n", [4, 1000])
+def test_host_engine_reduces_device_buffers_on_the_host_where_the_engine_says(n):
+    inner, xp = _Inner(limit=64), _DeviceXp()
+    engine = HostEngine(inner, None)  # type: ignore[arg-type]
+    src, dst = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    meta = Meta("all_reduce", 1, ReduceOp.SUM, -1, src.dtype, src.shape)
+    engine.all_reduce(1, xp, src, dst, ReduceOp.SUM, meta)
+    np.testing.assert_array_equal(dst, 2 * np.arange(n, dtype=np.float32))
+    np.testing.assert_array_equal(src, np.arange(n, dtype=np.float32))  # input untouched
+    small = src.nbytes <= 64
+    # small: one copy down, the host algorithm in place on it, one copy up;
+    # large: the device buffers go to the engine as they are
+    assert inner.seen == [("all_reduce", small, small)]
+    assert (xp.down, xp.up) == ((1, 1) if small else (0, 0))
+
+
+def test_host_engine_copies_a_host_reduced_result_up_only_at_the_root():
+    inner, xp = _Inner(limit=1 << 20), _DeviceXp()
+    engine = HostEngine(inner, None)  # type: ignore[arg-type]
+    buf = np.ones(8, np.float64)
+    meta = Meta("reduce", 1, ReduceOp.SUM, 0, buf.dtype, buf.shape)
+    engine.reduce(1, xp, buf, None, 0, ReduceOp.SUM, meta)  # not the root
+    assert inner.seen == [("reduce", True, True)] and (xp.down, xp.up) == (1, 0)
+    engine.reduce(2, xp, buf, buf, 0, ReduceOp.SUM, meta)  # the root, in place
+    assert inner.seen[-1] == ("reduce", True, False) and (xp.down, xp.up) == (2, 1)
+    np.testing.assert_array_equal(buf, np.full(8, 2.0))
+
+
+def test_host_engine_never_routes_host_buffers_or_a_group_of_one_through_copies():
+    inner, xp = _Inner(limit=1 << 20), Xp()
+    engine = HostEngine(inner, None)  # type: ignore[arg-type]
+    buf = np.ones(4, np.float32)
+    engine.all_reduce(1, xp, buf, buf, ReduceOp.SUM, Meta("all_reduce", 1, ReduceOp.SUM, -1,
+                                                       buf.dtype, buf.shape))  # fmt: skip
+    assert inner.seen == [("all_reduce", True, True)]
+    assert not LocalOps().reduces_on_host(4)
+
+
+def test_which_engines_reduce_device_buffers_on_the_host():
+    from rpcdist.collectives import _ring_engine, _shm_algos
+
+    def shm(size: int) -> Any:
+        return _shm_algos.ShmEngine(types.SimpleNamespace(rank=0, size=size))  # type: ignore[arg-type]
+
+    limit = _shm_algos.HOST_REDUCE_BYTES
+    assert shm(2).reduces_on_host(limit) and not shm(2).reduces_on_host(limit + 1)
+    assert shm(3).reduces_on_host(1 << 30)  # larger groups: every size
+    ring = _ring_engine.RingEngine(types.SimpleNamespace(rank=0, size=2), "g/")  # type: ignore[arg-type]
+    assert ring.reduces_on_host(_ring_engine.HOST_REDUCE_BYTES)
