@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ._nccl import nccl_supports, setup_nccl, use_nccl
-from ._ops import Meta, ReduceOp, Xp, flat, is_cupy, xp_for
+from ._ops import NUMPY_XP, Meta, ReduceOp, Xp, flat, is_cupy, xp_for
 
 if TYPE_CHECKING:
     from ._group import ProcessGroup
@@ -45,8 +45,6 @@ __all__ = [
 ]
 
 Finish = Callable[[], None]
-#: The array operations of host (NumPy) buffers.
-_HOST = Xp()
 
 
 class Engine(Protocol):
@@ -210,7 +208,7 @@ class HostEngine:
     def all_reduce(self, seq: int, xp: Xp, src: Any, dst: Any, op: ReduceOp, meta: Meta) -> None:
         if self._on_host(xp, src):
             h = xp.host_view(src)  # one copy down, finished when it returns
-            self._run(self.inner.all_reduce(seq, _HOST, h, h, op, meta))
+            self._run(self.inner.all_reduce(seq, NUMPY_XP, h, h, op, meta))
             xp.from_host(dst, h)
             return
         self._run(self.inner.all_reduce(seq, xp, src, dst, op, meta))
@@ -219,7 +217,8 @@ class HostEngine:
                meta: Meta) -> None:  # fmt: skip
         if self._on_host(xp, src):
             h = xp.host_view(src)
-            self._run(self.inner.reduce(seq, _HOST, h, None if out is None else h, root, op, meta))
+            mine = None if out is None else h
+            self._run(self.inner.reduce(seq, NUMPY_XP, h, mine, root, op, meta))
             if out is not None:
                 xp.from_host(out, h)
             return

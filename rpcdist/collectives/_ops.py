@@ -20,6 +20,7 @@ from .._errors import CollectiveError, ConfigError
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "NUMPY_XP",
     "Meta",
     "ReduceOp",
     "Xp",
@@ -238,12 +239,13 @@ class _CupyXp(Xp):
             self.module.cuda.get_current_stream().synchronize()
 
 
-_NUMPY_XP = Xp()
+#: The adapter of host (NumPy) buffers.
+NUMPY_XP = Xp()
 
 
 def xp_for(a: Any) -> Xp:
     """The adapter for ``a``'s array library."""
-    return _CupyXp() if is_cupy(a) else _NUMPY_XP
+    return _CupyXp() if is_cupy(a) else NUMPY_XP
 
 
 def as_bytes(a: np.ndarray) -> memoryview:
