@@ -34,7 +34,10 @@ def released():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_sigstopped_worker_fails_calls_without_deadline_and_is_skipped_at_shutdown():
-    res = harness.run_job(rw.sigstop_job, 3, (0.25, 1.0), timeout=60, expect={0, 1})
+    # (A 2 s silence declares a worker lost. With 1 s the test failed once in
+    # three full runs beside two busy processes on two cores, the cause not
+    # captured; a loaded survivor can go quiet for that long, so more room.)
+    res = harness.run_job(rw.sigstop_job, 3, (0.25, 2.0), timeout=60, expect={0, 1})
     assert not res.errors, res.errors
     for rank in (0, 1):
         v = res.values[rank]
