@@ -41,10 +41,6 @@ LANES_IN_FLIGHT = 4
 #: it a pipelined chain (bandwidth); all-reduce uses recursive doubling
 #: (log2 p exchanges of the whole buffer) up to it, the ring above.
 TREE_MAX_BYTES = 64 << 10
-#: Device (CuPy) buffers up to this size are reduced on the host: copied
-#: down whole, the host algorithm, copied back (``HostEngine``); larger ones
-#: are staged piece by piece, each piece reduced on the device.
-HOST_REDUCE_BYTES = 1 << 62
 
 
 class RingEngine:
@@ -73,8 +69,11 @@ class RingEngine:
         self._pool.clear()
 
     def reduces_on_host(self, nbytes: int) -> bool:
-        """Whether ``HostEngine`` reduces a device buffer of ``nbytes`` on the host."""
-        return nbytes <= HOST_REDUCE_BYTES
+        """Always: ``HostEngine`` copies a device buffer down whole, this
+        reduces it, and it is copied back (staged piece by piece instead, it
+        was slower at every size measured), so all-reduce and reduce only ever
+        see host buffers; reduce-scatter still stages device buffers."""
+        return True
 
     def scratch(self, slot: object, n: int, dtype: np.dtype[Any]) -> np.ndarray:
         """A reusable 1-D scratch array of ``n`` items (fresh pages fault slowly)."""
@@ -223,7 +222,7 @@ class RingEngine:
         """Recursive doubling over the largest power of two ``q <= p``; ranks
         ``q..p-1`` first fold into ``r - q`` and get the result back at the end.
         Every exchange combines the lower rank's value first, so all ranks
-        compute bitwise the same result."""
+        compute bitwise the same result. Host buffers (see :meth:`reduces_on_host`)."""
         p, r = self.size, self.rank
         q = 1 << (p.bit_length() - 1)
         where = f"all_reduce #{seq}"
@@ -238,12 +237,9 @@ class RingEngine:
                         r - q, self._key(seq, "x"), as_bytes(xp.host_view(dst)), meta.wire
                     )
                 )
-                host = dst if xp.host else np.empty(n, dtype)
                 await _recv(
-                    self._post(r - q, self._key(seq, "y"), as_bytes(host)), meta, r - q, where
+                    self._post(r - q, self._key(seq, "y"), as_bytes(dst)), meta, r - q, where
                 )
-                if not xp.host:
-                    xp.from_host(dst, host)
                 return
             if r + q < p:
                 await _recv(

@@ -446,4 +446,4 @@ def test_which_engines_reduce_device_buffers_on_the_host():
     assert shm(2).reduces_on_host(limit) and not shm(2).reduces_on_host(limit + 1)
     assert shm(3).reduces_on_host(1 << 30)  # larger groups: every size
     ring = _ring_engine.RingEngine(types.SimpleNamespace(rank=0, size=2), "g/")  # type: ignore[arg-type]
-    assert ring.reduces_on_host(_ring_engine.HOST_REDUCE_BYTES)
+    assert ring.reduces_on_host(4) and ring.reduces_on_host(1 << 40)  # every size
