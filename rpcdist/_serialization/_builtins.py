@@ -136,7 +136,14 @@ define(WORKERINFO, [WorkerInfo], _encode_worker, _decode_worker)
 define(EXCEPTION, [], _encode_exception, _decode_exception)
 define(
     FUNCTION,
-    [types.FunctionType, types.BuiltinFunctionType, types.MethodType, np.ufunc],
+    [
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.MethodType,
+        np.ufunc,
+        types.MethodDescriptorType,
+        types.WrapperDescriptorType,
+    ],  # (str.upper, int.__add__)
     _encode_function,
     _decode_function,
 )

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DENIED_MODULES",
     "DENIED_NAMES",
+    "PRIVATE_DENIED",
     "CallablePolicy",
     "function_name",
     "name_of",
@@ -64,10 +65,17 @@ DENIED_MODULES = frozenset(
         "rpcdist.launch", "rpcdist.testing",
         # NumPy's native-code and build helpers
         "numpy.ctypeslib", "numpy.f2py", "numpy.distutils", "numpy.testing",
+        # PyTorch's loaders of code, native libraries and pickles, and its launchers
+        "torch.hub", "torch.utils.cpp_extension", "torch.package", "torch.serialization",
+        "torch.jit._serialization", "torch.multiprocessing", "torch.distributed.elastic",
+        "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
     }
 )  # fmt: skip
-#: Single callables refused by default: ``(module, name)``, matched against
-#: the name on the wire and against the resolved object's own module/name.
+#: Callables refused by default: ``(module, name)``. Each refuses every
+#: callable called ``name`` (the last part of its qualified name: a method
+#: such as ``numpy:ndarray.tofile`` too) in ``module`` or its submodules,
+#: matched against the name on the wire and against the resolved object's own
+#: module and name (``torch:load`` is ``torch.serialization``'s).
 DENIED_NAMES = frozenset(
     {
         *(("builtins", n) for n in (
@@ -79,8 +87,22 @@ DENIED_NAMES = frozenset(
             "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt", "genfromtxt",
             "fromfile", "fromregex", "memmap", "DataSource", "tofile",
         )),
+        # unpickling, files, native libraries (``torch.ops.load_library``),
+        # TorchScript source and archives, compilers that start processes
+        *(("torch", n) for n in (
+            "load", "save", "from_file", "load_library", "CompilationUnit", "import_ir_module",
+            "import_ir_module_from_buffer", "PyTorchFileReader", "PyTorchFileWriter", "compile",
+        )),
     }
 )  # fmt: skip
+#: Modules whose private callables (a part of the name on the wire with one
+#: leading underscore) are refused by default: torch's include loaders of
+#: pickles and files (``torch._C._pickle_load_obj``) under many names.
+PRIVATE_DENIED = frozenset({"torch"})
+#: :data:`DENIED_NAMES` by name: the modules each name is refused in.
+_DENIED_BY_NAME: dict[str, frozenset[str]] = {
+    n: frozenset(m for m, n2 in DENIED_NAMES if n2 == n) for _, n in DENIED_NAMES
+}
 #: Modules every policy accepts unless denied: rpcdist's own protocols call them.
 _OWN = "rpcdist"
 POLICY_MODES = ("denylist", "allowlist", "any")
@@ -128,9 +150,15 @@ class CallablePolicy:
         for m in [module, *modules, *(o[0] for o in origins)]:
             if _under(m, DENIED_MODULES):
                 return f"functions of module {m!r} run programs or code or reach the system"
-        for key in [(module, qualname), *origins]:
-            if key in DENIED_NAMES:
-                return f"'{key[0]}.{key[1]}' can run code or reach files"
+        if _under(module, PRIVATE_DENIED) and any(
+            p.startswith("_") and not p.startswith("__") for p in qualname.split(".")
+        ):
+            top = module.partition(".")[0]
+            return f"private functions of {top!r} are refused (they include loaders of files)"
+        for m, q in [(module, qualname), *origins]:
+            denied_in = _DENIED_BY_NAME.get(q.rpartition(".")[2])
+            if denied_in is not None and _under(m, denied_in):
+                return f"'{m}.{q}' can run code or reach files"
         if self.mode == "allowlist" and not _under(module, frozenset({_OWN})):
             return "this worker accepts only the functions it allows (callable_policy='allowlist')"
         return None
@@ -147,6 +175,9 @@ def _origins(target: object, depth: int = 0) -> list[tuple[str, str]]:
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
     if isinstance(module, str):
         out.append((module, name if isinstance(name, str) else ""))
+    owner = getattr(target, "__objclass__", None)  # a method of a builtin type
+    if isinstance(owner, type) and isinstance(name, str):
+        out.append((owner.__module__, name))
     self_ = getattr(target, "__self__", None)  # builtin methods: their module object
     if isinstance(self_, types.ModuleType):
         out.append((self_.__name__, name if isinstance(name, str) else ""))
@@ -166,8 +197,11 @@ def _label(fn: object) -> str:
 def function_name(fn: Callable[..., Any]) -> str:
     """Return the name under which ``fn`` can be found on another worker.
 
-    Module-level functions, static methods and class methods (``C.f``) and
-    builtins such as ``operator.add`` or ``math.sqrt`` have such a name.
+    Module-level functions, static methods and class methods (``C.f``),
+    builtins such as ``operator.add`` or ``math.sqrt``, methods of builtin
+    types (``str.upper``, ``torch.Tensor.sum``: ``torch._C:TensorBase.sum``)
+    and PyTorch's operators (``torch.add``: ``torch:add``;
+    ``torch.ops.aten.add.Tensor``) have such a name.
 
     Args:
         fn: The function to name.
@@ -182,6 +216,9 @@ def function_name(fn: Callable[..., Any]) -> str:
     """
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
+    owner = getattr(fn, "__objclass__", None)
+    if module is None and isinstance(owner, type):  # a method of a builtin type
+        module = owner.__module__
     prefix = f"cannot send function {_label(fn)} by name"
     if not isinstance(module, str) or not isinstance(qualname, str):
         raise SerializationError(f"{prefix}: it has no __module__ and __qualname__")
@@ -199,20 +236,45 @@ def function_name(fn: Callable[..., Any]) -> str:
             f"{prefix}: it is a method bound to an instance; send the instance's data "
             "and call a module-level function instead"
         )
-    name = f"{module}:{qualname}"
+    names = _names(fn, module, qualname)
+    for name in names:
+        if _leads_back(name, fn):
+            return name
+    raise SerializationError(
+        f"{prefix}: the name '{names[0]}' does not lead back to it "
+        "(was it decorated, replaced or created dynamically?)"
+    )
+
+
+def _names(fn: object, module: str, qualname: str) -> list[str]:
+    """The names that may lead back to ``fn``: ``module:qualname`` first. A
+    builtin that its module holds under its plain name although its qualified
+    name says otherwise (``torch.add`` is ``_VariableFunctionsClass.add``)
+    has ``module:__name__``, and one of torch's operators
+    (``torch.ops.aten.add``, module ``torch._ops.aten``) its path from ``torch``."""
+    names = [f"{module}:{qualname}"]
+    plain = getattr(fn, "__name__", None)
+    if isinstance(plain, str) and plain != qualname:
+        names.append(f"{module}:{plain}")
+        namespace = module.removeprefix("torch._ops.")
+        if namespace != module:
+            names.append(f"torch:ops.{namespace}.{plain}")
+    return names
+
+
+def _leads_back(name: str, fn: object) -> bool:
+    """Whether ``name`` finds ``fn`` itself here (and would pass :func:`resolve_function`)."""
+    module, _, qualname = name.partition(":")
+    parts = qualname.split(".")
+    if not all(p.isidentifier() for p in (*module.split("."), *parts)):
+        return False
     target: object = sys.modules.get(module)
     try:
-        for part in qualname.split("."):
+        for part in parts:
             target = getattr(target, part)
-        same = target is fn or bool(target == fn)
+        return target is fn or bool(target == fn)
     except Exception:
-        same = False
-    if not same:
-        raise SerializationError(
-            f"{prefix}: the name '{name}' does not lead back to it "
-            "(was it decorated, replaced or created dynamically?)"
-        )
-    return name
+        return False
 
 
 def policy_of(context: object) -> CallablePolicy:

@@ -38,6 +38,7 @@ INPROC = rpcdist.RpcOptions(token=None, transport="inproc")
         "shutil:rmtree",
         "numpy:save",
         "numpy:load",
+        "numpy:ndarray.tofile",  # a method of a builtin type, matched by its name
         "rel_funcs:hidden_os.system",  # os reached through an innocent module
         "rpcdist.launch:main",
     ],

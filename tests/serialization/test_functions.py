@@ -10,6 +10,7 @@ import threading
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rpcdist._errors import RemoteError, SerializationError
@@ -78,6 +79,24 @@ class _Unhashable:
 
     def method(self) -> None:
         pass
+
+
+@pytest.mark.parametrize(
+    ("fn", "name"),
+    [
+        (str.upper, "builtins:str.upper"),
+        (list.append, "builtins:list.append"),
+        (dict.get, "builtins:dict.get"),
+        (np.ndarray.sum, "numpy:ndarray.sum"),
+        (int.__add__, "builtins:int.__add__"),
+    ],
+    ids=["str.upper", "list.append", "dict.get", "ndarray.sum", "int.__add__"],
+)
+def test_methods_of_builtin_types_are_named_through_their_type(fn: Any, name: str) -> None:
+    # (they have no __module__ of their own; before, they could not be sent)
+    assert function_name(fn) == name
+    assert resolve_function(name) is fn
+    assert roundtrip([fn, "x"]) == [fn, "x"]
 
 
 def test_the_remembered_name_is_the_same_and_refuses_the_same() -> None:
