@@ -68,7 +68,7 @@ class RemoteModule:
         worker, device = _owner_of(remote_device)
         self.device = device
         self.module_rref: RRef[torch.nn.Module] = remote(
-            worker, module_cls, args=tuple(args or ()), kwargs=kwargs or {}
+            worker, module_cls, args=() if args is None else args, kwargs=kwargs or {}
         )
         self.owner: WorkerInfo = self.module_rref.owner()
         if device != "cpu":

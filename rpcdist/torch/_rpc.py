@@ -18,6 +18,7 @@ from typing import Any
 from .._deadline import UNSET, Unset
 from .._errors import ConfigError
 from .._futures import Future
+from .._options import RpcOptions
 from .._rpc import _api
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
@@ -60,6 +61,9 @@ class TensorPipeRpcBackendOptions:
         devices: Accepted and ignored (as ``device_maps``).
         _transports: Accepted and ignored (TensorPipe's transport list).
         _channels: Accepted and ignored (TensorPipe's channel list).
+        rpcdist_options: rpcdist's own :class:`~rpcdist.RpcOptions` (not
+            torch's): what a program ported as is may need to set, such as
+            ``allowed_callables`` or ``allow_pickle``.
     """
 
     __module__ = "rpcdist.torch.rpc"
@@ -67,7 +71,13 @@ class TensorPipeRpcBackendOptions:
     def __init__(self, *, num_worker_threads: int = 16, rpc_timeout: float = 60.0,
                  init_method: str = "env://", device_maps: dict[Any, Any] | None = None,
                  devices: list[Any] | None = None, _transports: Any = None,
-                 _channels: Any = None) -> None:  # fmt: skip
+                 _channels: Any = None, rpcdist_options: RpcOptions | None = None) -> None:  # fmt: skip
+        if rpcdist_options is not None and not isinstance(rpcdist_options, RpcOptions):
+            raise ConfigError(
+                "TensorPipeRpcBackendOptions(rpcdist_options=...) must be an rpcdist.RpcOptions, "
+                f"got {type(rpcdist_options).__name__}"
+            )
+        self.rpcdist_options = rpcdist_options
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = rpc_timeout
         self.init_method = init_method
@@ -81,6 +91,13 @@ class TensorPipeRpcBackendOptions:
     def set_devices(self, devices: list[Any]) -> None:
         """Accepted and recorded; rpcdist does not use it."""
         self.devices = list(devices)
+
+
+def _args(args: Any) -> Any:
+    """torch's ``args=None`` is no arguments; anything else goes to rpcdist as
+    given, whose error names a value that is not a tuple or list (``args=5``,
+    or a tensor for ``args=(t,)``) instead of failing on it here."""
+    return () if args is None else args
 
 
 def _timeout(timeout: float | Unset | None) -> float | Unset | None:
@@ -175,7 +192,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
     init_method = _rendezvous(opts.init_method, r, world_size)
     _api.init_rpc(name, r, world_size, init_method=init_method, rpc_timeout=timeout,
-                  num_worker_threads=opts.num_worker_threads)  # fmt: skip
+                  num_worker_threads=opts.num_worker_threads,
+                  options=opts.rpcdist_options)  # fmt: skip
 
 
 def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
@@ -186,7 +204,7 @@ def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: An
         RpcTimeoutError: no reply within ``timeout`` (``-1``: the default, ``0``: none).
         Exception: what ``func`` raised there (same type where possible).
     """
-    return _api.rpc_sync(to, func, args=tuple(args or ()), kwargs=kwargs,
+    return _api.rpc_sync(to, func, args=_args(args), kwargs=kwargs,
                          timeout=_timeout(timeout))  # fmt: skip
 
 
@@ -198,7 +216,7 @@ def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: A
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    return _api.rpc_async(to, func, args=tuple(args or ()), kwargs=kwargs,
+    return _api.rpc_async(to, func, args=_args(args), kwargs=kwargs,
                           timeout=_timeout(timeout))  # fmt: skip
 
 
@@ -210,7 +228,7 @@ def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any 
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    return _remote(to, func, args=tuple(args or ()), kwargs=kwargs, timeout=_timeout(timeout))
+    return _remote(to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout))
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
