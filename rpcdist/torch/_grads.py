@@ -9,7 +9,7 @@ from ..autograd._api import context as _context
 from ..autograd._extension import ext
 from ._edges import state
 
-__all__ = ["context", "get_gradients"]
+__all__ = ["context", "get_gradients", "is_available"]
 
 
 class context(_context):
@@ -38,3 +38,8 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     st = state(ctx)
     with st.lock:
         return dict(st.grads)
+
+
+def is_available() -> bool:
+    """Always ``True``: rpcdist's distributed autograd needs no special build of torch."""
+    return True

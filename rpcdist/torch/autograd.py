@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from .._publish import publish
 from ._backward import backward
-from ._grads import context, get_gradients
+from ._grads import context, get_gradients, is_available
 
-__all__ = ["backward", "context", "get_gradients"]
+__all__ = ["backward", "context", "get_gradients", "is_available"]
 
 publish(__name__, __all__, globals())

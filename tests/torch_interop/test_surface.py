@@ -1,0 +1,36 @@
+"""What PyTorch RPC programs import is importable from rpcdist.torch under the
+same names (the examples' and tutorials' surface): a program moves over by
+changing its imports only."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+#: (torch's module, rpcdist's, the names programs use)
+SURFACE = [
+    ("torch.distributed.rpc", "rpcdist.torch.rpc", [
+        "BackendType", "RRef", "TensorPipeRpcBackendOptions", "WorkerInfo", "get_worker_info",
+        "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown",
+    ]),
+    ("torch.distributed.rpc.functions", "rpcdist.torch.rpc.functions", ["async_execution"]),
+    ("torch.distributed.autograd", "rpcdist.torch.autograd", [
+        "backward", "context", "get_gradients", "is_available",
+    ]),
+    ("torch.distributed.optim", "rpcdist.torch.optim", ["DistributedOptimizer"]),
+    ("torch.distributed.nn", "rpcdist.torch.nn", ["RemoteModule"]),
+    ("torch.futures", "rpcdist.torch.futures", ["Future", "collect_all", "wait_all"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("theirs", "ours", "names"), SURFACE, ids=[s[1] for s in SURFACE])
+def test_the_names_programs_import_exist_on_both_sides(theirs, ours, names):
+    torch_mod, our_mod = importlib.import_module(theirs), importlib.import_module(ours)
+    missing = [n for n in names if not hasattr(our_mod, n)]
+    assert not missing, f"{ours} lacks {missing}"
+    assert all(hasattr(torch_mod, n) for n in names)  # (the list is torch's own surface)
+    if hasattr(our_mod, "is_available"):
+        assert our_mod.is_available() is torch_mod.is_available() is True
