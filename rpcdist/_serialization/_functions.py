@@ -65,10 +65,15 @@ DENIED_MODULES = frozenset(
         "rpcdist.launch", "rpcdist.testing",
         # NumPy's native-code and build helpers
         "numpy.ctypeslib", "numpy.f2py", "numpy.distutils", "numpy.testing",
-        # PyTorch's loaders of code, native libraries and pickles, and its launchers
+        # PyTorch's loaders of code, native libraries and pickles, its code
+        # generators (they write and run Python files), statement timers and
+        # launchers, and the helpers that write logs or run commands
         "torch.hub", "torch.utils.cpp_extension", "torch.package", "torch.serialization",
-        "torch.jit._serialization", "torch.multiprocessing", "torch.distributed.elastic",
+        "torch.jit._serialization", "torch._inductor", "torch._dynamo", "torch._C._dynamo",
+        "torch.utils.benchmark", "torch.multiprocessing", "torch.distributed.elastic",
         "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
+        "torch.utils.tensorboard", "torch.utils.bottleneck", "torch.utils.collect_env",
+        "torch.testing",
     }
 )  # fmt: skip
 #: Callables refused by default: ``(module, name)``. Each refuses every

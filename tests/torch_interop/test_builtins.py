@@ -65,6 +65,9 @@ def test_torch_operators_run_on_another_worker(transport):
         "torch:compile",
         "torch._C:_pickle_load_obj",  # a private loader
         "torch:_C._load_jit_module_from_file",
+        "torch._inductor.codecache:PyCodeCache.load_by_key_path",  # runs a Python file
+        "torch.utils.benchmark:Timer",  # runs a statement given as a string
+        "torch.utils.collect_env:get_pretty_env_info",  # runs commands
     ],
 )
 def test_default_policy_refuses_torch_loaders_of_files_and_code(name):
