@@ -8,7 +8,11 @@ import importlib
 
 import pytest
 
-pytestmark = pytest.mark.torch
+pytestmark = [
+    pytest.mark.torch,
+    # (importing torch.distributed.optim warns that torch.jit.script is deprecated)
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 #: (torch's module, rpcdist's, the names programs use)
 SURFACE = [
