@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from inspect import getattr_static
 from typing import TYPE_CHECKING, Any, Final
 
 from .._deadline import current_deadline, remaining
@@ -21,6 +22,7 @@ from .._rpc._dispatch import call as _call
 from .._rpc._dispatch import call_user, is_async_execution
 from .._rpc._dispatch import resolve as _resolve
 from .._serialization import encode
+from .._serialization._functions import check_method
 from .._worker import WorkerInfo
 from ._context import RRefContext, context_of
 from ._protocol import Record
@@ -120,6 +122,7 @@ async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
             fn, label = _resolve(target), target
         else:
             owned = await value_of(ctx, ctx.owners.record(_rid(target[0], target[1])))
+            check_method(agent.policy, owned, target[2], getattr_static(owned, target[2], None))
             fn = getattr(owned, target[2])
             label = f"{type(owned).__qualname__}.{target[2]}"
         value = await call_user(agent, fn, label, args, kwargs)
@@ -172,6 +175,7 @@ async def _on_invoke(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
     r0, r1, name, args, kwargs = payload
     ctx = context_of(agent)
     value = await value_of(ctx, ctx.owners.record(_rid(r0, r1)))
+    check_method(agent.policy, value, name, getattr_static(value, name, None))
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
     return [is_plain(fn), await call_user(agent, fn, label, args, kwargs)]
@@ -189,6 +193,7 @@ def call_method(r0: int, r1: int, name: str, args: Any, kwargs: Any) -> Any:
     if not rec.ready.done():  # rare: proxies come here only after a first call worked
         rec.ready.wait(remaining(current_deadline.get()))
     value = rec.get()
+    check_method(agent.policy, value, name, getattr_static(value, name, None))
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
     if not is_plain(fn):  # the method changed kind: run it on the loop, from here

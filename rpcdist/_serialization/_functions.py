@@ -32,6 +32,7 @@ __all__ = [
     "DENIED_NAMES",
     "PRIVATE_DENIED",
     "CallablePolicy",
+    "check_method",
     "function_name",
     "name_of",
     "policy_of",
@@ -90,7 +91,7 @@ DENIED_NAMES = frozenset(
         )),
         *(("numpy", n) for n in (
             "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt", "genfromtxt",
-            "fromfile", "fromregex", "memmap", "DataSource", "tofile",
+            "fromfile", "fromregex", "memmap", "DataSource", "tofile", "dump",
         )),
         # unpickling, files, native libraries (``torch.ops.load_library``),
         # TorchScript source and archives, compilers that start processes
@@ -151,6 +152,30 @@ class CallablePolicy:
         module, _, qualname = name.partition(":")
         if self._allowed(module, qualname):
             return None
+        why = self._denied(module, qualname, target, modules)
+        if why is None and self.mode == "allowlist" and not _under(module, frozenset({_OWN})):
+            return "this worker accepts only the functions it allows (callable_policy='allowlist')"
+        return why
+
+    def method_refusal(self, value: object, name: str, method: object) -> str | None:
+        """Why calling method ``name`` (``method``) of ``value``, an owned
+        value reached through an RRef proxy, is refused, or ``None``: the deny
+        checks, on ``module:Type.name`` of the value's type and on where
+        ``method`` says it comes from (``numpy:ndarray.tofile`` writes a
+        file). An allowlist does not limit methods: the value came from a
+        call it allowed."""
+        if self.mode == "any":
+            return None
+        cls = type(value)
+        module, qualname = cls.__module__, f"{cls.__qualname__}.{name}"
+        if self._allowed(module, qualname):
+            return None
+        return self._denied(module, qualname, method, [])
+
+    def _denied(self, module: str, qualname: str, target: object,
+                modules: list[str]) -> str | None:  # fmt: skip
+        """The deny lists' reason to refuse ``module:qualname`` (resolved to
+        ``target`` through ``modules``), or ``None``."""
         origins = _origins(target)
         for m in [module, *modules, *(o[0] for o in origins)]:
             if _under(m, DENIED_MODULES):
@@ -164,8 +189,6 @@ class CallablePolicy:
             denied_in = _DENIED_BY_NAME.get(q.rpartition(".")[2])
             if denied_in is not None and _under(m, denied_in):
                 return f"'{m}.{q}' can run code or reach files"
-        if self.mode == "allowlist" and not _under(module, frozenset({_OWN})):
-            return "this worker accepts only the functions it allows (callable_policy='allowlist')"
         return None
 
 
@@ -357,6 +380,19 @@ def name_of(fn: Callable[..., Any]) -> str:
         return _name_of(fn)
     except TypeError:  # unhashable (a method bound to such an instance): refused anyway
         return function_name(fn)
+
+
+def check_method(policy: CallablePolicy, value: object, name: str, method: object) -> None:
+    """Raise unless ``policy`` lets peers call method ``name`` of ``value``
+    (see :meth:`CallablePolicy.method_refusal`).
+
+    Raises:
+        CallPolicyError: refused.
+    """
+    why = policy.method_refusal(value, name, method)
+    if why is not None:
+        cls = type(value)
+        raise _refused(f"{cls.__module__}:{cls.__qualname__}.{name}", why)
 
 
 def _refused(name: str, why: str) -> CallPolicyError:

@@ -123,3 +123,50 @@ def test_policy_options_are_checked():
         rpcdist.RpcOptions(allowed_callables=(lambda: 1,)).validated()
     got = rpcdist.RpcOptions(allowed_callables=(rf.add, os, "a.b:c")).validated()
     assert got.allowed_callables == ("a.b:c", "os", "rel_funcs:add")
+
+
+@pytest.mark.parametrize("path", ["rpc_sync", "rpc_async", "remote"])
+def test_rref_proxy_methods_pass_the_deny_list_too(tmp_path, path):
+    # An RRef to an array let any peer write files on its owner through
+    # ``ndarray.tofile`` or ``dump``: methods are named by their type.
+    import numpy as np
+
+    target = tmp_path / "written"
+    with local_agents(2, options=INPROC) as (a, _):
+        with as_current(a):
+            rref = rpcdist.remote(1, np.zeros, args=(3,))
+            for method in ("tofile", "dump"):
+                with pytest.raises(rpcdist.CallPolicyError, match=f"numpy:ndarray.{method}"):
+                    if path == "rpc_sync":
+                        getattr(rref.rpc_sync(), method)(str(target))
+                    elif path == "rpc_async":
+                        getattr(rref.rpc_async(), method)(str(target)).wait(10)
+                    else:
+                        getattr(rref.remote(), method)(str(target)).to_here(10)
+            assert rref.rpc_sync().sum() == 0.0  # other methods still run
+            del rref
+    assert not target.exists()
+
+
+def test_allowed_entries_and_allowlist_mode_for_rref_proxy_methods(tmp_path):
+    import numpy as np
+
+    target = tmp_path / "written"
+    allowed = rpcdist.RpcOptions(token=None, transport="inproc",
+                                 allowed_callables=("numpy:ndarray.tofile",))  # fmt: skip
+    only = rpcdist.RpcOptions(token=None, transport="inproc", callable_policy="allowlist",
+                              allowed_callables=("numpy:zeros",))  # fmt: skip
+    with local_agents(2, options=allowed) as (a, _), as_current(a):
+        rref = rpcdist.remote(1, np.zeros, args=(3,))
+        rref.rpc_sync().tofile(str(target))  # allowed by name
+        assert np.fromfile(target).tolist() == [0.0, 0.0, 0.0]
+        del rref
+    with local_agents(2, options=only) as (a, _), as_current(a):
+        rref = rpcdist.remote(1, np.zeros, args=(3,))
+        # an allowlist limits what may be called by name, not the methods of
+        # the values those calls made; the deny list still applies to them
+        assert rref.rpc_sync().sum() == 0.0
+        with pytest.raises(rpcdist.CallPolicyError):
+            rref.rpc_sync().dump(str(tmp_path / "other"))
+        del rref
+    assert not (tmp_path / "other").exists()
