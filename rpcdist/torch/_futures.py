@@ -1,8 +1,17 @@
-"""``torch.futures``' helpers over rpcdist Futures, accepting torch's own too."""
+"""``torch.futures``' helpers over rpcdist Futures, accepting torch's own too.
+
+PyTorch RPC programs wait on their calls with ``torch.futures.wait_all`` and
+``collect_all``, which accept only torch's own futures. So that such a
+program runs once its imports are changed, :func:`install` (run when
+``rpcdist.torch.rpc`` is imported) makes those two accept rpcdist Futures
+too: a list holding one goes to this module's versions; any other list to
+torch's, unchanged.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -11,7 +20,7 @@ from .._futures import Future
 from .._futures import collect_all as _collect_all
 from .._futures import wait_all as _wait_all
 
-__all__ = ["as_future", "collect_all", "wait_all"]
+__all__ = ["as_future", "collect_all", "install", "wait_all"]
 
 
 def as_future(fut: Any) -> Any:
@@ -50,3 +59,27 @@ def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
         RpcTimeoutError: ``timeout`` seconds passed first.
     """
     return _wait_all([as_future(f) for f in futures], timeout)
+
+
+def _also_ours(theirs: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
+    """``theirs``, handing a list that holds an rpcdist Future to ``ours``."""
+
+    @functools.wraps(theirs)
+    def either(futures: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
+        futures = list(futures)
+        if any(isinstance(f, Future) for f in futures):
+            return ours(futures, *args, **kwargs)
+        return theirs(futures, *args, **kwargs)
+
+    either._rpcdist_wraps = theirs  # type: ignore[attr-defined]
+    return either
+
+
+def install() -> None:
+    """Make ``torch.futures.wait_all`` and ``collect_all`` accept rpcdist
+    Futures (idempotent)."""
+    tf = torch.futures
+    if not hasattr(tf.wait_all, "_rpcdist_wraps"):
+        tf.wait_all = _also_ours(tf.wait_all, wait_all)
+    if not hasattr(tf.collect_all, "_rpcdist_wraps"):
+        tf.collect_all = _also_ours(tf.collect_all, collect_all)

@@ -23,7 +23,7 @@ from .._rpc import _api
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
-from . import _edges, _modules, _remote_module
+from . import _edges, _futures, _modules, _remote_module
 
 __all__ = [
     "BackendType",
@@ -109,10 +109,12 @@ def _timeout(timeout: float | Unset | None) -> float | Unset | None:
 
 
 def install() -> None:
-    """Teach the codec torch's autograd edges and modules (idempotent)."""
+    """Teach the codec torch's autograd edges and modules, and
+    ``torch.futures.wait_all``/``collect_all`` rpcdist Futures (idempotent)."""
     _edges.install()
     _modules.install()
     _remote_module.install()
+    _futures.install()
 
 
 def _torch_store(host: str, port: int, rank: int | None, world_size: int | None) -> Any:

@@ -74,3 +74,8 @@ class WithLambdaHook(torch.nn.Linear):
 def double_with_device(x: torch.Tensor) -> tuple[torch.Tensor, str]:
     """``2 x`` and the device ``x`` arrived on."""
     return x * 2, str(x.device)
+
+
+def fail_with(message: str) -> None:
+    """Raise ``ValueError(message)`` (a call that fails on the callee)."""
+    raise ValueError(message)
