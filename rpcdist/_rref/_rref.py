@@ -250,7 +250,8 @@ class RRef(Generic[T]):
 
     def backward(self, context_id: int, retain_graph: bool = False) -> None:
         """Run ``rpcdist.autograd.backward(context_id, [value])`` on the owner,
-        for an RRef to a scalar loss computed in that context (blocking).
+        for an RRef to a scalar loss computed in that context (blocking); a
+        torch loss takes ``rpcdist.torch.autograd.backward``.
 
         Raises:
             AutogradError: the owner has no such context, or the pass failed.

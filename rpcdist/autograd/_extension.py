@@ -34,12 +34,14 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AutogradError, RpcdistError
+from .._rpc._context import bind_agent, reset_agent
 from .._rpc._outbox import ControlOutbox
 from .._rpc._registry import BaseExtension, CallInfo
 from .._worker import WorkerInfo
@@ -322,6 +324,12 @@ async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:
 async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
     rref, context_id, retain_graph = payload
     loss = rref.local_value()
+    torch = sys.modules.get("torch")  # (a torch loss: torch is imported already)
+    if torch is not None and isinstance(loss, torch.Tensor):
+        await agent.loop.run_in_executor(
+            agent.executor, _torch_backward, agent, context_id, loss, retain_graph
+        )
+        return
     token = CURRENT.set(context_id)
     try:
         await agent.loop.run_in_executor(
@@ -329,6 +337,17 @@ async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -
         )
     finally:
         CURRENT.reset(token)
+
+
+def _torch_backward(agent: Agent, context_id: int, loss: Any, retain_graph: bool) -> None:
+    """``rpcdist.torch.autograd.backward`` from ``loss``, a torch tensor, as ``agent``."""
+    from ..torch._backward import backward  # (only for torch losses: imports torch's side)
+
+    token = bind_agent(agent)
+    try:
+        backward(context_id, [loss], retain_graph)
+    finally:
+        reset_agent(token)
 
 
 def ext(agent: Agent) -> AutogradExtension:

@@ -160,3 +160,25 @@ def test_import_rpcdist_never_imports_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("owner", ["worker1", "worker0"])
+def test_rref_backward_runs_the_pass_from_a_torch_loss_where_it_lives(agents, owner):
+    x0 = tf.param(11, (2, 3))
+    with as_current(agents[0]):
+        x = x0.detach().clone().requires_grad_()
+        with dist_autograd.context() as cid:
+            # worker0's layer, then the loss on ``owner`` (itself, or another worker)
+            loss = rpc.remote(owner, tf.layer_loss, args=(tf.layer(x),))
+            loss.backward(cid)
+            grads = dist_autograd.get_gradients(cid)
+            remote = rpc.rpc_sync(owner, tf.grads_here, args=(cid,))
+            del loss
+    xo = x0.detach().clone().requires_grad_()
+    ws = {n: tf.PARAMS[n].detach().clone().requires_grad_() for n in ("worker0", owner)}
+    h = torch.tanh(xo @ ws["worker0"])
+    (torch.tanh(h @ ws[owner]) ** 2).sum().backward()
+    torch.testing.assert_close(grads[x], xo.grad)
+    torch.testing.assert_close(remote[owner], ws[owner].grad)
+    if owner == "worker1":
+        torch.testing.assert_close(grads[tf.PARAMS["worker0"]], ws["worker0"].grad)

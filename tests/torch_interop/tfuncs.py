@@ -79,3 +79,8 @@ def double_with_device(x: torch.Tensor) -> tuple[torch.Tensor, str]:
 def fail_with(message: str) -> None:
     """Raise ``ValueError(message)`` (a call that fails on the callee)."""
     raise ValueError(message)
+
+
+def layer_loss(x: torch.Tensor) -> torch.Tensor:
+    """``sum(layer(x) ** 2)``: a scalar loss kept where it is computed."""
+    return (layer(x) ** 2).sum()
