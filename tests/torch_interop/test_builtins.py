@@ -128,3 +128,24 @@ def test_rpcdist_options_reach_the_worker_through_torchs_backend_options(tmp_pat
 def test_backend_options_refuse_rpcdist_options_of_another_type():
     with pytest.raises(rpcdist.ConfigError, match="rpcdist_options"):
         rpc.TensorPipeRpcBackendOptions(rpcdist_options={"allow_pickle": True})
+
+
+def test_a_ported_program_turns_pickle_on_through_torchs_backend_options(tmp_path):
+    import tfuncs as tf
+
+    opts = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{tmp_path / 'rendezvous'}",
+        rpcdist_options=RpcOptions(token=None, allow_pickle=True),
+    )
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        assert rpc.rpc_sync("solo", tf.bump, args=(tf.Plain(1),)).n == 2
+    finally:
+        rpc.shutdown()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'again'}")
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        with pytest.raises(rpcdist.SerializationError, match="allow_pickle"):
+            rpc.rpc_sync("solo", tf.bump, args=(tf.Plain(1),))
+    finally:
+        rpc.shutdown()

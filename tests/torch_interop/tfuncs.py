@@ -84,3 +84,14 @@ def fail_with(message: str) -> None:
 def layer_loss(x: torch.Tensor) -> torch.Tensor:
     """``sum(layer(x) ** 2)``: a scalar loss kept where it is computed."""
     return (layer(x) ** 2).sum()
+
+
+class Plain:
+    """An object rpcdist sends only by pickle (as PyTorch RPC sends everything)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def bump(p: Plain) -> Plain:
+    return Plain(p.n + 1)
