@@ -30,6 +30,7 @@ from ._extensions import (
     FINDERS,
     MARKS,
     NDARRAY,
+    NPDTYPE,
     NPSCALAR,
     TENSOR,
     DecodeState,
@@ -140,6 +141,23 @@ def _array_from_fields(state: DecodeState, fields: list[Any]) -> np.ndarray[Any,
     if order:
         return flat.reshape(shape[::-1]).T
     return flat if len(shape) == 1 else flat.reshape(shape)
+
+
+def _encode_dtype(state: EncodeState, obj: np.dtype[Any]) -> list[Any]:
+    # (a dtype as a value, ``np.empty(n, dtype)``'s argument: those arrays may have)
+    if obj.kind not in _KINDS or obj.fields is not None or obj.subdtype is not None:
+        raise Unsupported(f"NumPy dtype {obj} cannot be sent (only the dtypes arrays may have)")
+    return [MARKS[NPDTYPE], obj.str]
+
+
+def _decode_dtype(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 2:
+        raise SerializationError("malformed NumPy dtype payload in message header")
+    return _dtype(items[1])
+
+
+def _find_dtype(obj: object) -> Handler | None:
+    return _encode_dtype if isinstance(obj, np.dtype) else None  # (a class per dtype)
 
 
 def _encode_ndarray(state: EncodeState, obj: np.ndarray[Any, Any]) -> list[Any]:
@@ -523,4 +541,5 @@ define(NPSCALAR, [*_SCALARS, np.datetime64, np.timedelta64], _encode_scalar, _de
 define(NPSCALAR, [np.str_, np.bytes_], _encode_string_scalar, _decode_scalar)
 define(CUPY, [], _encode_cupy, _decode_cupy)
 define(TENSOR, [], _encode_tensor, _decode_tensor)
-FINDERS.extend([_find_cupy, _find_tensor])
+define(NPDTYPE, [], _encode_dtype, _decode_dtype)
+FINDERS.extend([_find_cupy, _find_tensor, _find_dtype])

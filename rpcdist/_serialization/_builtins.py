@@ -1,4 +1,5 @@
-"""Extensions for Python builtins, WorkerInfo, exceptions and functions.
+"""Extensions for Python builtins (and ``OrderedDict``), WorkerInfo,
+exceptions and functions.
 
 msgpack packs ``None``, ``bool``, 64-bit ``int``, ``float``, ``str``, ``bytes``,
 ``list`` and ``dict`` itself (the packer runs with ``strict_types``, so
@@ -10,6 +11,7 @@ of every list and dict on the hot path.
 
 from __future__ import annotations
 
+import collections
 import types
 from typing import Any, Final
 
@@ -21,12 +23,16 @@ from ._exceptions import exception_from_wire, exception_to_wire
 from ._extensions import (
     BIGINT,
     COMPLEX,
+    ELLIPSIS,
     EXCEPTION,
     FINDERS,
     FROZENSET,
     FUNCTION,
     MARKS,
+    ORDEREDDICT,
+    RANGE,
     SET,
+    SLICE,
     TUPLE,
     WORKERINFO,
     DecodeState,
@@ -93,6 +99,51 @@ def _decode_bigint(state: DecodeState, items: list[Any]) -> object:
     return int.from_bytes(items[1], "big", signed=True)
 
 
+def _encode_ordered(state: EncodeState, obj: collections.OrderedDict[Any, Any]) -> list[Any]:
+    # (keys and values alternate, in order: a state_dict is an OrderedDict)
+    return [MARKS[ORDEREDDICT], [x for item in obj.items() for x in item]]
+
+
+def _decode_ordered(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 2 or type(items[1]) is not list or len(items[1]) % 2:
+        raise _malformed("OrderedDict")
+    flat = items[1]
+    try:
+        return collections.OrderedDict(zip(flat[::2], flat[1::2], strict=True))
+    except TypeError as e:  # an unhashable key
+        raise _malformed(f"OrderedDict ({e})") from e
+
+
+def _encode_slice(state: EncodeState, obj: slice) -> list[Any]:
+    return [MARKS[SLICE], obj.start, obj.stop, obj.step]
+
+
+def _decode_slice(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 4:
+        raise _malformed("slice")
+    return slice(items[1], items[2], items[3])
+
+
+def _encode_range(state: EncodeState, obj: range) -> list[Any]:
+    return [MARKS[RANGE], obj.start, obj.stop, obj.step]
+
+
+def _decode_range(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 4 or any(type(v) is not int for v in items[1:]) or items[3] == 0:
+        raise _malformed("range")
+    return range(items[1], items[2], items[3])
+
+
+def _encode_ellipsis(state: EncodeState, obj: object) -> list[Any]:
+    return [MARKS[ELLIPSIS]]
+
+
+def _decode_ellipsis(state: DecodeState, items: list[Any]) -> object:
+    if len(items) != 1:
+        raise _malformed("Ellipsis")
+    return Ellipsis
+
+
 def _encode_worker(state: EncodeState, obj: WorkerInfo) -> list[Any]:
     return [MARKS[WORKERINFO], obj.name, obj.id]
 
@@ -132,6 +183,10 @@ define(SET, [set], _encode_set, _decode_set)
 define(FROZENSET, [frozenset], _encode_frozenset, _decode_frozenset)
 define(COMPLEX, [complex], _encode_complex, _decode_complex)
 define(BIGINT, [int], _encode_bigint, _decode_bigint)
+define(ORDEREDDICT, [collections.OrderedDict], _encode_ordered, _decode_ordered)
+define(SLICE, [slice], _encode_slice, _decode_slice)
+define(RANGE, [range], _encode_range, _decode_range)
+define(ELLIPSIS, [type(Ellipsis)], _encode_ellipsis, _decode_ellipsis)
 define(WORKERINFO, [WorkerInfo], _encode_worker, _decode_worker)
 define(EXCEPTION, [], _encode_exception, _decode_exception)
 define(

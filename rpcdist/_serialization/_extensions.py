@@ -26,6 +26,7 @@ __all__ = [
     "COMPLEX",
     "CUPY",
     "DECODERS",
+    "ELLIPSIS",
     "ENCODERS",
     "EXCEPTION",
     "FINDERS",
@@ -34,11 +35,15 @@ __all__ = [
     "FUNCTION",
     "MARKS",
     "NDARRAY",
+    "NPDTYPE",
     "NPSCALAR",
+    "ORDEREDDICT",
     "PICKLE",
     "PLUGINS",
+    "RANGE",
     "REGISTERED",
     "SET",
+    "SLICE",
     "TENSOR",
     "TUPLE",
     "WORKERINFO",
@@ -68,6 +73,11 @@ REGISTERED: Final = 12
 PICKLE: Final = 13
 CUPY: Final = 14
 TENSOR: Final = 15
+ORDEREDDICT: Final = 16
+SLICE: Final = 17
+RANGE: Final = 18
+ELLIPSIS: Final = 19
+NPDTYPE: Final = 20
 FIRST_PLUGIN: Final = 32
 _CODES: Final = 64
 

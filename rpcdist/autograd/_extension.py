@@ -34,10 +34,9 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AutogradError, RpcdistError
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRADS",
+    "LOSS_BACKWARDS",
     "PING",
     "REACH",
     "RELEASE",
@@ -71,6 +71,12 @@ REACH = "autograd.reach"
 RELEASE = "autograd.release"
 RREF_BACKWARD = "autograd.rref_backward"
 PING = "autograd.ping"
+#: ``run(context_id, loss, retain_graph)``: a pass over another library's graph.
+LossBackward = Callable[[int, Any, bool], None]
+#: How ``RRef.backward`` runs from a loss this engine does not own: each hook
+#: returns a ``LossBackward`` for the losses it knows, else ``None``
+#: (``rpcdist.torch`` installs one for torch tensors).
+LOSS_BACKWARDS: list[Callable[[Any], LossBackward | None]] = []
 #: Call metadata: releases riding on a call, and the reply's acknowledgement.
 RIDING = "ar"
 RELEASED = "ar+"
@@ -324,12 +330,13 @@ async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:
 async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
     rref, context_id, retain_graph = payload
     loss = rref.local_value()
-    torch = sys.modules.get("torch")  # (a torch loss: torch is imported already)
-    if torch is not None and isinstance(loss, torch.Tensor):
-        await agent.loop.run_in_executor(
-            agent.executor, _torch_backward, agent, context_id, loss, retain_graph
-        )
-        return
+    for hook in LOSS_BACKWARDS:
+        run = hook(loss)
+        if run is not None:  # a loss of another library's: its own pass
+            await agent.loop.run_in_executor(
+                agent.executor, _as_agent, agent, run, context_id, loss, retain_graph
+            )
+            return
     token = CURRENT.set(context_id)
     try:
         await agent.loop.run_in_executor(
@@ -339,13 +346,11 @@ async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -
         CURRENT.reset(token)
 
 
-def _torch_backward(agent: Agent, context_id: int, loss: Any, retain_graph: bool) -> None:
-    """``rpcdist.torch.autograd.backward`` from ``loss``, a torch tensor, as ``agent``."""
-    from ..torch._backward import backward  # (only for torch losses: imports torch's side)
-
+def _as_agent(agent: Agent, run: LossBackward, context_id: int, loss: Any,
+              retain_graph: bool) -> None:  # fmt: skip
     token = bind_agent(agent)
     try:
-        backward(context_id, [loss], retain_graph)
+        run(context_id, loss, retain_graph)
     finally:
         reset_agent(token)
 

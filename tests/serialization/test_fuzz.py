@@ -113,6 +113,17 @@ def _nd(dtype: Any, shape: Any, index: Any = 0, order: Any = 0) -> bytes:
         (msgpack.packb([EXT(11, b""), "os"]), []),
         (msgpack.packb([EXT(13, b""), b"x", []]), []),  # pickle, not allowed
         (msgpack.packb([EXT(15, b""), "<f4", [1], 0, 0]), [b"\x00" * 4]),
+        (msgpack.packb([EXT(16, b""), ["odd"]]), []),  # OrderedDict: keys and values
+        (msgpack.packb([EXT(16, b""), "not a list"]), []),
+        (msgpack.packb([EXT(16, b""), [[1], 2]]), []),  # unhashable key
+        (msgpack.packb([EXT(17, b""), 1, 2]), []),  # slice: three fields
+        (msgpack.packb([EXT(18, b""), 1, 2, 0]), []),  # range step 0
+        (msgpack.packb([EXT(18, b""), 1.5, 2, 1]), []),
+        (msgpack.packb([EXT(19, b""), 1]), []),  # Ellipsis has no fields
+        (msgpack.packb([EXT(20, b""), "O"]), []),  # dtypes: as arrays may have
+        (msgpack.packb([EXT(20, b""), "a8"]), []),  # (NumPy would warn)
+        (msgpack.packb([EXT(20, b""), "<f8,<f8"]), []),
+        (msgpack.packb([EXT(20, b""), 4]), []),
         (_nd("O", [1]), [b"\x00" * 8]),
         (_nd("V8", [1]), [b"\x00" * 8]),
         (_nd("<U0", [1]), [b""]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -85,6 +86,17 @@ def test_arrays_keep_dtype_shape_and_bits(a: Any) -> None:
         frozenset(),
         frozenset({frozenset({1})}),
         WorkerInfo("worker1", 3),
+        collections.OrderedDict([("b", np.ones(2)), (1, [None]), ((2,), "tuple key")]),
+        collections.OrderedDict(),
+        slice(None),
+        slice(1, -1, 2),
+        range(0),
+        range(-3, 10**20, 7),
+        Ellipsis,
+        (Ellipsis, slice(None, 2)),
+        np.dtype(">f4"),
+        np.dtype("<M8[ns]"),
+        np.dtype("|S3"),
         np.float32(1.5),
         np.float16(-0.0),
         np.int64(-(2**63)),

@@ -1,0 +1,70 @@
+"""torch values that programs pass around besides tensors and modules:
+``torch.Size`` (a shape: ``x.shape``), ``torch.dtype`` and ``torch.device``.
+
+Each travels as plain data (the ints of the shape, the dtype's name, the
+device's string) and is rebuilt from it on the receiver: no pickle, and
+nothing a peer sends names more than a dtype or a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import SerializationError
+from .._serialization import register_extension
+
+__all__ = ["install"]
+
+SIZE_CODE = 36
+DTYPE_CODE = 37
+DEVICE_CODE = 38
+
+
+def _encode_size(size: torch.Size, wire: Any) -> list[int]:
+    return list(size)
+
+
+def _decode_size(payload: Any, wire: Any) -> torch.Size:
+    if not isinstance(payload, list) or any(type(n) is not int or n < 0 for n in payload):
+        raise SerializationError("malformed torch.Size payload")
+    return torch.Size(payload)
+
+
+def _encode_dtype(dtype: torch.dtype, wire: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+#: torch's dtypes by name (a lookup, not ``getattr(torch, name)``: that can
+#: import a submodule of torch on a peer's say).
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+
+def _decode_dtype(payload: Any, wire: Any) -> torch.dtype:
+    dtype = _DTYPES.get(payload) if isinstance(payload, str) else None
+    if dtype is None:
+        raise SerializationError(f"received an unknown torch dtype {str(payload)[:40]!r}")
+    return dtype
+
+
+def _encode_device(device: torch.device, wire: Any) -> str:
+    return str(device)
+
+
+def _decode_device(payload: Any, wire: Any) -> torch.device:
+    if not isinstance(payload, str) or len(payload) > 64:
+        raise SerializationError("malformed torch.device payload")
+    try:
+        return torch.device(payload)
+    except RuntimeError as e:
+        raise SerializationError(f"received an invalid torch device {payload!r}: {e}") from e
+
+
+def install() -> None:
+    """Teach the codec torch shapes, dtypes and devices (idempotent)."""
+    register_extension(torch.Size, SIZE_CODE, _encode_size, _decode_size)
+    register_extension(torch.dtype, DTYPE_CODE, _encode_dtype, _decode_dtype)
+    register_extension(torch.device, DEVICE_CODE, _encode_device, _decode_device)

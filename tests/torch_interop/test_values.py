@@ -1,0 +1,80 @@
+"""torch values besides tensors and modules that programs pass in calls:
+shapes, dtypes, devices and state dicts (OrderedDicts) travel without
+pickle, and what a peer sends in their place is refused."""
+
+from __future__ import annotations
+
+import collections
+
+import msgpack
+import pytest
+import torch
+
+import rpcdist
+import rpcdist.torch.rpc as rpc
+from rpcdist import RpcOptions
+from rpcdist._serialization import decode, encode
+from rpcdist.testing import as_current, local_agents
+from rpcdist.torch._values import DEVICE_CODE, DTYPE_CODE, SIZE_CODE
+
+pytestmark = pytest.mark.torch
+
+
+def _back(value):
+    header, buffers = encode(value, allow_pickle=False, context=None)
+    return decode(header, buffers, context=None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.Size([2, 3]),
+        torch.Size([]),
+        torch.float32,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.int64,
+        torch.bool,
+        torch.device("cpu"),
+        torch.device("cuda", 1),  # (only its name: no device is needed)
+        torch.device("meta"),
+    ],
+    ids=repr,
+)
+def test_torch_shapes_dtypes_and_devices_round_trip(value):
+    got = _back(value)
+    assert type(got) is type(value) and got == value
+
+
+def test_a_state_dict_is_an_ordered_dict_of_tensors_and_stays_one():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    state = model.state_dict()
+    with local_agents(2, options=RpcOptions(token=None, transport="inproc")) as agents:
+        with as_current(agents[0]):
+            got = rpc.rpc_sync("worker1", collections.OrderedDict, args=(state,))
+            shape = rpc.rpc_sync("worker1", torch.zeros, args=(torch.Size([2, 2]),),
+                                 kwargs={"dtype": torch.float64, "device": torch.device("cpu")})  # fmt: skip
+    assert type(got) is collections.OrderedDict and list(got) == list(state)
+    for k, v in state.items():
+        torch.testing.assert_close(got[k], v)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fresh.load_state_dict(got)  # (what a checkpointing parameter server does)
+    assert shape.dtype == torch.float64 and shape.shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("code", "payload"),
+    [
+        (DTYPE_CODE, "load"),  # a torch attribute, not a dtype
+        (DTYPE_CODE, "_dynamo"),  # would import a submodule, were it looked up on torch
+        (DTYPE_CODE, 4),
+        (DEVICE_CODE, "bogus:0"),
+        (DEVICE_CODE, ["cpu"]),
+        (SIZE_CODE, [-1]),
+        (SIZE_CODE, "2"),
+    ],
+)
+def test_what_a_peer_sends_instead_is_refused(code, payload):
+    header = msgpack.packb([msgpack.ExtType(code, b""), payload])
+    with pytest.raises(rpcdist.SerializationError):
+        decode(header, [], context=None)
