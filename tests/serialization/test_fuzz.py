@@ -164,11 +164,16 @@ def test_non_contiguous_buffer_is_refused() -> None:
 def test_a_plugin_marker_outside_an_rpc_is_refused(payload):
     """A mutated header can spell another rpcdist module's marker (an RRef's,
     found by the fuzz test above); decoded with no RPC around it, that is
-    malformed input like any other (it raised RRefError before)."""
+    malformed input like any other (it raised RRefError before). A plugin of
+    plain data (``rpcdist.torch``'s shapes, when the torch tests ran first)
+    may also find a well-formed value in it: one of its own class."""
     import rpcdist._rref._rref  # noqa: F401  (registers the RRef marker)
     from rpcdist._serialization._extensions import PLUGINS
 
     assert PLUGINS, "no plugin registered"
-    for code, _ in PLUGINS.values():
-        with pytest.raises(SerializationError):
-            decode(msgpack.packb([EXT(code, b""), payload]), [])
+    for cls, (code, _) in list(PLUGINS.items()):
+        try:
+            got = decode(msgpack.packb([EXT(code, b""), payload]), [])
+        except SerializationError:
+            continue
+        assert isinstance(got, cls), f"{cls.__qualname__} decoded {payload!r} as {got!r}"
