@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from inspect import getattr_static
 from typing import TYPE_CHECKING, Any, Final
 
 from .._deadline import current_deadline, remaining
@@ -122,7 +121,7 @@ async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
             fn, label = _resolve(target), target
         else:
             owned = await value_of(ctx, ctx.owners.record(_rid(target[0], target[1])))
-            check_method(agent.policy, owned, target[2], getattr_static(owned, target[2], None))
+            check_method(agent.policy, owned, target[2])
             fn = getattr(owned, target[2])
             label = f"{type(owned).__qualname__}.{target[2]}"
         value = await call_user(agent, fn, label, args, kwargs)
@@ -175,7 +174,7 @@ async def _on_invoke(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
     r0, r1, name, args, kwargs = payload
     ctx = context_of(agent)
     value = await value_of(ctx, ctx.owners.record(_rid(r0, r1)))
-    check_method(agent.policy, value, name, getattr_static(value, name, None))
+    check_method(agent.policy, value, name)
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
     return [is_plain(fn), await call_user(agent, fn, label, args, kwargs)]
@@ -193,7 +192,7 @@ def call_method(r0: int, r1: int, name: str, args: Any, kwargs: Any) -> Any:
     if not rec.ready.done():  # rare: proxies come here only after a first call worked
         rec.ready.wait(remaining(current_deadline.get()))
     value = rec.get()
-    check_method(agent.policy, value, name, getattr_static(value, name, None))
+    check_method(agent.policy, value, name)
     fn = getattr(value, name)
     label = f"{type(value).__qualname__}.{name}"
     if not is_plain(fn):  # the method changed kind: run it on the loop, from here

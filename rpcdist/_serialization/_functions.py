@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -382,17 +383,31 @@ def name_of(fn: Callable[..., Any]) -> str:
         return function_name(fn)
 
 
-def check_method(policy: CallablePolicy, value: object, name: str, method: object) -> None:
+#: ``(policy, type, name)`` of methods found allowed, where the method came
+#: from the type (not the instance): a proxy call checks each once.
+_METHODS_OK: dict[tuple[CallablePolicy, type, str], bool] = {}
+
+
+def check_method(policy: CallablePolicy, value: object, name: str) -> None:
     """Raise unless ``policy`` lets peers call method ``name`` of ``value``
-    (see :meth:`CallablePolicy.method_refusal`).
+    (see :meth:`CallablePolicy.method_refusal`), without running a getter.
 
     Raises:
         CallPolicyError: refused.
     """
-    why = policy.method_refusal(value, name, method)
+    cls = type(value)
+    key = (policy, cls, name)
+    own = getattr(value, "__dict__", None)
+    of_type = not isinstance(own, dict) or name not in own
+    if of_type and key in _METHODS_OK:
+        return
+    why = policy.method_refusal(value, name, inspect.getattr_static(value, name, None))
     if why is not None:
-        cls = type(value)
         raise _refused(f"{cls.__module__}:{cls.__qualname__}.{name}", why)
+    if of_type:
+        if len(_METHODS_OK) >= 4096:
+            _METHODS_OK.clear()
+        _METHODS_OK[key] = True
 
 
 def _refused(name: str, why: str) -> CallPolicyError:

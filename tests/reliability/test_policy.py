@@ -170,3 +170,28 @@ def test_allowed_entries_and_allowlist_mode_for_rref_proxy_methods(tmp_path):
             rref.rpc_sync().dump(str(tmp_path / "other"))
         del rref
     assert not (tmp_path / "other").exists()
+
+
+def test_a_method_allowed_once_is_remembered_per_type_never_per_instance():
+    from rpcdist._serialization._functions import check_method
+
+    class Box:
+        def get(self):
+            return 1
+
+    plain, rigged = Box(), Box()
+    check_method(DEFAULT_POLICY, plain, "get")  # allowed, and remembered for Box.get
+    check_method(DEFAULT_POLICY, plain, "get")
+    rigged.get = os.system  # an instance's own attribute: checked every time
+    with pytest.raises(rpcdist.CallPolicyError):
+        check_method(DEFAULT_POLICY, rigged, "get")
+    with pytest.raises(rpcdist.CallPolicyError):  # a refusal is not remembered as allowed
+        check_method(DEFAULT_POLICY, np_zeros(), "tofile")
+    with pytest.raises(rpcdist.CallPolicyError):
+        check_method(DEFAULT_POLICY, np_zeros(), "tofile")
+
+
+def np_zeros():
+    import numpy as np
+
+    return np.zeros(2)
