@@ -1,5 +1,6 @@
 """torch values that programs pass around besides tensors and modules:
-``torch.Size`` (a shape: ``x.shape``), ``torch.dtype`` and ``torch.device``.
+``torch.Size`` (a shape: ``x.shape``), ``torch.dtype``, ``torch.device`` and
+``PackedSequence`` (an RNN's padded batch, a NamedTuple of tensors).
 
 Each travels as plain data (the ints of the shape, the dtype's name, the
 device's string) and is rebuilt from it on the receiver: no pickle, and
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import SerializationError
-from .._serialization import register_extension
+from .._serialization import register_extension, register_type
 
 __all__ = ["install"]
 
@@ -64,7 +65,8 @@ def _decode_device(payload: Any, wire: Any) -> torch.device:
 
 
 def install() -> None:
-    """Teach the codec torch shapes, dtypes and devices (idempotent)."""
+    """Teach the codec torch shapes, dtypes, devices and packed sequences (idempotent)."""
     register_extension(torch.Size, SIZE_CODE, _encode_size, _decode_size)
+    register_type(torch.nn.utils.rnn.PackedSequence)
     register_extension(torch.dtype, DTYPE_CODE, _encode_dtype, _decode_dtype)
     register_extension(torch.device, DEVICE_CODE, _encode_device, _decode_device)

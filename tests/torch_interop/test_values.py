@@ -78,3 +78,15 @@ def test_what_a_peer_sends_instead_is_refused(code, payload):
     header = msgpack.packb([msgpack.ExtType(code, b""), payload])
     with pytest.raises(rpcdist.SerializationError):
         decode(header, [], context=None)
+
+
+def test_a_packed_sequence_crosses_as_one():
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    batch = torch.randn(5, 3, 4)
+    packed = pack_padded_sequence(batch, [5, 3, 2], enforce_sorted=False)
+    got = _back(packed)
+    assert type(got) is PackedSequence
+    for mine, theirs in zip(packed, got, strict=True):
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+    torch.testing.assert_close(pad_packed_sequence(got)[0], pad_packed_sequence(packed)[0])
