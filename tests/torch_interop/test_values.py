@@ -15,7 +15,7 @@ import rpcdist.torch.rpc as rpc
 from rpcdist import RpcOptions
 from rpcdist._serialization import decode, encode
 from rpcdist.testing import as_current, local_agents
-from rpcdist.torch._values import DEVICE_CODE, DTYPE_CODE, SIZE_CODE
+from rpcdist.torch._values import DEVICE_CODE, DTYPE_CODE, RETURN_TYPE_CODE, SIZE_CODE
 
 pytestmark = pytest.mark.torch
 
@@ -72,6 +72,10 @@ def test_a_state_dict_is_an_ordered_dict_of_tensors_and_stays_one():
         (DEVICE_CODE, ["cpu"]),
         (SIZE_CODE, [-1]),
         (SIZE_CODE, "2"),
+        (RETURN_TYPE_CODE, ["max", [1]]),  # one field of two
+        (RETURN_TYPE_CODE, ["Tensor", [1]]),  # not a return type
+        (RETURN_TYPE_CODE, ["__builtins__", []]),
+        (RETURN_TYPE_CODE, "max"),
     ],
 )
 def test_what_a_peer_sends_instead_is_refused(code, payload):
@@ -90,3 +94,13 @@ def test_a_packed_sequence_crosses_as_one():
     for mine, theirs in zip(packed, got, strict=True):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
     torch.testing.assert_close(pad_packed_sequence(got)[0], pad_packed_sequence(packed)[0])
+
+
+def test_the_named_tuples_of_torchs_operators_keep_their_type_and_fields():
+    x = torch.arange(12.0).reshape(3, 4)
+    for result in (torch.max(x, dim=0), torch.topk(x, 2), torch.linalg.slogdet(torch.eye(3))):
+        got = _back(result)
+        assert type(got) is type(result)
+        for mine, theirs in zip(result, got, strict=True):
+            torch.testing.assert_close(theirs, mine)
+    assert _back(torch.max(x, dim=1)).indices.tolist() == [3, 3, 3]
