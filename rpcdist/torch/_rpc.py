@@ -23,7 +23,7 @@ from .._rpc import _api
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
-from . import _backward, _edges, _futures, _modules, _remote_module, _values
+from ._install import install
 
 __all__ = [
     "BackendType",
@@ -106,17 +106,6 @@ def _timeout(timeout: float | Unset | None) -> float | Unset | None:
     if timeout == _UNSET_TIMEOUT:
         return UNSET
     return None if timeout == 0 else float(timeout)
-
-
-def install() -> None:
-    """Teach the codec torch's autograd edges, modules, shapes, dtypes and devices, and
-    ``torch.futures.wait_all``/``collect_all`` rpcdist Futures (idempotent)."""
-    _edges.install()
-    _backward.install()
-    _modules.install()
-    _remote_module.install()
-    _values.install()
-    _futures.install()
 
 
 def _torch_store(host: str, port: int, rank: int | None, world_size: int | None) -> Any:

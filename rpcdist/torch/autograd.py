@@ -15,7 +15,9 @@ from __future__ import annotations
 from .._publish import publish
 from ._backward import backward
 from ._grads import context, get_gradients, is_available
+from ._install import install
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
 
 publish(__name__, __all__, globals())
+install()  # (codec hooks: see rpcdist.torch._install)

@@ -10,7 +10,9 @@ from __future__ import annotations
 from .._futures import Future
 from .._publish import publish
 from ._futures import collect_all, wait_all
+from ._install import install
 
 __all__ = ["Future", "collect_all", "wait_all"]
 
 publish(__name__, __all__, globals())
+install()  # (codec hooks: see rpcdist.torch._install)

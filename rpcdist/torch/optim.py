@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from .._publish import publish
+from ._install import install
 from ._optim import DistributedOptimizer
 
 __all__ = ["DistributedOptimizer"]
 
 publish(__name__, __all__, globals())
+install()  # (codec hooks: see rpcdist.torch._install)

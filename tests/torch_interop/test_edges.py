@@ -182,3 +182,32 @@ def test_rref_backward_runs_the_pass_from_a_torch_loss_where_it_lives(agents, ow
     torch.testing.assert_close(remote[owner], ws[owner].grad)
     if owner == "worker1":
         torch.testing.assert_close(grads[tf.PARAMS["worker0"]], ws["worker0"].grad)
+
+
+def test_rpcdist_init_rpc_with_only_the_autograd_module_still_records_edges():
+    # A program on rpcdist's own init_rpc that imports rpcdist.torch.autograd
+    # but never rpcdist.torch.rpc: its tensors crossed as new leaves before,
+    # and the backward silently stopped at the worker boundary.
+    code = """
+import sys, torch, rpcdist
+import rpcdist.torch.autograd as dist_autograd
+from rpcdist.testing import as_current, local_agents
+W = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def layer(x):
+    return torch.tanh(x @ W)
+with local_agents(2, options=rpcdist.RpcOptions(token=None, transport="inproc")) as ags:
+    with as_current(ags[0]):
+        x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpcdist.rpc_sync(1, layer, args=(x,))
+            dist_autograd.backward(cid, [(y * y).sum()])
+            got = dist_autograd.get_gradients(cid)[x]
+xo = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+(layer(xo) ** 2).sum().backward()
+torch.testing.assert_close(got, xo.grad)
+assert "rpcdist.torch.rpc" not in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
