@@ -99,7 +99,13 @@ def check_array(a: Any, what: str, *, writable: bool = False) -> Any:
             ``writable``.
     """
     if not (isinstance(a, np.ndarray) or is_cupy(a)):
-        raise ConfigError(f"{what} must be a NumPy or CuPy array, got {type(a).__name__}")
+        hint = ""
+        if type(a).__module__.partition(".")[0] == "torch":  # (a torch.Tensor: without torch)
+            hint = (
+                " (for a torch tensor, pass t.numpy() on the CPU or cupy.asarray(t) on a GPU: "
+                "both share its memory, so in-place results land in the tensor)"
+            )
+        raise ConfigError(f"{what} must be a NumPy or CuPy array, got {type(a).__name__}{hint}")
     if a.dtype.kind not in _SUPPORTED_KINDS:
         raise ConfigError(f"{what} has dtype {a.dtype}; collectives need bool or numeric dtypes")
     if writable and isinstance(a, np.ndarray) and not a.flags.writeable:

@@ -104,3 +104,16 @@ def test_the_named_tuples_of_torchs_operators_keep_their_type_and_fields():
         for mine, theirs in zip(result, got, strict=True):
             torch.testing.assert_close(theirs, mine)
     assert _back(torch.max(x, dim=1)).indices.tolist() == [3, 3, 3]
+
+
+def test_collectives_name_the_way_to_pass_a_torch_tensor():
+    import numpy as np
+
+    from rpcdist.collectives._ops import check_array
+
+    t = torch.ones(3)
+    with pytest.raises(rpcdist.ConfigError, match=r"got Tensor \(for a torch tensor, pass t.numpy"):
+        check_array(t, "all_reduce buf", writable=True)
+    view = check_array(t.numpy(), "all_reduce buf", writable=True)
+    np.multiply(view, 2, out=view)  # what an in-place reduction does to the buffer
+    assert t.tolist() == [2.0, 2.0, 2.0]
