@@ -180,26 +180,20 @@ class RingEngine:
             xp.finish(op, mine, p)
             if not gather:
                 return
-            futs: list[asyncio.Future[InMessage]] = []
-            staged: list[np.ndarray] = []
+            # The all-gather half: only all_reduce gathers, and it is given host
+            # buffers (``reduces_on_host``), so pieces go out and land in place.
+            futs = [
+                self._post(
+                    left, self._key(seq, k, "g", s), as_bytes(piece(acc, ag_step(r, p, s)[1]))
+                )
+                for s in range(p - 1)
+            ]
             for s in range(p - 1):
-                recv_q = ag_step(r, p, s)[1]
-                target = piece(acc, recv_q)
-                host = target if xp.host else np.empty(target.size, dtype)
-                staged.append(host)
-                futs.append(self._post(left, self._key(seq, k, "g", s), as_bytes(host)))
-            for s in range(p - 1):
-                send_q, recv_q = ag_step(r, p, s)
                 if s > 0:
                     await _recv(futs[s - 1], meta, left, where)
-                    if not xp.host:
-                        xp.from_host(piece(acc, send_q), staged[s - 1])
-                data = piece(acc, send_q)
-                view = as_bytes(staged[s - 1] if (s > 0 and not xp.host) else xp.host_view(data))
-                track(link.send(right, self._key(seq, k, "g", s), view, meta.wire))
+                data = piece(acc, ag_step(r, p, s)[0])
+                track(link.send(right, self._key(seq, k, "g", s), as_bytes(data), meta.wire))
             await _recv(futs[p - 2], meta, left, where)
-            if not xp.host:
-                xp.from_host(piece(acc, ag_step(r, p, p - 2)[1]), staged[p - 2])
 
     # ---------------------------------------------------------- collectives
 
@@ -232,11 +226,7 @@ class RingEngine:
         tmp = self.scratch(("rd",), n, dtype)
         async with _Sends() as track:
             if r >= q:  # fold in, then wait for the result
-                track(
-                    self.link.send(
-                        r - q, self._key(seq, "x"), as_bytes(xp.host_view(dst)), meta.wire
-                    )
-                )
+                track(self.link.send(r - q, self._key(seq, "x"), as_bytes(dst), meta.wire))
                 await _recv(
                     self._post(r - q, self._key(seq, "y"), as_bytes(dst)), meta, r - q, where
                 )
@@ -251,9 +241,7 @@ class RingEngine:
                 partner = r ^ d
                 fut = self._post(partner, self._key(seq, "d", d), as_bytes(tmp))
                 sent = track(
-                    self.link.send(
-                        partner, self._key(seq, "d", d), as_bytes(xp.host_view(dst)), meta.wire
-                    )
+                    self.link.send(partner, self._key(seq, "d", d), as_bytes(dst), meta.wire)
                 )
                 await _recv(fut, meta, partner, where)
                 await sent  # ``dst`` is about to change
@@ -261,11 +249,7 @@ class RingEngine:
                 d <<= 1
             xp.finish(op, dst, p)
             if r + q < p:
-                track(
-                    self.link.send(
-                        r + q, self._key(seq, "y"), as_bytes(xp.host_view(dst)), meta.wire
-                    )
-                )
+                track(self.link.send(r + q, self._key(seq, "y"), as_bytes(dst), meta.wire))
 
     async def reduce_scatter(
         self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp, meta: Meta
