@@ -9,6 +9,7 @@ from .._errors import ConfigError, RpcdistError, SerializationError
 from ._extensions import (
     DECODERS,
     ENCODERS,
+    FINDERS,
     FIRST_PLUGIN,
     MARKS,
     PLUGINS,
@@ -18,7 +19,7 @@ from ._extensions import (
     unknown_code,
 )
 
-__all__ = ["register_extension", "unregister_extension"]
+__all__ = ["register_extension", "register_family", "unregister_extension"]
 
 
 def register_extension(
@@ -45,15 +46,63 @@ def register_extension(
     """
     if not isinstance(cls, type):
         raise ConfigError(f"register_extension expects a class, got {cls!r}")
+    _check_code(code, cls)
+    for other, (other_code, _) in PLUGINS.items():
+        if other is cls and other_code != code:
+            raise ConfigError(f"{cls.__qualname__} already has extension code {other_code}")
+    handle, rebuild = _handlers(code, f"{cls.__qualname__} (extension code {code})", encoder,
+                                decoder)  # fmt: skip
+    forget_found()
+    PLUGINS[cls] = (code, handle)
+    ENCODERS[cls] = handle
+    DECODERS[code] = rebuild
+
+
+#: Extensions for families of classes with no common base: code -> test.
+_FAMILIES: dict[int, Callable[[object], bool]] = {}
+
+
+def register_family(
+    accepts: Callable[[object], bool],
+    code: int,
+    encoder: Callable[[Any, Any], Any],
+    decoder: Callable[[Any, Any], Any],
+    label: str,
+) -> None:
+    """:func:`register_extension` for the values ``accepts(value)`` recognises,
+    of many classes with no common base to register (torch's 75 return types).
+    Idempotent for the same ``accepts``.
+
+    Raises:
+        ConfigError: ``code`` is out of range or taken.
+    """
+    if _FAMILIES.get(code) is accepts:
+        return
+    _check_code(code, accepts)
+    handle, rebuild = _handlers(code, f"{label} (extension code {code})", encoder, decoder)
+
+    def find(obj: object) -> Any:
+        return handle if accepts(obj) else None
+
+    _FAMILIES[code] = accepts
+    FINDERS.append(find)
+    DECODERS[code] = rebuild
+
+
+def _check_code(code: int, owner: object) -> None:
     if type(code) is not int or not FIRST_PLUGIN <= code < len(DECODERS):
         raise ConfigError(f"extension code must be an int in 32..63, got {code!r}")
     for other, (other_code, _) in PLUGINS.items():
-        if other_code == code and other is not cls:
+        if other_code == code and other is not owner:
             raise ConfigError(f"extension code {code} is already used by {other.__qualname__}")
-        if other is cls and other_code != code:
-            raise ConfigError(f"{cls.__qualname__} already has extension code {other_code}")
+    if code in _FAMILIES and _FAMILIES[code] is not owner:
+        raise ConfigError(f"extension code {code} is already used by a family of classes")
+
+
+def _handlers(code: int, label: str, encoder: Callable[[Any, Any], Any],
+              decoder: Callable[[Any, Any], Any]) -> tuple[Any, Any]:  # fmt: skip
+    """The codec's encode handler and decoder for a plugin's ``encoder``/``decoder``."""
     mark = MARKS[code]
-    label = f"{cls.__qualname__} (extension code {code})"
 
     def handle(state: EncodeState, obj: object) -> list[Any]:
         payload = encoder(obj, state.context)
@@ -70,10 +119,7 @@ def register_extension(
         except Exception as exc:
             raise SerializationError(f"cannot decode {label}: {exc}") from exc
 
-    forget_found()
-    PLUGINS[cls] = (code, handle)
-    ENCODERS[cls] = handle
-    DECODERS[code] = rebuild
+    return handle, rebuild
 
 
 def unregister_extension(cls: type) -> None:

@@ -17,23 +17,15 @@ import torch
 
 from .._errors import SerializationError
 from .._serialization import register_extension, register_type
-from .._serialization._extensions import (
-    DECODERS,
-    FINDERS,
-    MARKS,
-    DecodeState,
-    EncodeState,
-    Handler,
-    unknown_code,
-)
+from .._serialization._plugins import register_family
 
 __all__ = ["install"]
 
 SIZE_CODE = 36
 DTYPE_CODE = 37
 DEVICE_CODE = 38
-#: The ``torch.return_types`` classes (75 of them, without a common base: a
-#: finder, not one registered class per code).
+#: The ``torch.return_types`` classes (75 of them, without a common base: one
+#: family, not one registered class per code).
 RETURN_TYPE_CODE = 39
 
 
@@ -78,31 +70,25 @@ def _decode_device(payload: Any, wire: Any) -> torch.device:
         raise SerializationError(f"received an invalid torch device {payload!r}: {e}") from e
 
 
-def _encode_return(state: EncodeState, obj: tuple[Any, ...]) -> list[Any]:
-    payload = [type(obj).__name__, list(obj)]
-    state.remember(obj, payload)
-    return [MARKS[RETURN_TYPE_CODE], payload]
+_RETURNS = "torch.return_types"
 
 
-def _decode_return(state: DecodeState, items: list[Any]) -> object:
-    payload = items[1] if len(items) == 2 else None
+def _is_return(obj: object) -> bool:
+    return type(obj).__module__ == _RETURNS and isinstance(obj, tuple)
+
+
+def _encode_return(obj: tuple[Any, ...], wire: Any) -> list[Any]:
+    return [type(obj).__name__, list(obj)]
+
+
+def _decode_return(payload: Any, wire: Any) -> tuple[Any, ...]:
     if not (isinstance(payload, list) and len(payload) == 2 and isinstance(payload[1], list)):
         raise SerializationError("malformed torch return type payload")
     name, values = payload
     cls = vars(torch.return_types).get(name) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, tuple) and cls.__module__ == _RETURNS):
         raise SerializationError(f"received an unknown torch return type {str(name)[:40]!r}")
-    try:
-        return cls(values)
-    except (TypeError, ValueError) as e:  # (the wrong number of fields)
-        raise SerializationError(f"malformed torch.return_types.{name} payload: {e}") from e
-
-
-_RETURNS = "torch.return_types"
-
-
-def _find_return(obj: object) -> Handler | None:
-    return _encode_return if type(obj).__module__ == _RETURNS and isinstance(obj, tuple) else None
+    return cls(values)  # (a wrong field count raises: the codec says it cannot decode it)
 
 
 def install() -> None:
@@ -110,10 +96,6 @@ def install() -> None:
     operators' named tuples (idempotent)."""
     register_extension(torch.Size, SIZE_CODE, _encode_size, _decode_size)
     register_type(torch.nn.utils.rnn.PackedSequence)
-    if _find_return not in FINDERS:
-        if DECODERS[RETURN_TYPE_CODE] is not unknown_code:
-            raise RuntimeError(f"codec extension code {RETURN_TYPE_CODE} is taken")
-        DECODERS[RETURN_TYPE_CODE] = _decode_return
-        FINDERS.append(_find_return)
+    register_family(_is_return, RETURN_TYPE_CODE, _encode_return, _decode_return, _RETURNS)
     register_extension(torch.dtype, DTYPE_CODE, _encode_dtype, _decode_dtype)
     register_extension(torch.device, DEVICE_CODE, _encode_device, _decode_device)

@@ -170,3 +170,13 @@ def test_unregistered_extension_codes_are_refused(code: int) -> None:
 def test_a_bad_value_inside_an_extension_payload_is_located(code: int) -> None:
     with pytest.raises(SerializationError, match=r"'object' at args\[0\]<encoded>\['data'\]"):
         encode((Handle(1, object()),), context=[], where="args")  # type: ignore[arg-type]
+
+
+def test_a_family_extension_takes_the_values_its_test_accepts_and_owns_its_code(code: int) -> None:
+    from rpcdist._serialization._plugins import register_family
+
+    with pytest.raises(ConfigError, match="already used by Handle"):
+        register_family(lambda v: False, code, _encode_handle, _decode_handle, "nothing")
+    with pytest.raises(ConfigError, match=r"32\.\.63"):
+        register_family(lambda v: False, 7, _encode_handle, _decode_handle, "nothing")
+    # (rpcdist.torch's return types are one: tests/torch_interop/test_values.py)
