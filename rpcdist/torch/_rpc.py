@@ -8,6 +8,7 @@ default and ``0`` means none; ``rank=-1`` means "from the environment";
 
 from __future__ import annotations
 
+import datetime
 import enum
 import itertools
 import os
@@ -28,6 +29,7 @@ from ._install import install
 __all__ = [
     "BackendType",
     "TensorPipeRpcBackendOptions",
+    "_set_rpc_timeout",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
@@ -245,6 +247,20 @@ def get_rpc_timeout() -> float:
     """
     got = _api.get_rpc_timeout()
     return 0.0 if got is None else float(got)
+
+
+def _set_rpc_timeout(timeout: float | datetime.timedelta, /) -> None:
+    """Change the default call timeout (torch's private setter): seconds or a
+    ``timedelta``; ``0``: none.
+
+    Raises:
+        ConfigError: a negative or non-numeric timeout.
+    """
+    t = timeout
+    seconds = t.total_seconds() if isinstance(t, datetime.timedelta) else t
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        raise ConfigError(f"_set_rpc_timeout: expected seconds >= 0 or a timedelta, got {t!r}")
+    _api.set_rpc_timeout(float(seconds) or None)
 
 
 def is_available() -> bool:

@@ -19,6 +19,12 @@ SURFACE = [
     ("torch.distributed.rpc", "rpcdist.torch.rpc", [
         "BackendType", "RRef", "TensorPipeRpcBackendOptions", "WorkerInfo", "get_worker_info",
         "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown",
+        # private, but programs and libraries call them
+        "_get_current_rpc_agent", "_is_current_rpc_agent_set", "_set_rpc_timeout", "api",
+    ]),
+    ("torch.distributed.rpc.api", "rpcdist.torch.rpc.api", [
+        "_all_gather", "_barrier", "_get_current_rpc_agent", "_is_current_rpc_agent_set",
+        "_require_initialized", "_wait_all_workers", "get_worker_info", "rpc_sync",
     ]),
     ("torch.distributed.rpc.functions", "rpcdist.torch.rpc.functions", ["async_execution"]),
     ("torch.distributed.autograd", "rpcdist.torch.autograd", [

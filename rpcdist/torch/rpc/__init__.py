@@ -16,6 +16,7 @@ from ..._worker import WorkerInfo
 from .._rpc import (
     BackendType,
     TensorPipeRpcBackendOptions,
+    _set_rpc_timeout,
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
@@ -25,13 +26,18 @@ from .._rpc import (
     rpc_sync,
     shutdown,
 )
-from . import functions
+from . import api, functions
+from .api import _get_current_rpc_agent, _is_current_rpc_agent_set
 
 __all__ = [
     "BackendType",
     "RRef",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "_get_current_rpc_agent",
+    "_is_current_rpc_agent_set",
+    "_set_rpc_timeout",
+    "api",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
@@ -43,4 +49,4 @@ __all__ = [
     "shutdown",
 ]
 
-publish(__name__, [n for n in __all__ if n not in ("RRef", "WorkerInfo")], globals())
+publish(__name__, [n for n in __all__ if n not in ("RRef", "WorkerInfo", "api")], globals())
