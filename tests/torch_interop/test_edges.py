@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import tfuncs as tf
@@ -14,7 +16,7 @@ from agent_support import contexts_settled
 
 import rpcdist.torch.autograd as dist_autograd
 import rpcdist.torch.rpc as rpc
-from rpcdist import RpcOptions, SerializationError
+from rpcdist import ConnectError, RpcOptions, SerializationError, WorkerLostError
 from rpcdist.testing import as_current, local_agents
 
 pytestmark = pytest.mark.torch
@@ -99,6 +101,37 @@ def test_a_failure_on_another_worker_fails_the_backward_at_the_root(agents):
             y = rpc.rpc_sync("worker1", tf.explode, args=(x,))
             with pytest.raises(ValueError, match="exploded on purpose"):
                 dist_autograd.backward(cid, [y.sum()])
+
+
+@pytest.mark.parametrize("when", ["before the backward", "during its part"])
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_a_worker_lost_before_or_during_the_backward_fails_it_typed(transport, when):
+    tf.PARAMS["worker1"] = tf.param(1)
+    tf.STALLED.clear()
+    tf.RESUME.clear()
+    with local_agents(2, options=RpcOptions(token=None, transport=transport)) as (a, b):
+        with as_current(a):
+            x = tf.param(9, (2, 3))
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync("worker1", tf.stall, args=(x,))
+                if when == "before the backward":
+                    b.shutdown(graceful=False)
+                    killer = None
+                else:  # once worker1 runs its part of the pass
+                    killer = threading.Thread(
+                        target=lambda: tf.STALLED.wait(30) and b.shutdown(graceful=False)
+                    )
+                    killer.start()
+                start = time.monotonic()
+                try:
+                    with pytest.raises((WorkerLostError, ConnectError), match="worker1"):
+                        dist_autograd.backward(cid, [y.sum()])
+                finally:
+                    tf.RESUME.set()
+                    if killer is not None:
+                        killer.join(30)
+                assert time.monotonic() - start < 20  # (the call timeout is 30 s)
+            assert a.statistics()["autograd_contexts"] == 0
 
 
 def test_roots_are_checked(agents):

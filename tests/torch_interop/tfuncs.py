@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -55,11 +56,32 @@ def explode(x: torch.Tensor) -> torch.Tensor:
     return Explode.apply(layer(x))
 
 
+#: Set when :class:`Stall`'s backward starts; it waits for ``RESUME``.
+STALLED = threading.Event()
+RESUME = threading.Event()
+
+
+class Stall(torch.autograd.Function):
+    """Identity whose backward holds the pass on this worker until ``RESUME``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        STALLED.set()
+        RESUME.wait(30)
+        return grad
+
+
+def stall(x: torch.Tensor) -> torch.Tensor:
+    return Stall.apply(layer(x))
+
+
 @rpc.functions.async_execution
 def later(x: torch.Tensor) -> Any:
     """Returns a torch Future completed by another thread."""
-    import threading
-
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     threading.Timer(0.05, fut.set_result, args=(x * 3,)).start()
     return fut
