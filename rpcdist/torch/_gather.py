@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import ClosedError, ConfigError, RpcTimeoutError
@@ -115,28 +115,28 @@ class _Gathers(BaseExtension):
             f"{timeout:g} s"
         )
 
-    def _fail(self, key: str | None, rnd: _Round, exc: BaseException) -> None:
+    def _fail(self, key: str, rnd: _Round, exc: BaseException) -> None:
+        """Fail ``rnd`` unless it completed, expired or failed meanwhile."""
         with self._lock:
-            if key is not None and self._rounds.get(key) is rnd:
-                del self._rounds[key]
-        if not rnd.done.done():
-            rnd.done.set_exception(exc)
+            if self._rounds.get(key) is not rnd:
+                return
+            del self._rounds[key]
+        rnd.done.set_exception(exc)
 
-    def _fail_where(self, pick: Any, exc: Any) -> None:
+    def _fail_where(self, pick: Callable[[_Round], bool],
+                    error: Callable[[], BaseException]) -> None:  # fmt: skip
         with self._lock:
             rounds = [(k, r) for k, r in self._rounds.items() if pick(r)]
         for key, rnd in rounds:
-            self._fail(key, rnd, exc(rnd))
+            self._fail(key, rnd, error())
 
     def peer_lost(self, rank: int) -> None:
         name = self._agent.workers[rank].name
-        self._fail_where(
-            lambda r: name in r.missing(),
-            lambda r: self._agent.liveness.error(rank, "_all_gather"),
-        )
+        live = self._agent.liveness
+        self._fail_where(lambda r: name in r.missing(), lambda: live.error(rank, "_all_gather"))
 
     def close(self) -> None:
-        self._fail_where(lambda r: True, lambda r: ClosedError("the rpcdist agent shut down"))
+        self._fail_where(lambda r: True, lambda: ClosedError("the rpcdist agent shut down"))
 
     def statistics(self) -> Mapping[str, int]:
         with self._lock:
