@@ -10,13 +10,14 @@ import datetime
 import threading
 import time
 
+import gather_prog
 import pytest
 from agent_support import on_all
 
 import rpcdist
 import rpcdist.torch.rpc as rpc
 from rpcdist import RpcOptions
-from rpcdist.testing import as_current, local_agents
+from rpcdist.testing import as_current, local_agents, run_workers
 
 pytestmark = pytest.mark.torch
 
@@ -158,3 +159,15 @@ def test_bad_worker_names_are_refused_before_anything_is_sent(agents, worker_nam
         with pytest.raises(rpcdist.ConfigError, match="timeout"):
             rpc.api._all_gather(1, timeout=-5)
         assert agents[0].statistics().get("torch_gather_rounds", 0) == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_program_using_the_helpers_learns_what_it_learns_under_pytorch_rpc():
+    ours = run_workers(gather_prog.run, 3, args=("rpcdist",), timeout=100)
+    theirs = run_workers(gather_prog.run, 3, args=("torch",), timeout=100)
+    assert ours == theirs
+    assert ours[1]["roles"] == {"w0": ("trainer", 0), "w1": ("sampler", 1), "w2": ("sampler", 4)}
+    assert ours[2]["pair"] == {"w1": -1, "w2": -2}
+    assert [o["me"] for o in ours] == ["w0", "w1", "w2"]
+    assert all(o["before"] is False and o["during"] is True and o["after"] is False for o in ours)
