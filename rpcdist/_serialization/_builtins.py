@@ -1,5 +1,5 @@
 """Extensions for Python builtins (and ``OrderedDict``), WorkerInfo,
-exceptions and functions.
+exceptions, and functions and classes (by name).
 
 msgpack packs ``None``, ``bool``, 64-bit ``int``, ``float``, ``str``, ``bytes``,
 ``list`` and ``dict`` itself (the packer runs with ``strict_types``, so
@@ -172,6 +172,12 @@ def _encode_function(state: EncodeState, obj: Any) -> list[Any]:
     return [MARKS[FUNCTION], name_of(obj)]
 
 
+def _find_class(obj: object) -> Handler | None:
+    """Classes of other metaclasses (``abc.ABCMeta``, ``enum.EnumMeta``,
+    torch's tensor class) travel by name as classes of ``type`` do."""
+    return _encode_function if isinstance(obj, type) else None
+
+
 def _decode_function(state: DecodeState, items: list[Any]) -> object:
     if len(items) != 2 or type(items[1]) is not str:
         raise _malformed("function")
@@ -198,8 +204,10 @@ define(
         np.ufunc,
         types.MethodDescriptorType,
         types.WrapperDescriptorType,
-    ],  # (str.upper, int.__add__)
+        type,
+    ],  # (str.upper, int.__add__; classes, by name as functions are)
     _encode_function,
     _decode_function,
 )
 FINDERS.append(_find_exception)
+FINDERS.append(_find_class)

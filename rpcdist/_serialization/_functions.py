@@ -248,7 +248,8 @@ def function_name(fn: Callable[..., Any]) -> str:
     owner = getattr(fn, "__objclass__", None)
     if module is None and isinstance(owner, type):  # a method of a builtin type
         module = owner.__module__
-    prefix = f"cannot send function {_label(fn)} by name"
+    kind = "class" if isinstance(fn, type) else "function"
+    prefix = f"cannot send {kind} {_label(fn)} by name"
     if not isinstance(module, str) or not isinstance(qualname, str):
         raise SerializationError(f"{prefix}: it has no __module__ and __qualname__")
     if "<lambda>" in qualname:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import collections.abc
+import enum
 import functools
 import math
 import operator
+import subprocess
 import sys
 import threading
 import types
@@ -13,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rpcdist._errors import RemoteError, SerializationError
+from rpcdist._errors import CallPolicyError, RemoteError, SerializationError
 from rpcdist._serialization import (
     decode,
     encode,
@@ -97,6 +101,35 @@ def test_methods_of_builtin_types_are_named_through_their_type(fn: Any, name: st
     assert function_name(fn) == name
     assert resolve_function(name) is fn
     assert roundtrip([fn, "x"]) == [fn, "x"]
+
+
+class _Shape(enum.Enum):
+    SQUARE = 1
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [int, ValueError, np.ndarray, np.float32, collections.OrderedDict, collections.abc.Mapping,
+     _Shape, Helpers],
+    ids=lambda c: c.__qualname__,
+)  # fmt: skip
+def test_classes_travel_by_name_as_functions_do(cls: type) -> None:
+    # (classes of other metaclasses too: abc.ABCMeta, enum.EnumMeta)
+    assert roundtrip({"cls": cls, "in": [cls]}) == {"cls": cls, "in": [cls]}
+    assert roundtrip((cls,))[0] is cls
+
+
+def test_classes_without_a_usable_name_are_refused_as_classes() -> None:
+    def make() -> type:
+        class Local:
+            pass
+
+        return Local
+
+    with pytest.raises(SerializationError, match=r"at args\[0\]: cannot send class '.*make.<loc"):
+        encode([make()], where="args")
+    with pytest.raises(CallPolicyError, match="subprocess:Popen"):
+        decode(*encode(subprocess.Popen))
 
 
 def test_the_remembered_name_is_the_same_and_refuses_the_same() -> None:
