@@ -80,6 +80,7 @@ class RRef(Generic[T]):
         "_record",
         "_rid",
         "_state",
+        "_type",
     )
 
     def __init__(self, value: T) -> None:
@@ -115,6 +116,7 @@ class RRef(Generic[T]):
         self._early: list[Any] | None = None  # a copy of the value, while that reply settles
         self._attrs: set[str] | None = None  # attributes known to exist (remote() proxies)
         self._plain: set[str] | None = None  # methods known to be plain functions
+        self._type: type | None = None  # the value's class, once asked (_get_type)
 
     @classmethod
     def _make(cls, ctx: RRefContext, rid: tuple[int, int], fork: tuple[int, int] | None,
@@ -265,6 +267,34 @@ class RRef(Generic[T]):
         deadline = deadline_for(UNSET, agent.rpc_timeout)
         payload = [self, context_id, retain_graph]
         call_owner(self, _RREF_BACKWARD, payload, deadline, "backward()").wait()
+
+    def _get_type(self, timeout: float | Unset | None = UNSET, blocking: bool = True) -> Any:
+        """The value's class (torch's ``RRef._get_type``), asked of the owner
+        once and then remembered; ``blocking=False``: a Future of it.
+        ``timeout`` as for :meth:`to_here` (torch's ``-1`` too: the default).
+
+        Raises:
+            SerializationError: the class has no name to travel by (it was
+                defined inside a function).
+            OwnerLostError, RpcTimeoutError, RRefCreationError: as for :meth:`to_here`.
+        """
+        if timeout == -1:
+            timeout = UNSET
+        fut: Future[Any] = Future()
+        known = self._type
+        if known is not None:
+            fut.set_result(known)
+        elif self._record is not None:
+            try:
+                fut.set_result(type(self.local_value()))
+            except BaseException as e:
+                fut.set_exception(e)
+        else:
+            self._check("_get_type()")
+            fut = self._ctx.agent.rpc_async(self.owner(), value_type, (self,), None, timeout)
+        if known is None:
+            fut = fut.then(functools.partial(_remember_type, self))
+        return fut.wait() if blocking else fut
 
     # ------------------------------------------------------------- proxies
 
@@ -479,3 +509,13 @@ def _gate(wctx: WireContext, fut: Future[Any]) -> None:
 
 
 register_extension(RRef, RREF_CODE, _encode_rref, _decode_rref)
+
+
+def value_type(rref: RRef[Any]) -> type:
+    """The class of ``rref``'s value (run on its owner, for ``RRef._get_type``)."""
+    return type(rref.local_value())
+
+
+def _remember_type(rref: RRef[Any], fut: Future[type]) -> type:
+    rref._type = t = fut.value()
+    return t

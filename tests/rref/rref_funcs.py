@@ -295,3 +295,12 @@ def later_counter(n):
 def big_array(n, seconds=0.0):
     time.sleep(seconds)
     return np.arange(n, dtype=np.float64)
+
+
+def of_a_local_class():
+    """A value whose class has no name another worker could find."""
+
+    class Here:
+        pass
+
+    return Here()

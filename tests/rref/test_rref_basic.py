@@ -318,3 +318,23 @@ def test_values_of_every_size_and_several_waiting_to_heres(rrefs2):
         first = counter.to_here_async()
         counter.rpc_sync().incr()
         assert first.wait(10).n in (1, 2) and counter.to_here().n == 2
+
+
+def test_get_type_asks_the_owner_once_and_remembers(rrefs2):
+    # torch's RRef._get_type, which programs use to check what a callee is
+    a, _ = rrefs2
+    with as_current(a):
+        rref = rpcdist.remote("worker1", rf.make_counter, args=(3,))
+        assert rref._get_type() is rf.Counter
+        sent = a.statistics()["calls_sent"]
+        fut = rref._get_type(timeout=-1, blocking=False)  # (torch's "default" timeout)
+        assert isinstance(fut, rpcdist.Future) and fut.wait() is rf.Counter
+        assert a.statistics()["calls_sent"] == sent  # remembered: no call
+        assert RRef([1])._get_type() is list  # an owner RRef answers itself
+        assert rpcdist.remote("worker1", rf.add, args=(1, 2))._get_type(timeout=5) is int
+        nameless = rpcdist.remote("worker1", rf.of_a_local_class)
+        with pytest.raises(rpcdist.SerializationError, match="cannot send class .*Here"):
+            nameless._get_type()
+        failed = rpcdist.remote("worker1", rf.raise_value_error, args=("no value",))
+        with pytest.raises(ValueError, match="no value"):
+            failed._get_type()
