@@ -313,10 +313,21 @@ class TensorGradHook(Protocol):
 TENSOR_GRAD_HOOKS: list[TensorGradHook] = []
 
 
+#: Encoders of torch tensors of layouts other than dense (``rpcdist.torch``
+#: adds sparse COO), by layout.
+TENSOR_LAYOUTS: dict[Any, Handler] = {}
+
+
 def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     torch = sys.modules["torch"]
     if obj.layout != torch.strided:
-        raise Unsupported(f"only dense tensors can be sent, not layout {obj.layout}")
+        other = TENSOR_LAYOUTS.get(obj.layout)
+        if other is None:
+            raise Unsupported(
+                f"tensors of layout {obj.layout} cannot be sent (dense ones can, and sparse "
+                "COO ones once rpcdist.torch is imported)"
+            )
+        return other(state, obj)  # type: ignore[no-any-return]
     data = obj.detach()
     device = data.device
     ipc = None

@@ -19,7 +19,7 @@ from ._extensions import (
     unknown_code,
 )
 
-__all__ = ["register_extension", "register_family", "unregister_extension"]
+__all__ = ["register_extension", "register_family", "register_variant", "unregister_extension"]
 
 
 def register_extension(
@@ -58,8 +58,35 @@ def register_extension(
     DECODERS[code] = rebuild
 
 
-#: Extensions for families of classes with no common base: code -> test.
-_FAMILIES: dict[int, Callable[[object], bool]] = {}
+#: Extensions not registered for a class (families, variants): code -> owner.
+_FAMILIES: dict[int, object] = {}
+#: The encoding handlers of variants, by code.
+_VARIANTS: dict[int, Any] = {}
+
+
+def register_variant(
+    code: int,
+    encoder: Callable[[Any, Any], Any],
+    decoder: Callable[[Any, Any], Any],
+    label: str,
+    owner: object,
+) -> Any:
+    """An extension that another encoder hands values to (torch's sparse
+    tensors, from the tensor encoder), rather than one found by type:
+    registers ``code``'s decoder and returns the encoding handler
+    (``handler(state, value)``). Idempotent for the same ``owner``.
+
+    Raises:
+        ConfigError: ``code`` is out of range or taken.
+    """
+    if _FAMILIES.get(code) is owner and code in _VARIANTS:
+        return _VARIANTS[code]
+    _check_code(code, owner)
+    handle, rebuild = _handlers(code, f"{label} (extension code {code})", encoder, decoder)
+    _FAMILIES[code] = owner
+    _VARIANTS[code] = handle
+    DECODERS[code] = rebuild
+    return handle
 
 
 def register_family(
@@ -78,15 +105,12 @@ def register_family(
     """
     if _FAMILIES.get(code) is accepts:
         return
-    _check_code(code, accepts)
-    handle, rebuild = _handlers(code, f"{label} (extension code {code})", encoder, decoder)
+    handle = register_variant(code, encoder, decoder, label, accepts)
 
     def find(obj: object) -> Any:
         return handle if accepts(obj) else None
 
-    _FAMILIES[code] = accepts
     FINDERS.append(find)
-    DECODERS[code] = rebuild
 
 
 def _check_code(code: int, owner: object) -> None:

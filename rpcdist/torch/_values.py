@@ -1,8 +1,12 @@
-"""torch values that programs pass around besides tensors and modules:
+"""torch values that programs pass around besides dense tensors and modules:
 ``torch.Size`` (a shape: ``x.shape``), ``torch.dtype``, ``torch.device`` and
-``PackedSequence`` (an RNN's padded batch, a NamedTuple of tensors), and the
+``PackedSequence`` (an RNN's padded batch, a NamedTuple of tensors), the
 named tuples torch's operators return (``torch.max(x, dim=0)``: a
-``torch.return_types.max`` of values and indices).
+``torch.return_types.max`` of values and indices), and sparse COO tensors
+(an embedding's sparse gradient): their indices and values travel as dense
+tensors, and the receiver rebuilds the tensor with torch's own invariant
+checks (indices within the shape), so a peer cannot hand it a tensor that
+reads out of bounds.
 
 Each travels as plain data (the ints of the shape, the dtype's name, the
 device's string) and is rebuilt from it on the receiver: no pickle, and
@@ -16,8 +20,10 @@ from typing import Any
 import torch
 
 from .._errors import SerializationError
+from .._rpc._context import WireContext
 from .._serialization import register_extension, register_type
-from .._serialization._plugins import register_family
+from .._serialization._arrays import TENSOR_LAYOUTS
+from .._serialization._plugins import register_family, register_variant
 
 __all__ = ["install"]
 
@@ -27,6 +33,7 @@ DEVICE_CODE = 38
 #: The ``torch.return_types`` classes (75 of them, without a common base: one
 #: family, not one registered class per code).
 RETURN_TYPE_CODE = 39
+SPARSE_CODE = 40
 
 
 def _encode_size(size: torch.Size, wire: Any) -> list[int]:
@@ -91,11 +98,44 @@ def _decode_return(payload: Any, wire: Any) -> tuple[Any, ...]:
     return cls(values)  # (a wrong field count raises: the codec says it cannot decode it)
 
 
+def _encode_sparse(t: torch.Tensor, wire: Any) -> list[Any]:
+    if t.requires_grad and isinstance(wire, WireContext) and wire.meta and "ad" in wire.meta:
+        raise SerializationError(
+            "a sparse tensor that requires grad cannot cross workers inside a distributed "
+            "autograd context (its gradient would not come back): send it dense "
+            "(.to_dense()) or detached"
+        )
+    d = t.detach()
+    return [d._indices(), d._values(), list(d.shape), d.is_coalesced(), t.requires_grad]
+
+
+def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
+    if not (isinstance(payload, list) and len(payload) == 5):
+        raise SerializationError("malformed sparse tensor payload")
+    indices, values, shape, coalesced, requires_grad = payload
+    if not (
+        isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)
+        and indices.dtype == torch.int64 and indices.dim() == 2
+        and isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+        and type(coalesced) is bool and type(requires_grad) is bool
+    ):  # fmt: skip
+        raise SerializationError("malformed sparse tensor payload")
+    try:
+        out = torch.sparse_coo_tensor(indices, values, shape, is_coalesced=coalesced,
+                                      check_invariants=True)  # fmt: skip
+    except RuntimeError as e:
+        raise SerializationError(f"received an invalid sparse tensor: {e}") from e
+    return out.requires_grad_(requires_grad)
+
+
 def install() -> None:
-    """Teach the codec torch shapes, dtypes, devices, packed sequences and
-    operators' named tuples (idempotent)."""
+    """Teach the codec torch shapes, dtypes, devices, packed sequences,
+    operators' named tuples and sparse tensors (idempotent)."""
     register_extension(torch.Size, SIZE_CODE, _encode_size, _decode_size)
     register_type(torch.nn.utils.rnn.PackedSequence)
     register_family(_is_return, RETURN_TYPE_CODE, _encode_return, _decode_return, _RETURNS)
     register_extension(torch.dtype, DTYPE_CODE, _encode_dtype, _decode_dtype)
     register_extension(torch.device, DEVICE_CODE, _encode_device, _decode_device)
+    TENSOR_LAYOUTS[torch.sparse_coo] = register_variant(
+        SPARSE_CODE, _encode_sparse, _decode_sparse, "a sparse torch tensor", _encode_sparse
+    )

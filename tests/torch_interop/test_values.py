@@ -15,7 +15,13 @@ import rpcdist.torch.rpc as rpc
 from rpcdist import RpcOptions
 from rpcdist._serialization import decode, encode
 from rpcdist.testing import as_current, local_agents
-from rpcdist.torch._values import DEVICE_CODE, DTYPE_CODE, RETURN_TYPE_CODE, SIZE_CODE
+from rpcdist.torch._values import (
+    DEVICE_CODE,
+    DTYPE_CODE,
+    RETURN_TYPE_CODE,
+    SIZE_CODE,
+    SPARSE_CODE,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -117,3 +123,69 @@ def test_collectives_name_the_way_to_pass_a_torch_tensor():
     view = check_array(t.numpy(), "all_reduce buf", writable=True)
     np.multiply(view, 2, out=view)  # what an in-place reduction does to the buffer
     assert t.tolist() == [2.0, 2.0, 2.0]
+
+
+def _sparse(*args, **kwargs):
+    return torch.sparse_coo_tensor(*args, **kwargs, check_invariants=True)
+
+
+def _sparse_cases():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 1, 4])).sum().backward()
+    return {
+        "uncoalesced": _sparse(i, torch.tensor([3.0, 4.0, 5.0]), (2, 3)),
+        "coalesced": _sparse(i, torch.tensor([3.0, 4.0, 5.0]), (2, 3)).coalesce(),
+        "duplicates": _sparse(torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (3,)),
+        "hybrid": _sparse(i, torch.randn(3, 4, dtype=torch.float64), (2, 3, 4)),
+        "embedding gradient": emb.weight.grad,
+        "empty": _sparse(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (5, 5)),
+        "requires grad": _sparse(i, torch.ones(3), (2, 3), requires_grad=True),
+    }
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_sparse_tensors_cross_as_they_are(transport):
+    # (an Embedding(sparse=True)'s gradient, sent to a parameter server by hand)
+    cases = _sparse_cases()
+    with local_agents(2, options=RpcOptions(token=None, transport=transport)) as agents:
+        with as_current(agents[0]):
+            got = rpc.rpc_sync("worker1", collections.OrderedDict, args=(list(cases.items()),))
+    for name, t in cases.items():
+        g = got[name]
+        assert g.layout == torch.sparse_coo and g.shape == t.shape and g.dtype == t.dtype, name
+        assert g.is_coalesced() == t.is_coalesced() and g.requires_grad == t.requires_grad, name
+        assert torch.equal(g._indices(), t._indices()) and torch.equal(g._values(), t._values())
+
+
+def test_a_sparse_tensor_that_requires_grad_is_refused_inside_a_context():
+    import rpcdist.torch.autograd as dist_autograd
+
+    t = _sparse_cases()["requires grad"]
+    with local_agents(2, options=RpcOptions(token=None, transport="inproc")) as agents:
+        with as_current(agents[0]), dist_autograd.context():
+            with pytest.raises(
+                rpcdist.SerializationError, match="sparse tensor that requires grad"
+            ):
+                rpc.rpc_sync("worker1", collections.OrderedDict, args=([("t", t)],))
+            plain = rpc.rpc_sync("worker1", torch.Tensor.to_dense, args=(t.detach(),))
+    assert torch.equal(plain, t.detach().to_dense())
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        ([torch.tensor([[0, 9]]), torch.tensor([1.0, 2.0]), [3], False, False], "index 9"),
+        ([torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), [3], True, False], "uncoalesced"),
+        ([torch.tensor([[0.5]]), torch.tensor([1.0]), [3], False, False], "malformed"),
+        ([torch.tensor([[0]]), torch.tensor([1.0]), [-3], False, False], "malformed"),
+        ([torch.tensor([[0]]), torch.tensor([1.0]), [3], 1, False], "malformed"),
+        ([torch.tensor([[0]])], "malformed"),
+    ],
+    ids=["out of bounds", "falsely coalesced", "float indices", "negative size", "flag", "short"],
+)
+def test_a_sparse_tensor_a_peer_makes_up_is_refused(payload, why):
+    # torch's own invariant checks: indices a peer sends never reach memory unchecked
+    header, buffers = encode([msgpack.ExtType(SPARSE_CODE, b""), payload], context=None)
+    with pytest.raises(rpcdist.SerializationError, match=why):
+        decode(header, buffers, context=None)
