@@ -74,6 +74,30 @@ class RemoteModule:
         if device != "cpu":
             self.module_rref = remote(self.owner, _to_device, args=(self.module_rref, device))
 
+    @staticmethod
+    def init_from_module_rref(remote_device: str, module_rref: RRef[torch.nn.Module],
+                              _module_interface_cls: Any = None) -> RemoteModule:  # fmt: skip
+        """A RemoteModule over a module that already lives in ``module_rref``
+        (made there by ``rpc.remote``, or another RemoteModule's), sharing it.
+
+        Raises:
+            ConfigError: ``remote_device`` names another worker than the
+                module's owner, or ``module_rref`` is not an RRef.
+        """
+        worker, device = _owner_of(remote_device)
+        if not isinstance(module_rref, RRef):
+            raise ConfigError(f"init_from_module_rref: expected an RRef to a module, got "
+                              f"{type(module_rref).__name__}")  # fmt: skip
+        owner = module_rref.owner()
+        if worker != (owner.id if isinstance(worker, int) else owner.name):
+            raise ConfigError(
+                f"init_from_module_rref: remote_device {remote_device!r} is not the module's "
+                f"owner {owner.name!r}"
+            )
+        m = RemoteModule.__new__(RemoteModule)
+        m.owner, m.module_rref, m.device = owner, module_rref, device
+        return m
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result (blocking)."""
         return self.module_rref.rpc_sync().forward(*args, **kwargs)

@@ -16,7 +16,7 @@ from agent_support import contexts_settled
 
 import rpcdist.torch.autograd as dist_autograd
 import rpcdist.torch.rpc as rpc
-from rpcdist import ConnectError, RpcOptions, SerializationError, WorkerLostError
+from rpcdist import ConfigError, ConnectError, RpcOptions, SerializationError, WorkerLostError
 from rpcdist.testing import as_current, local_agents
 
 pytestmark = pytest.mark.torch
@@ -244,3 +244,27 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_a_remote_module_over_a_module_already_in_an_rref(agents):
+    # torch's RemoteModule.init_from_module_rref: load a part where it will
+    # run (rpc.remote), then drive it as a RemoteModule
+    from rpcdist.torch.nn import RemoteModule
+
+    with as_current(agents[0]):
+        torch.manual_seed(0)
+        rref = rpc.remote("worker1", torch.nn.Linear, args=(3, 2))
+        local = rref.to_here()
+        x = torch.randn(4, 3)
+        for device in ("worker1", "worker1/cpu", "rank:1/cpu"):
+            rm = RemoteModule.init_from_module_rref(device, rref)
+            assert rm.get_module_rref() is rref
+            torch.testing.assert_close(rm(x), local(x))
+        assert len(rm.remote_parameters()) == 2
+        # made on the owner and sent back, as torch's docs show
+        there = rpc.rpc_sync("worker1", RemoteModule.init_from_module_rref, args=("worker1", rref))
+        torch.testing.assert_close(there.forward_async(x).wait(), local(x))
+        with pytest.raises(ConfigError, match="not the module's owner 'worker1'"):
+            RemoteModule.init_from_module_rref("worker2", rref)
+        with pytest.raises(ConfigError, match="expected an RRef"):
+            RemoteModule.init_from_module_rref("worker1", local)
