@@ -42,12 +42,40 @@ def _owner_of(remote_device: str) -> tuple[str | int, str]:
     return worker, device or "cpu"
 
 
-class RemoteModule:
+#: ``nn.Module`` methods that would act on the local stand-in, not on the
+#: module: refused, as torch's RemoteModule refuses them.
+_NOT_HERE = (
+    "add_module", "apply", "bfloat16", "buffers", "cpu", "cuda", "double", "float", "half",
+    "ipu", "load_state_dict", "named_buffers", "named_parameters", "register_backward_hook",
+    "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_parameter", "requires_grad_", "share_memory", "state_dict", "to", "type", "xpu",
+    "zero_grad",
+)  # fmt: skip
+
+
+def _refuse(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"Method ``{name}`` not supported for RemoteModule: it would act on this "
+            f"worker's stand-in, not on the module on {self.owner.name!r} (call it there "
+            "through get_module_rref().rpc_sync())"
+        )
+
+    method.__name__ = name
+    return method
+
+
+class RemoteModule(torch.nn.Module):
     """A ``torch.nn.Module`` made and kept on another worker; ``forward`` runs it there.
 
     Inside a distributed autograd context the call records its edges like any
     other, so ``remote_parameters()`` and a ``DistributedOptimizer`` train it
-    where it lives.
+    where it lives. It is an ``nn.Module`` here as in torch (it may sit in an
+    ``nn.Sequential`` or be a model's attribute), holding no parameters of
+    its own: methods that would act on the module's tensors (``to``,
+    ``state_dict``, ``named_parameters``, ...) raise ``ValueError`` as
+    torch's do; a model holding one lists only its local parameters
+    (``model.parameters()`` reads each submodule's own table, empty here).
 
     Args:
         remote_device: ``"worker"``, ``"worker/cpu"`` or ``"rank:N/cpu"``; a CUDA
@@ -65,6 +93,7 @@ class RemoteModule:
 
     def __init__(self, remote_device: str, module_cls: type[torch.nn.Module],
                  args: Any = None, kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+        super().__init__()
         worker, device = _owner_of(remote_device)
         self.device = device
         self.module_rref: RRef[torch.nn.Module] = remote(
@@ -94,9 +123,7 @@ class RemoteModule:
                 f"init_from_module_rref: remote_device {remote_device!r} is not the module's "
                 f"owner {owner.name!r}"
             )
-        m = RemoteModule.__new__(RemoteModule)
-        m.owner, m.module_rref, m.device = owner, module_rref, device
-        return m
+        return _make(owner, module_rref, device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result (blocking)."""
@@ -124,6 +151,10 @@ class RemoteModule:
         return f"RemoteModule(on {self.owner.name!r}, {self.module_rref!r})"
 
 
+for _name in _NOT_HERE:
+    setattr(RemoteModule, _name, _refuse(_name))
+
+
 def _to_device(module_rref: RRef[torch.nn.Module], device: str) -> torch.nn.Module:
     return module_rref.local_value().to(device)
 
@@ -132,12 +163,17 @@ def _encode(m: RemoteModule, wire: Any) -> list[Any]:
     return [m.owner, m.module_rref, m.device]
 
 
+def _make(owner: WorkerInfo, module_rref: RRef[torch.nn.Module], device: str) -> RemoteModule:
+    m = RemoteModule.__new__(RemoteModule)
+    torch.nn.Module.__init__(m)
+    m.owner, m.module_rref, m.device = owner, module_rref, device
+    return m
+
+
 def _decode(payload: Any, wire: Any) -> RemoteModule:
     if not (isinstance(payload, list) and len(payload) == 3):
         raise SerializationError("malformed RemoteModule payload")
-    m = RemoteModule.__new__(RemoteModule)
-    m.owner, m.module_rref, m.device = payload
-    return m
+    return _make(*payload)
 
 
 def install() -> None:

@@ -268,3 +268,26 @@ def test_a_remote_module_over_a_module_already_in_an_rref(agents):
             RemoteModule.init_from_module_rref("worker2", rref)
         with pytest.raises(ConfigError, match="expected an RRef"):
             RemoteModule.init_from_module_rref("worker1", local)
+
+
+def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents):
+    from rpcdist.torch.nn import RemoteModule
+
+    with as_current(agents[0]):
+        torch.manual_seed(0)
+        rm = RemoteModule("worker1", torch.nn.Linear, args=(3, 2))
+        local = rm.get_module_rref().to_here()
+        x = torch.randn(4, 3)
+        model = torch.nn.Sequential(rm, torch.nn.ReLU(), torch.nn.Linear(2, 1))
+        assert isinstance(rm, torch.nn.Module)
+        torch.testing.assert_close(model(x), model[2](torch.relu(local(x))))
+        # a model holding one lists (and moves, and trains) only its local part
+        assert [p.shape for p in model.parameters()] == [(1, 2), (1,)]
+        model.train(False)
+        assert model(x).shape == (4, 1)
+        for refused in ("to", "parameters", "state_dict", "zero_grad", "cuda"):
+            with pytest.raises(ValueError, match=f"{refused}`` not supported for RemoteModule"):
+                list(getattr(rm, refused)() or ())  # (parameters() is lazy)
+        # sent to another worker, it is one there too
+        back = rpc.rpc_sync("worker2", tf.echo_kind, args=(rm,))
+        assert back == "RemoteModule is an nn.Module"

@@ -117,3 +117,8 @@ class Plain:
 
 def bump(p: Plain) -> Plain:
     return Plain(p.n + 1)
+
+
+def echo_kind(m: Any) -> str:
+    ok = isinstance(m, torch.nn.Module) and type(m).__name__ == "RemoteModule"
+    return "RemoteModule is an nn.Module" if ok else f"got {type(m).__name__}"
