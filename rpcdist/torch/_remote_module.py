@@ -65,7 +65,7 @@ def _refuse(name: str) -> Any:
     return method
 
 
-class RemoteModule(torch.nn.Module):
+class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
     """A ``torch.nn.Module`` made and kept on another worker; ``forward`` runs it there.
 
     Inside a distributed autograd context the call records its edges like any
