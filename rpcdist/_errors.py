@@ -1,6 +1,9 @@
 """The rpcdist error tree.
 
-Every exception rpcdist raises on purpose derives from :class:`RpcdistError`::
+Every exception rpcdist raises on purpose derives from :class:`RpcdistError`,
+itself a ``RuntimeError`` as the errors of ``torch.distributed.rpc`` are (a
+program's ``except RuntimeError`` around its calls keeps catching a timeout
+or a lost worker)::
 
     RpcdistError
     ├── RpcError                  a call produced no value
@@ -53,8 +56,9 @@ __all__ = [
 ]
 
 
-class RpcdistError(Exception):
-    """Root of every error rpcdist raises on purpose."""
+class RpcdistError(RuntimeError):
+    """Root of every error rpcdist raises on purpose (a ``RuntimeError``, as
+    ``torch.distributed.rpc``'s errors are)."""
 
     __module__ = "rpcdist"
 

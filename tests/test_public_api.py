@@ -66,3 +66,30 @@ def test_pinned_rpc_api_is_present():
         assert hasattr(rpcdist, name)
     assert hasattr(rpcdist.functions, "async_execution")
     assert hasattr(rpcdist.futures, "collect_all") and hasattr(rpcdist.futures, "wait_all")
+
+
+def test_the_error_tree_is_the_pinned_one_and_every_error_is_a_runtime_error():
+    import rpcdist
+    from rpcdist import _errors
+
+    tree = {
+        "RpcError": "RpcdistError", "RemoteError": "RpcError", "RpcTimeoutError": "RpcError",
+        "TransportError": "RpcError", "ConnectError": "TransportError",
+        "WorkerLostError": "TransportError", "ProtocolError": "TransportError",
+        "OwnerLostError": "WorkerLostError", "ClosedError": "RpcdistError",
+        "SerializationError": "RpcdistError", "RRefError": "RpcdistError",
+        "RRefCreationError": "RRefError", "AutogradError": "RpcdistError",
+        "CollectiveError": "RpcdistError", "ConfigError": "RpcdistError",
+        "CallPolicyError": "RpcdistError", "NotInitializedError": "RpcdistError",
+        "WrongThreadError": "RpcdistError",
+    }  # fmt: skip
+    assert set(tree) | {"RpcdistError"} == set(_errors.__all__)
+    for name, parent in tree.items():
+        assert issubclass(getattr(rpcdist, name), getattr(rpcdist, parent)), name
+    assert issubclass(rpcdist.RpcTimeoutError, TimeoutError)
+    assert issubclass(rpcdist.ConfigError, ValueError)
+    assert issubclass(rpcdist.CallPolicyError, PermissionError)
+    assert issubclass(rpcdist.OwnerLostError, rpcdist.RRefError)
+    # as torch.distributed.rpc's errors are: `except RuntimeError` in a
+    # PyTorch RPC program keeps catching timeouts and lost workers
+    assert all(issubclass(getattr(rpcdist, n), RuntimeError) for n in _errors.__all__)

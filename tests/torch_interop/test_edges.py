@@ -291,3 +291,22 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         # sent to another worker, it is one there too
         back = rpc.rpc_sync("worker2", tf.echo_kind, args=(rm,))
         assert back == "RemoteModule is an nn.Module"
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_a_programs_except_runtime_error_catches_timeouts_and_lost_workers(transport):
+    # (what PyTorch RPC programs write around their calls; torch raises RuntimeError)
+    caught = []
+    with local_agents(2, options=RpcOptions(token=None, transport=transport)) as (a, b):
+        with as_current(a):
+            try:
+                rpc.rpc_sync("worker1", time.sleep, args=(1,), timeout=0.1)
+            except RuntimeError as e:
+                caught.append(type(e).__name__)
+            b.shutdown(graceful=False)
+            try:
+                rpc.rpc_async("worker1", max, args=(1, 2)).wait()
+            except RuntimeError as e:
+                caught.append(type(e).__name__)
+    assert caught[0] == "RpcTimeoutError"
+    assert caught[1] in ("WorkerLostError", "ConnectError")
