@@ -171,7 +171,10 @@ def _make(owner: WorkerInfo, module_rref: RRef[torch.nn.Module], device: str) ->
 
 
 def _decode(payload: Any, wire: Any) -> RemoteModule:
-    if not (isinstance(payload, list) and len(payload) == 3):
+    if not (
+        isinstance(payload, list) and len(payload) == 3 and isinstance(payload[0], WorkerInfo)
+        and isinstance(payload[1], RRef) and isinstance(payload[2], str)
+    ):  # fmt: skip
         raise SerializationError("malformed RemoteModule payload")
     return _make(*payload)
 

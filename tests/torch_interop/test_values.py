@@ -15,6 +15,7 @@ import rpcdist.torch.rpc as rpc
 from rpcdist import RpcOptions
 from rpcdist._serialization import decode, encode
 from rpcdist.testing import as_current, local_agents
+from rpcdist.torch._remote_module import REMOTE_MODULE_CODE
 from rpcdist.torch._values import (
     DEVICE_CODE,
     DTYPE_CODE,
@@ -82,6 +83,8 @@ def test_a_state_dict_is_an_ordered_dict_of_tensors_and_stays_one():
         (RETURN_TYPE_CODE, ["Tensor", [1]]),  # not a return type
         (RETURN_TYPE_CODE, ["__builtins__", []]),
         (RETURN_TYPE_CODE, "max"),
+        (REMOTE_MODULE_CODE, ["worker1", 3, "cpu"]),  # not a WorkerInfo and an RRef
+        (REMOTE_MODULE_CODE, "RemoteModule"),
     ],
 )
 def test_what_a_peer_sends_instead_is_refused(code, payload):
