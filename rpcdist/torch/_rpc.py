@@ -25,6 +25,7 @@ from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
 from ._install import install
+from ._profile import enabled, profiled
 
 __all__ = [
     "BackendType",
@@ -199,6 +200,10 @@ def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: An
         RpcTimeoutError: no reply within ``timeout`` (``-1``: the default, ``0``: none).
         Exception: what ``func`` raised there (same type where possible).
     """
+    if enabled():
+        return profiled("rpc_sync", to, func, lambda: _api.rpc_sync(
+            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)),
+            _no_future)  # fmt: skip
     return _api.rpc_sync(to, func, args=_args(args), kwargs=kwargs,
                          timeout=_timeout(timeout))  # fmt: skip
 
@@ -211,6 +216,9 @@ def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: A
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
+    if enabled():
+        return profiled("rpc_async", to, func, lambda: _api.rpc_async(
+            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)), _itself)  # fmt: skip
     return _api.rpc_async(to, func, args=_args(args), kwargs=kwargs,
                           timeout=_timeout(timeout))  # fmt: skip
 
@@ -223,7 +231,24 @@ def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any 
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
+    if enabled():
+        return profiled("remote", to, func, lambda: _remote(
+            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)),
+            _created)  # fmt: skip
     return _remote(to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout))
+
+
+def _no_future(value: Any) -> None:
+    return None
+
+
+def _itself(fut: Future[Any]) -> Future[Any]:
+    return fut
+
+
+def _created(rref: RRef[Any]) -> Future[Any] | None:
+    """When the owner has made the value (``None``: it is made already)."""
+    return rref._confirmed
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -310,3 +310,22 @@ def test_a_programs_except_runtime_error_catches_timeouts_and_lost_workers(trans
                 caught.append(type(e).__name__)
     assert caught[0] == "RpcTimeoutError"
     assert caught[1] in ("WorkerLostError", "ConnectError")
+
+
+def test_torchs_profiler_records_each_call_as_pytorch_rpc_names_it(agents):
+    with as_current(agents[0]):
+        with torch.autograd.profiler.profile() as prof:
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+            fut = rpc.rpc_async("worker2", time.sleep, args=(0.05,))
+            fut.wait()
+            rref = rpc.remote("worker1", torch.ones, args=(2,))
+            rref.to_here()
+        del rref
+    ranges = {e.name: e.cpu_time_total for e in prof.function_events if "#" in e.name}
+    assert set(ranges) == {
+        "rpc_sync#torch.add(worker0 -> worker1)",
+        "rpc_async#time.sleep(worker0 -> worker2)",
+        "remote#torch.ones(worker0 -> worker1)",
+    }
+    # the asynchronous call's range ends when its Future completes, not when it returns
+    assert ranges["rpc_async#time.sleep(worker0 -> worker2)"] >= 40_000  # (us)
