@@ -24,11 +24,18 @@ from .._rpc import _api
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
+from ._constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    UNSET_RPC_TIMEOUT,
+)
 from ._install import install
 from ._profile import enabled, profiled
 
 __all__ = [
     "BackendType",
+    "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "_set_rpc_timeout",
     "get_rpc_timeout",
@@ -41,8 +48,7 @@ __all__ = [
     "shutdown",
 ]
 
-#: torch's ``UNSET_RPC_TIMEOUT``.
-_UNSET_TIMEOUT = -1.0
+_UNSET_TIMEOUT = UNSET_RPC_TIMEOUT
 _rendezvous_rounds = itertools.count()
 
 
@@ -52,7 +58,21 @@ class BackendType(enum.Enum):
     TENSORPIPE = "TENSORPIPE"
 
 
-class TensorPipeRpcBackendOptions:
+class RpcBackendOptions:
+    """torch's base class of backend options: a default call timeout and a
+    rendezvous method (``init_rpc`` takes it as it takes the subclass)."""
+
+    __module__ = "rpcdist.torch.rpc"
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD) -> None:  # fmt: skip
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
+        self.num_worker_threads = DEFAULT_NUM_WORKER_THREADS
+        self.rpcdist_options: RpcOptions | None = None
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """torch's backend options, mapped onto rpcdist's.
 
     Args:
@@ -71,8 +91,9 @@ class TensorPipeRpcBackendOptions:
 
     __module__ = "rpcdist.torch.rpc"
 
-    def __init__(self, *, num_worker_threads: int = 16, rpc_timeout: float = 60.0,
-                 init_method: str = "env://", device_maps: dict[Any, Any] | None = None,
+    def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD, device_maps: dict[Any, Any] | None = None,
                  devices: list[Any] | None = None, _transports: Any = None,
                  _channels: Any = None, rpcdist_options: RpcOptions | None = None) -> None:  # fmt: skip
         if rpcdist_options is not None and not isinstance(rpcdist_options, RpcOptions):
@@ -80,10 +101,9 @@ class TensorPipeRpcBackendOptions:
                 "TensorPipeRpcBackendOptions(rpcdist_options=...) must be an rpcdist.RpcOptions, "
                 f"got {type(rpcdist_options).__name__}"
             )
+        super().__init__(rpc_timeout, init_method)
         self.rpcdist_options = rpcdist_options
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = rpc_timeout
-        self.init_method = init_method
         self.device_maps = dict(device_maps or {})
         self.devices = list(devices or [])
 
@@ -178,7 +198,7 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         ConnectError: the rendezvous did not complete in time.
     """
     opts = rpc_backend_options or TensorPipeRpcBackendOptions()
-    if not isinstance(opts, TensorPipeRpcBackendOptions):
+    if not isinstance(opts, RpcBackendOptions):
         raise ConfigError(
             f"init_rpc({name!r}): rpc_backend_options must be TensorPipeRpcBackendOptions, "
             f"got {type(opts).__name__}"

@@ -21,6 +21,7 @@ SURFACE = [
         "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown",
         # private, but programs and libraries call them
         "_get_current_rpc_agent", "_is_current_rpc_agent_set", "_set_rpc_timeout", "api",
+        "RpcBackendOptions", "constants",
     ]),
     ("torch.distributed.rpc.api", "rpcdist.torch.rpc.api", [
         "_all_gather", "_barrier", "_get_current_rpc_agent", "_is_current_rpc_agent_set",
@@ -44,3 +45,18 @@ def test_the_names_programs_import_exist_on_both_sides(theirs, ours, names):
     assert all(hasattr(torch_mod, n) for n in names)  # (the list is torch's own surface)
     if hasattr(our_mod, "is_available"):
         assert our_mod.is_available() is torch_mod.is_available() is True
+
+
+def test_the_constants_are_torchs():
+    import torch.distributed.rpc.constants as theirs
+
+    import rpcdist.torch.rpc as rpc
+
+    for name in rpc.constants.__all__:
+        assert getattr(rpc.constants, name) == getattr(theirs, name), name
+    opts = rpc.TensorPipeRpcBackendOptions()
+    assert isinstance(opts, rpc.RpcBackendOptions)
+    assert (opts.rpc_timeout, opts.num_worker_threads, opts.init_method) == (
+        theirs.DEFAULT_RPC_TIMEOUT_SEC, theirs.DEFAULT_NUM_WORKER_THREADS,
+        theirs.DEFAULT_INIT_METHOD,
+    )  # fmt: skip

@@ -15,6 +15,7 @@ from ..._rref._rref import RRef
 from ..._worker import WorkerInfo
 from .._rpc import (
     BackendType,
+    RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     _set_rpc_timeout,
     get_rpc_timeout,
@@ -26,18 +27,20 @@ from .._rpc import (
     rpc_sync,
     shutdown,
 )
-from . import api, functions
+from . import api, constants, functions
 from .api import _get_current_rpc_agent, _is_current_rpc_agent_set
 
 __all__ = [
     "BackendType",
     "RRef",
+    "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "_get_current_rpc_agent",
     "_is_current_rpc_agent_set",
     "_set_rpc_timeout",
     "api",
+    "constants",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
@@ -49,4 +52,5 @@ __all__ = [
     "shutdown",
 ]
 
-publish(__name__, [n for n in __all__ if n not in ("RRef", "WorkerInfo", "api")], globals())
+_MODULES = ("RRef", "WorkerInfo", "api", "constants", "functions")
+publish(__name__, [n for n in __all__ if n not in _MODULES], globals())
