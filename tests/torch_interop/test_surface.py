@@ -5,6 +5,8 @@ changing its imports only."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +62,19 @@ def test_the_constants_are_torchs():
         theirs.DEFAULT_RPC_TIMEOUT_SEC, theirs.DEFAULT_NUM_WORKER_THREADS,
         theirs.DEFAULT_INIT_METHOD,
     )  # fmt: skip
+
+
+def test_init_rpc_takes_the_base_options_class(tmp_path):
+    # (in a process of its own: init_rpc sets this process's agent)
+    code = f"""
+import torch
+import rpcdist.torch.rpc as rpc
+opts = rpc.RpcBackendOptions(rpc_timeout=7.5, init_method="file://{tmp_path / "rdv"}")
+rpc.init_rpc("only", rank=0, world_size=1, rpc_backend_options=opts)
+assert rpc.get_rpc_timeout() == 7.5
+assert rpc.rpc_sync("only", torch.add, args=(torch.ones(1), 1)).item() == 2.0
+rpc.shutdown()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
