@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 def enabled() -> bool:
-    """Whether torch's profiler is recording on this thread."""
+    """Whether torch's profiler is recording."""
     return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
