@@ -79,8 +79,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         num_worker_threads: Threads serving plain-function calls.
         rpc_timeout: Default call timeout in seconds (``0``: none).
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
-        device_maps: Accepted; rpcdist moves CUDA tensors through host memory
-            and ignores device maps.
+        device_maps: Accepted and recorded, not applied: a CUDA tensor
+            arrives on the device of the sender's index (an identity map).
         devices: Accepted and ignored (as ``device_maps``).
         _transports: Accepted and ignored (TensorPipe's transport list).
         _channels: Accepted and ignored (TensorPipe's channel list).
