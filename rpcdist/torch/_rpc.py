@@ -14,6 +14,7 @@ import itertools
 import os
 import socket
 import sys
+import warnings
 from typing import Any
 
 from .._deadline import UNSET, Unset
@@ -56,6 +57,17 @@ class BackendType(enum.Enum):
     """Accepted for compatibility: every backend is rpcdist's own transport."""
 
     TENSORPIPE = "TENSORPIPE"
+
+
+def _index(device: Any) -> Any:
+    """A device map's key or value as a CUDA index (``0``, ``"cuda:0"`` and
+    ``torch.device("cuda", 0)`` alike); other values as they are."""
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    return "cuda:0" if text == "cuda" else text
 
 
 class RpcBackendOptions:
@@ -104,12 +116,28 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         super().__init__(rpc_timeout, init_method)
         self.rpcdist_options = rpcdist_options
         self.num_worker_threads = num_worker_threads
-        self.device_maps = dict(device_maps or {})
+        self.device_maps: dict[str, dict[Any, Any]] = {}
+        for to, device_map in (device_maps or {}).items():
+            self._record(to, device_map, 3)
         self.devices = list(devices or [])
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Accepted and recorded; rpcdist does not use device maps."""
+        """Recorded, not applied: a CUDA tensor arrives on the device of the
+        sender's index. A map that moves tensors elsewhere warns rather
+        than being ignored in silence."""
+        self._record(to, device_map, 3)
+
+    def _record(self, to: str, device_map: dict[Any, Any], stacklevel: int) -> None:
         self.device_maps[to] = dict(device_map)
+        moved = {k: v for k, v in device_map.items() if _index(k) != _index(v)}
+        if moved:
+            warnings.warn(
+                f"rpcdist does not apply device maps: tensors sent to {to!r} arrive on the "
+                f"device of the sender's index, not as mapped by {moved} (move them with "
+                ".to(device) where they arrive)",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
 
     def set_devices(self, devices: list[Any]) -> None:
         """Accepted and recorded; rpcdist does not use it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -78,3 +79,19 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_device_map_that_moves_tensors_warns_rather_than_being_ignored_silently():
+    import torch
+
+    import rpcdist.torch.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # identity maps are what rpcdist does anyway
+        opts.set_device_map("w1", {0: 0, "cuda:1": torch.device("cuda", 1)})
+    with pytest.warns(RuntimeWarning, match=r"not as mapped by \{0: 1\}"):
+        opts.set_device_map("w2", {0: 1})
+    with pytest.warns(RuntimeWarning, match="'w3'"):
+        rpc.TensorPipeRpcBackendOptions(device_maps={"w3": {"cuda:1": "cuda:0"}})
+    assert opts.device_maps == {"w1": {0: 0, "cuda:1": torch.device("cuda", 1)}, "w2": {0: 1}}
