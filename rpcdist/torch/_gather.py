@@ -22,18 +22,18 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .._deadline import Unset
 from .._errors import ClosedError, ConfigError, RpcTimeoutError
 from .._futures import Future
 from .._rpc import _api
 from .._rpc._agent import Agent
 from .._rpc._context import current_agent
 from .._rpc._registry import BaseExtension
+from ._constants import UNSET_RPC_TIMEOUT
+from ._rpc import _timeout
 
 __all__ = ["all_gather", "gather_at_leader"]
 
-#: torch's ``timeout`` values: the agent's default, and none at all.
-UNSET_TIMEOUT = -1.0
-NO_TIMEOUT = 0.0
 #: A follower's call to the leader outlives the leader's own wait by this
 #: much, so that the leader's error (which names the missing workers) is
 #: what the follower sees.
@@ -138,6 +138,18 @@ class _Gathers(BaseExtension):
     def close(self) -> None:
         self._fail_where(lambda r: True, lambda: ClosedError("the rpcdist agent shut down"))
 
+    async def gather(self, key: str, name: str, obj: Any, names: list[str],
+                     timeout: float | None) -> dict[str, Any]:  # fmt: skip
+        """Bring ``obj`` to round ``key`` (here, at its leader) and wait for
+        the whole map, at most ``timeout`` seconds (on the loop)."""
+        rnd = self.arrive(key, name, obj, names)
+        try:
+            return await asyncio.wait_for(rnd.done, timeout)
+        except TimeoutError:
+            if rnd.done.done():  # (its own error, not the wait's)
+                return rnd.done.value()
+            raise self.expire(key, rnd, timeout or 0.0) from None
+
     def statistics(self) -> Mapping[str, int]:
         with self._lock:
             return {"torch_gather_rounds": len(self._rounds)}
@@ -150,18 +162,7 @@ def _gathers(agent: Agent) -> _Gathers:
 async def gather_at_leader(key: str, name: str, obj: Any, names: list[str],
                            timeout: float | None) -> dict[str, Any]:  # fmt: skip
     """A follower's object arrives at the leader; the reply is the whole map."""
-    g = _gathers(current_agent())
-    rnd = g.arrive(key, name, obj, names)
-    try:
-        return await asyncio.wait_for(_await(rnd.done), timeout)
-    except TimeoutError:
-        if rnd.done.done():  # (its own error, not the wait's)
-            return rnd.done.value()
-        raise g.expire(key, rnd, timeout or 0.0) from None
-
-
-async def _await(fut: Future[dict[str, Any]]) -> dict[str, Any]:
-    return await fut
+    return await _gathers(current_agent()).gather(key, name, obj, names, timeout)
 
 
 def _names(agent: Agent, worker_names: Iterable[str] | None) -> list[str]:
@@ -179,17 +180,16 @@ def _names(agent: Agent, worker_names: Iterable[str] | None) -> list[str]:
 
 
 def _seconds(agent: Agent, timeout: Any) -> float | None:
-    if timeout == UNSET_TIMEOUT:
-        return agent.rpc_timeout
-    if timeout == NO_TIMEOUT or timeout is None:
-        return None
-    if not isinstance(timeout, int | float) or timeout < 0:
+    """torch's ``timeout`` (``-1``: the default, ``0``: none) in seconds."""
+    valid = timeout is None or (isinstance(timeout, int | float) and timeout >= 0)
+    if not valid and timeout != UNSET_RPC_TIMEOUT:
         raise ConfigError(f"_all_gather: timeout must be seconds >= 0, got {timeout!r}")
-    return float(timeout)
+    seconds = _timeout(timeout)
+    return agent.rpc_timeout if isinstance(seconds, Unset) else seconds
 
 
 def all_gather(obj: Any, worker_names: Iterable[str] | None = None,
-               timeout: float = UNSET_TIMEOUT) -> dict[str, Any]:  # fmt: skip
+               timeout: float = UNSET_RPC_TIMEOUT) -> dict[str, Any]:  # fmt: skip
     """``{name: obj}`` of every worker in ``worker_names`` (default: all).
 
     Every worker of the set must call it; calls over the same set pair up in
@@ -220,10 +220,4 @@ def all_gather(obj: Any, worker_names: Iterable[str] | None = None,
             timeout=None if seconds is None else seconds + _GRACE,
         )  # fmt: skip
         return got
-    rnd = g.arrive(key, agent.name, obj, names)
-    try:
-        return rnd.done.wait(seconds)
-    except RpcTimeoutError:
-        if rnd.done.done():
-            return rnd.done.value()
-        raise g.expire(key, rnd, seconds or 0.0) from None
+    return agent.run(g.gather(key, agent.name, obj, names, seconds), "_all_gather()")

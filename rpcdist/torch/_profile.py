@@ -41,13 +41,13 @@ def _key(kind: str, to: str | int | WorkerInfo, func: Any) -> str:
 
 
 def profiled(kind: str, to: str | int | WorkerInfo, func: Any, call: Callable[[], T],
-             done: Callable[[T], Future[Any] | None]) -> T:  # fmt: skip
+             until: Callable[[T], Future[Any] | None] | None = None) -> T:  # fmt: skip
     """``call()`` inside a profiler range named for ``kind``, ``func`` and the
-    workers; the range ends when the Future ``done(result)`` gives completes
-    (at once when it gives ``None``)."""
+    workers; the range ends when the Future ``until(result)`` gives completes
+    (at once without ``until``, or when it gives ``None``)."""
     with torch.autograd.profiler.record_function(_key(kind, to, func)) as rf:
         out = call()
-        fut = done(out)
+        fut = None if until is None else until(out)
         if fut is not None:
             end: torch.futures.Future[None] = torch.futures.Future()
             fut.add_done_callback(lambda _: end.set_result(None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import itertools
 import os
 import socket
@@ -49,7 +50,6 @@ __all__ = [
     "shutdown",
 ]
 
-_UNSET_TIMEOUT = UNSET_RPC_TIMEOUT
 _rendezvous_rounds = itertools.count()
 
 
@@ -154,7 +154,7 @@ def _args(args: Any) -> Any:
 def _timeout(timeout: float | Unset | None) -> float | Unset | None:
     if timeout is None or isinstance(timeout, Unset):
         return timeout
-    if timeout == _UNSET_TIMEOUT:
+    if timeout == UNSET_RPC_TIMEOUT:
         return UNSET
     return None if timeout == 0 else float(timeout)
 
@@ -241,53 +241,42 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
 
 
 def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-             timeout: float = _UNSET_TIMEOUT) -> Any:  # fmt: skip
+             timeout: float = UNSET_RPC_TIMEOUT) -> Any:  # fmt: skip
     """Run ``func(*args, **kwargs)`` on ``to`` and return its result.
 
     Raises:
         RpcTimeoutError: no reply within ``timeout`` (``-1``: the default, ``0``: none).
         Exception: what ``func`` raised there (same type where possible).
     """
-    if enabled():
-        return profiled("rpc_sync", to, func, lambda: _api.rpc_sync(
-            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)),
-            _no_future)  # fmt: skip
-    return _api.rpc_sync(to, func, args=_args(args), kwargs=kwargs,
-                         timeout=_timeout(timeout))  # fmt: skip
+    call = functools.partial(_api.rpc_sync, to, func, args=_args(args), kwargs=kwargs,
+                             timeout=_timeout(timeout))  # fmt: skip
+    return profiled("rpc_sync", to, func, call) if enabled() else call()
 
 
 def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-              timeout: float = _UNSET_TIMEOUT) -> Future[Any]:  # fmt: skip
+              timeout: float = UNSET_RPC_TIMEOUT) -> Future[Any]:  # fmt: skip
     """Run ``func(*args, **kwargs)`` on ``to``; a Future of its result.
 
     Raises:
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    if enabled():
-        return profiled("rpc_async", to, func, lambda: _api.rpc_async(
-            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)), _itself)  # fmt: skip
-    return _api.rpc_async(to, func, args=_args(args), kwargs=kwargs,
-                          timeout=_timeout(timeout))  # fmt: skip
+    call = functools.partial(_api.rpc_async, to, func, args=_args(args), kwargs=kwargs,
+                             timeout=_timeout(timeout))  # fmt: skip
+    return profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
 
 
 def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-           timeout: float = _UNSET_TIMEOUT) -> RRef[Any]:  # fmt: skip
+           timeout: float = UNSET_RPC_TIMEOUT) -> RRef[Any]:  # fmt: skip
     """Run ``func(*args, **kwargs)`` on ``to`` and return an RRef to the result at once.
 
     Raises:
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    if enabled():
-        return profiled("remote", to, func, lambda: _remote(
-            to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)),
-            _created)  # fmt: skip
-    return _remote(to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout))
-
-
-def _no_future(value: Any) -> None:
-    return None
+    call = functools.partial(_remote, to, func, args=_args(args), kwargs=kwargs,
+                             timeout=_timeout(timeout))  # fmt: skip
+    return profiled("remote", to, func, call, until=_created) if enabled() else call()
 
 
 def _itself(fut: Future[Any]) -> Future[Any]:
@@ -329,10 +318,11 @@ def _set_rpc_timeout(timeout: float | datetime.timedelta, /) -> None:
     Raises:
         ConfigError: a negative or non-numeric timeout.
     """
-    t = timeout
-    seconds = t.total_seconds() if isinstance(t, datetime.timedelta) else t
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-        raise ConfigError(f"_set_rpc_timeout: expected seconds >= 0 or a timedelta, got {t!r}")
+        raise ConfigError(
+            f"_set_rpc_timeout: expected seconds >= 0 or a timedelta, got {timeout!r}"
+        )
     _api.set_rpc_timeout(float(seconds) or None)
 
 

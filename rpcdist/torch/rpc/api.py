@@ -17,7 +17,8 @@ from ..._rpc import _api
 from ..._rpc._context import current_agent
 from ..._rref._rref import RRef
 from ..._worker import WorkerInfo
-from .._gather import NO_TIMEOUT, UNSET_TIMEOUT, all_gather
+from .._constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .._gather import all_gather
 from .._rpc import get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync, shutdown
 
 __all__ = [
@@ -88,7 +89,7 @@ def _require_initialized(func: F) -> F:
 
 
 def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
-                timeout: float = UNSET_TIMEOUT) -> dict[str, Any]:  # fmt: skip
+                timeout: float = UNSET_RPC_TIMEOUT) -> dict[str, Any]:  # fmt: skip
     """``{name: obj}`` from every worker in ``worker_names`` (default: all).
 
     Every worker of the set calls it; calls over one set pair up in order.
@@ -110,6 +111,6 @@ def _barrier(worker_names: Iterable[str]) -> None:
     all_gather(None, set(worker_names))
 
 
-def _wait_all_workers(timeout: float = NO_TIMEOUT) -> None:
+def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Wait until every worker of the job has called it (``0``: no limit)."""
     all_gather(None, None, timeout)
