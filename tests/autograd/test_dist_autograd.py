@@ -288,6 +288,33 @@ def test_an_output_that_never_reaches_the_loss_does_not_hang(agents):
     np.testing.assert_allclose(gw, w.grad.data, **TOL)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("use_second", [False, True])
+def test_two_sends_from_the_root_sharing_a_node(agents, use_second):
+    """The root sends ``h`` and ``h * 3`` (one node below both) to worker1.
+    Without the second result in the loss, PyTorch's FAST mode waits at h
+    for the second send's gradient forever. Here the root asks worker1
+    whether that send's receive function is reached; worker1 asks back about
+    the reply it sent from it, which the root's loss reaches or not."""
+    x0 = np.array([0.5, -1.0, 2.0])
+    with as_current(agents[0]):
+        x = Tensor(x0.copy(), requires_grad=True)
+        with dist_autograd.context() as cid:
+            h = x * 2.0
+            a = rpcdist.rpc_sync("worker1", af.scale, args=(h,))
+            b = rpcdist.rpc_sync("worker1", af.scale, args=(h * 3.0,))
+            loss = (a * a).sum() + b.sum() if use_second else (a * a).sum()
+            dist_autograd.backward(cid, [loss])
+            gx = dist_autograd.get_gradients(cid)[x]
+            gw = _remote_grads("worker1", cid)["w"]
+    xo, w = Tensor(x0.copy(), requires_grad=True), _w()
+    ho = xo * 2.0
+    ao, bo = ho * w, (ho * 3.0) * w
+    ((ao * ao).sum() + bo.sum() if use_second else (ao * ao).sum()).backward()
+    np.testing.assert_allclose(gx, xo.grad.data, **TOL)
+    np.testing.assert_allclose(gw, w.grad.data, **TOL)
+
+
 def test_two_contexts_on_two_threads_keep_separate_gradients(agents):
     results = {}
 
