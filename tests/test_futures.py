@@ -137,3 +137,30 @@ def test_wait_all_raises_first_error_after_all_complete():
     fs[2].set_result(2)
     with pytest.raises(IndexError):
         wait_all(fs)
+
+
+def test_misuse_and_a_failing_callback_are_contained(caplog):
+    fut: Future[int] = Future()
+    assert repr(fut) == "<rpcdist.Future pending>"
+    with pytest.raises(RuntimeError, match="exception\\(\\) called before the future completed"):
+        fut.exception()
+    with pytest.raises(TypeError, match="set_exception expects an exception, got str"):
+        fut.set_exception("boom")  # type: ignore[arg-type]
+    assert not fut.done()
+    seen = []
+
+    def bad(_):
+        raise ValueError("callback bug")
+
+    fut.add_done_callback(bad)
+    fut.add_done_callback(lambda f: seen.append(f.value()))
+    with caplog.at_level("ERROR", logger="rpcdist"):
+        fut.set_result(5)  # the bad callback is logged; the next one still runs
+    assert seen == [5] and fut.exception() is None and repr(fut) == "<rpcdist.Future result=5>"
+    logged = [r for r in caplog.records if "Future callback" in r.getMessage()]
+    assert len(logged) == 1 and "callback bug" in str(logged[0].exc_info[1])
+    with pytest.raises(RuntimeError, match="already complete"):
+        fut.set_result(6)
+    failed: Future[int] = Future()
+    failed.set_exception(KeyError("k"))
+    assert repr(failed) == "<rpcdist.Future exception=KeyError('k')>"
