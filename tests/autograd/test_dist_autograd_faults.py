@@ -42,6 +42,23 @@ def test_a_worker_dead_before_the_pass_is_a_typed_error(agents):
             assert time.monotonic() - started < 15  # the deadline was 20 s: no timeout
 
 
+def test_a_dead_worker_asked_whether_a_send_is_reached_is_a_typed_error(agents):
+    """The root's two sends share a node, so it asks worker1 (now dead)
+    whether the second is reached before it counts: that question fails typed."""
+    a, b, _ = agents
+    with as_current(a):
+        x = Tensor(np.ones(3), requires_grad=True)
+        with dist_autograd.context() as cid:
+            h = x * 2.0
+            y = rpcdist.rpc_sync("worker1", af.scale, args=(h,))
+            rpcdist.rpc_sync("worker1", af.scale, args=(h * 3.0,))
+            b.shutdown(graceful=False)
+            started = time.monotonic()
+            with pytest.raises(LOST):
+                dist_autograd.backward(cid, [y.sum()])
+            assert time.monotonic() - started < 15  # the deadline was 20 s: no timeout
+
+
 def test_a_worker_dying_during_the_pass_is_a_typed_error(agents):
     a, _, c = agents
     with as_current(a):
