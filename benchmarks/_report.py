@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -132,8 +133,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(out)
 
 
-def write_section(name: str, title: str, body: str, command: str) -> None:
+def invocation(python: str = "python") -> str:
+    """How this benchmark was run: ``python benchmarks/<script>`` and the
+    options it was given, as the docs' "Command" line records them."""
+    script = f"benchmarks/{os.path.basename(sys.argv[0])}"
+    return shlex.join([python, script, *sys.argv[1:]])
+
+
+def write_section(name: str, title: str, body: str, command: str | None = None) -> None:
     """Replace (or append) the section ``name`` of docs/benchmarks.md.
+
+    ``command`` is the "Command" line (default: :func:`invocation`, the
+    options this run was given).
 
     The commit named is ``git rev-parse HEAD``'s, or ``RPCDIST_BENCH_COMMIT``
     where the tree measured is a copy whose git metadata is not its own.
@@ -155,7 +166,7 @@ def write_section(name: str, title: str, body: str, command: str) -> None:
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
     section = (
         f"{start}\n## {title}\n\n"
-        f"Command: `{command}`  \nMachine: {machine()}  \n"
+        f"Command: `{command or invocation()}`  \nMachine: {machine()}  \n"
         f"Commit: {rev or 'unknown'}\n\n{body.strip()}\n{end}"
     )
     text = REPORT.read_text() if REPORT.exists() else _HEADER

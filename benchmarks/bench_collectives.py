@@ -256,14 +256,12 @@ def main() -> None:
                 "collectives-gpu",
                 "Collectives on GPU buffers (one GPU shared by the ranks) against Gloo",
                 body,
-                "python benchmarks/bench_collectives.py --device cuda",
             )
         else:
             write_section(
                 "collectives",
                 "Collectives: rpcdist's shared memory and ring (TCP, Unix sockets) against Gloo",
                 body,
-                "python benchmarks/bench_collectives.py",
             )
 
 

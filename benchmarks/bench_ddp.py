@@ -331,7 +331,6 @@ def main() -> None:
             "ddp",
             "Data parallelism: rpcdist DDP against PyTorch DDP (Gloo)",
             body,
-            "python benchmarks/bench_ddp.py",
         )
 
 

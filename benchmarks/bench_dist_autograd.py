@@ -152,8 +152,6 @@ def main() -> int:
             "Distributed autograd: one training iteration across workers",
             f"{intro}\n\n{body}\n\nMedians of {a.repeats} runs (each a median over its "
             "iterations); times in ms, per-crossing overheads in us.",
-            f"python benchmarks/bench_dist_autograd.py{' --quick' if a.quick else ''}"
-            + (f" --repeats {a.repeats}" if a.repeats != 3 else ""),
         )
     return 0
 

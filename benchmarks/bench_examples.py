@@ -118,7 +118,7 @@ def main() -> int:
         + table(["example", "wall s", "result", "load"], rows)
     )
     if not a.quick and not a.names:
-        write_section("examples", "Examples", body, "python benchmarks/bench_examples.py")
+        write_section("examples", "Examples", body)
     return 1 if failed else 0
 
 

@@ -254,7 +254,6 @@ def main() -> None:
             "fsdp",
             "Sharded data parallelism: rpcdist FSDP against DDP and PyTorch FSDP (Gloo)",
             body,
-            "python benchmarks/bench_fsdp.py",
         )
 
 

@@ -228,7 +228,6 @@ def main() -> int:
             "gpu_rpc",
             "GPU arrays across workers: rpcdist (CuPy) against PyTorch RPC (CUDA tensors)",
             body,
-            "python benchmarks/bench_gpu_rpc.py",
         )
     return 0
 

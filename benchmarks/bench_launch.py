@@ -130,11 +130,10 @@ def main() -> int:
         f"\n\nMedians of {runs} runs; every worker exits at once, so this is the "
         "launchers' own time (torchrun's includes importing torch)."
     )
-    command = "python benchmarks/bench_launch.py" + (" --quick" if args.quick else "")
     if args.no_write:
         print(body)
     else:
-        write_section("launch", "Launcher: small jobs, rpcdist-run vs torchrun", body, command)
+        write_section("launch", "Launcher: small jobs, rpcdist-run vs torchrun", body)
     return 0
 
 

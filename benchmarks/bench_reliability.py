@@ -338,11 +338,10 @@ called from user threads; user functions never run on the event loop) and
 alone cost about half the gap; the plain-socket transport avoids both hops
 with thread-driven connections, which a gRPC stream does not allow.
 """
-    cmd = "python benchmarks/bench_reliability.py" + (" --quick" if q else "")
     if a.no_write:
         print(body)
     else:
-        write_section("reliability", "Reliability and security under faults", body, cmd)
+        write_section("reliability", "Reliability and security under faults", body)
 
 
 if __name__ == "__main__":

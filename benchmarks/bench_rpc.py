@@ -436,11 +436,10 @@ def main() -> None:
         "grpc.aio unary calls otherwise. Goals: p50 ≤ 0.9× PyTorch and ≤ 1.2× the stream "
         "ping-pong; calls/s ≥ 2× PyTorch; echo at 64/256 MB ≥ 1× PyTorch."
     )
-    cmd = "python benchmarks/bench_rpc.py" + (" --quick" if a.quick else "")
     if a.no_write:
         print(body)
         return
-    write_section("rpc", "RPC core: latency, throughput, array echo", body, cmd)
+    write_section("rpc", "RPC core: latency, throughput, array echo", body)
 
 
 if __name__ == "__main__":

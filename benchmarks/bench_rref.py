@@ -224,7 +224,6 @@ def main() -> None:
             "rref",
             "RRefs: remote/to_here, proxies, sharing",
             body,
-            "python benchmarks/bench_rref.py" + (" --quick" if a.quick else ""),
         )
 
 

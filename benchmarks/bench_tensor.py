@@ -511,7 +511,7 @@ are to be re-measured in a quiet window.
     if args.no_write:
         print(body)
     else:
-        write_section("tensor", "Local tensor engine", body, "python benchmarks/bench_tensor.py")
+        write_section("tensor", "Local tensor engine", body)
 
 
 if __name__ == "__main__":

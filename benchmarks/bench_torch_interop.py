@@ -32,6 +32,7 @@ from _report import (
     byte_compile,
     free_port,
     have_torch_distributed,
+    invocation,
     median,
     percentile,
     table,
@@ -108,7 +109,7 @@ def main() -> int:
     print(body)
     if not a.no_write:
         write_section("torch_interop", "PyTorch interop (rpcdist.torch vs PyTorch RPC)", body,
-                      ".venv/bin/python benchmarks/bench_torch_interop.py")  # fmt: skip
+                      invocation(".venv/bin/python"))  # fmt: skip
     return 0
 
 
