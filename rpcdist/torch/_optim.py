@@ -2,9 +2,16 @@
 
 Each owner of parameters gets, once, a local ``torch.optim`` optimizer over
 them (made at construction, so a bad option fails there). ``step(context_id)``
-asks every owner at once to set ``.grad`` of its parameters to the context's
-gradients there and step, under a lock per owner, as torch's does (this
-worker's own parameters step in the calling thread, meanwhile).
+asks every owner at once to step its parameters with the context's gradients
+there, under a lock per owner, as torch's does (this worker's own parameters
+step in the calling thread, meanwhile).
+
+As under PyTorch's DistributedOptimizer with its functional optimizers, a
+step moves only the parameters that have a gradient in the context and
+leaves ``.grad`` as it was: plain SGD takes the gradients as arguments, and
+any other class is stepped with ``.grad`` set to them (``None`` for the
+rest), then put back. So a gradient the owner's own training left in
+``.grad`` neither moves a parameter nor is lost.
 """
 
 from __future__ import annotations
@@ -48,13 +55,14 @@ class _FunctionalSGD:
         self.hyper = hyper
         self.buffers: dict[torch.Tensor, torch.Tensor | None] = {}
 
-    def step(self) -> None:
-        with_grad = [p for p in self.params if p.grad is not None]
-        grads = [g for g in (p.grad for p in with_grad) if g is not None]
+    def step(self, grads: list[torch.Tensor | None]) -> None:
+        """One step with ``grads`` (one per parameter; ``None``: leave it be)."""
+        with_grad = [p for p, g in zip(self.params, grads) if g is not None]
+        present = [g for g in grads if g is not None]
         bufs = [self.buffers.get(p) for p in with_grad]
         h = self.hyper
         with torch.no_grad():
-            sgd(with_grad, grads, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
+            sgd(with_grad, present, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
                 momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
                 nesterov=h["nesterov"], maximize=h["maximize"])  # fmt: skip
         if h["momentum"] != 0:
@@ -90,13 +98,20 @@ class _LocalOptimizer:
         return True
 
     def step(self, context_id: int) -> None:
-        grads = get_gradients(context_id)
+        got = get_gradients(context_id)
+        grads = [got.get(p) for p in self.params]
         with self.lock:
-            for p in self.params:
-                g = grads.get(p)
-                if g is not None:
+            if isinstance(self.optimizer, _FunctionalSGD):
+                self.optimizer.step(grads)
+                return
+            saved = [p.grad for p in self.params]
+            try:
+                for p, g in zip(self.params, grads):
                     p.grad = g
-            self.optimizer.step()
+                self.optimizer.step()
+            finally:
+                for p, old in zip(self.params, saved):
+                    p.grad = old
 
 
 class DistributedOptimizer:
