@@ -16,7 +16,14 @@ from agent_support import contexts_settled
 
 import rpcdist.torch.autograd as dist_autograd
 import rpcdist.torch.rpc as rpc
-from rpcdist import ConfigError, ConnectError, RpcOptions, SerializationError, WorkerLostError
+from rpcdist import (
+    AutogradError,
+    ConfigError,
+    ConnectError,
+    RpcOptions,
+    SerializationError,
+    WorkerLostError,
+)
 from rpcdist.testing import as_current, local_agents
 
 pytestmark = pytest.mark.torch
@@ -42,6 +49,17 @@ def edge(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["engine", "public"])
+def engine(request, monkeypatch):
+    """Passes through torch's engine entry, or (older torch, where it is
+    missing) through ``torch.autograd.backward`` and ``grad``."""
+    from rpcdist.torch import _backward
+
+    if request.param == "public":
+        monkeypatch.setattr(_backward, "_RUN_ENGINE", None)
+    return request.param
+
+
 def _oracle(x0, names):
     x = x0.detach().clone().requires_grad_()
     ws = {n: tf.PARAMS[n].detach().clone().requires_grad_() for n in names}
@@ -53,7 +71,7 @@ def _oracle(x0, names):
     return x.grad, {n: w.grad for n, w in ws.items()}
 
 
-def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents, edge):
+def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents, edge, engine):
     x0 = tf.param(9, (2, 3))
     with as_current(agents[0]):
         x = x0.detach().clone().requires_grad_()
@@ -75,7 +93,7 @@ def test_remote_layers_and_a_nested_call_give_the_local_gradients(agents, edge):
         assert tf.PARAMS[n].grad is None
 
 
-def test_two_outputs_of_one_message_and_two_backward_passes_accumulate(agents, edge):
+def test_two_outputs_of_one_message_and_two_backward_passes_accumulate(agents, edge, engine):
     x0 = tf.param(4, (2, 3))
     with as_current(agents[0]):
         x = x0.detach().clone().requires_grad_()
@@ -132,6 +150,23 @@ def test_a_worker_lost_before_or_during_the_backward_fails_it_typed(transport, w
                         killer.join(30)
                 assert time.monotonic() - start < 20  # (the call timeout is 30 s)
             assert a.statistics()["autograd_contexts"] == 0
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused_naming_both_shapes(agents, engine):
+    from rpcdist.autograd._extension import ext
+    from rpcdist.torch._backward import apply_grad
+    from rpcdist.torch._edges import state
+
+    with as_current(agents[0]):
+        x = tf.param(2, (2, 3))
+        with dist_autograd.context() as cid:
+            rpc.rpc_sync("worker1", tf.layer, args=(x,))
+            sent = state(ext(agents[1]).context(cid)).sends  # what worker1 sent back
+            (message_id,) = sent
+            bad = torch.ones(3, dtype=torch.float64)  # would broadcast against (2, 3)
+            with pytest.raises(AutogradError, match=r"shape \(3,\) .* shape \(2, 3\)"):
+                rpc.rpc_sync("worker1", apply_grad, args=(cid, message_id, 0, bad))
+            assert rpc.rpc_sync("worker1", tf.grads_here, args=(cid,)) == {}
 
 
 def test_roots_are_checked(agents):
