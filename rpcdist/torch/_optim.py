@@ -54,13 +54,25 @@ class _FunctionalSGD:
         self.params = params
         self.hyper = hyper
         self.buffers: dict[torch.Tensor, torch.Tensor | None] = {}
+        #: No momentum, weight decay or maximizing: each step is ``p -= lr * g``.
+        self.plain = (
+            hyper["momentum"] == 0
+            and hyper["weight_decay"] == 0
+            and not hyper["maximize"]
+            and not isinstance(hyper["lr"], torch.Tensor)
+        )
 
     def step(self, grads: list[torch.Tensor | None]) -> None:
         """One step with ``grads`` (one per parameter; ``None``: leave it be)."""
         with_grad = [p for p, g in zip(self.params, grads) if g is not None]
         present = [g for g in grads if g is not None]
-        bufs = [self.buffers.get(p) for p in with_grad]
         h = self.hyper
+        if self.plain:  # what ``sgd`` does then, without its argument handling
+            with torch.no_grad():
+                for p, g in zip(with_grad, present):
+                    p.add_(g, alpha=-h["lr"])
+            return
+        bufs = [self.buffers.get(p) for p in with_grad]
         with torch.no_grad():
             sgd(with_grad, present, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
                 momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
