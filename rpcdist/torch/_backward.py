@@ -188,7 +188,10 @@ def _grads_below(out: torch.Tensor, grad: torch.Tensor,
     # instead of passing ``grad_outputs`` spares the sympy import (see above).
     with torch.enable_grad():
         seed = (out * grad).sum()
-    return torch.autograd.grad([seed], leaves, retain_graph=True, allow_unused=True)
+    got: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+        [seed], leaves, retain_graph=True, allow_unused=True
+    )
+    return got
 
 
 def _partial(st: TorchState, out: torch.Tensor, grad: torch.Tensor) -> None:
