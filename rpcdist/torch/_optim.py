@@ -64,14 +64,15 @@ class _FunctionalSGD:
 
     def step(self, grads: list[torch.Tensor | None]) -> None:
         """One step with ``grads`` (one per parameter; ``None``: leave it be)."""
-        with_grad = [p for p, g in zip(self.params, grads) if g is not None]
-        present = [g for g in grads if g is not None]
         h = self.hyper
         if self.plain:  # what ``sgd`` does then, without its argument handling
             with torch.no_grad():
-                for p, g in zip(with_grad, present):
-                    p.add_(g, alpha=-h["lr"])
+                for p, g in zip(self.params, grads):
+                    if g is not None:
+                        p.add_(g, alpha=-h["lr"])
             return
+        with_grad = [p for p, g in zip(self.params, grads) if g is not None]
+        present = [g for g in grads if g is not None]
         bufs = [self.buffers.get(p) for p in with_grad]
         with torch.no_grad():
             sgd(with_grad, present, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
@@ -82,19 +83,40 @@ class _FunctionalSGD:
                 self.buffers[p] = buf
 
 
+class _ThroughGrad:
+    """Any other ``torch.optim`` optimizer, stepped with ``.grad`` set to the
+    given gradients for the step and put back after it."""
+
+    def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+
+    def step(self, grads: list[torch.Tensor | None]) -> None:
+        saved = [p.grad for p in self.params]
+        try:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            self.optimizer.step()
+        finally:
+            for p, old in zip(self.params, saved):
+                p.grad = old
+
+
 def _make_optimizer(cls: Any, params: list[torch.Tensor], args: list[Any],
-                    kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """``cls(params, *args, **kwargs)``, or its functional twin for plain SGD."""
+                    kwargs: dict[str, Any]) -> _FunctionalSGD | _ThroughGrad:  # fmt: skip
+    """What steps ``params`` as ``cls(params, *args, **kwargs)`` would, given
+    the gradients: the functional twin for plain SGD, else ``cls`` itself."""
     if cls is torch.optim.SGD:
         try:
             bound = inspect.signature(cls.__init__).bind(None, params, *args, **kwargs)
         except TypeError:
-            return cls(params, *args, **kwargs)  # let torch say what is wrong
-        bound.apply_defaults()
-        hyper = dict(bound.arguments)
-        if not (hyper.get("differentiable") or hyper.get("fused")):
-            return _FunctionalSGD(params, hyper)
-    return cls(params, *args, **kwargs)
+            bound = None  # let torch say what is wrong, below
+        if bound is not None:
+            bound.apply_defaults()
+            hyper = dict(bound.arguments)
+            if not (hyper.get("differentiable") or hyper.get("fused")):
+                return _FunctionalSGD(params, hyper)
+    return _ThroughGrad(cls(params, *args, **kwargs), params)
 
 
 class _LocalOptimizer:
@@ -113,17 +135,7 @@ class _LocalOptimizer:
         got = get_gradients(context_id)
         grads = [got.get(p) for p in self.params]
         with self.lock:
-            if isinstance(self.optimizer, _FunctionalSGD):
-                self.optimizer.step(grads)
-                return
-            saved = [p.grad for p in self.params]
-            try:
-                for p, g in zip(self.params, grads):
-                    p.grad = g
-                self.optimizer.step()
-            finally:
-                for p, old in zip(self.params, saved):
-                    p.grad = old
+            self.optimizer.step(grads)
 
 
 class DistributedOptimizer:
