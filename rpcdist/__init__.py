@@ -9,7 +9,8 @@ Vocabulary follows ``torch.distributed.rpc``::
     rpcdist.shutdown()
 
 Submodules: ``rpcdist.functions``, ``rpcdist.futures``, ``rpcdist.testing``,
-``rpcdist.tensor``, ``rpcdist.nn``, ``rpcdist.optim``, ``rpcdist.collectives``.
+``rpcdist.tensor``, ``rpcdist.nn``, ``rpcdist.optim``, ``rpcdist.collectives``,
+``rpcdist.data``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` s
     from ._rref._rref import RRef, remote
     from ._save import load, save
     from ._serialization import register_type
+    from ._spawn import ProcessFailedError, spawn
 
 __version__ = "0.1.0"
 
@@ -74,6 +76,7 @@ __all__ = [
     "Future",
     "NotInitializedError",
     "OwnerLostError",
+    "ProcessFailedError",
     "ProtocolError",
     "RRef",
     "RRefCreationError",
@@ -102,6 +105,7 @@ __all__ = [
     "save",
     "set_rpc_timeout",
     "shutdown",
+    "spawn",
     "statistics",
 ]
 
@@ -127,6 +131,8 @@ _LAZY = {
     "load": "._save",
     "save": "._save",
     "register_type": "._serialization",
+    "spawn": "._spawn",
+    "ProcessFailedError": "._spawn",
 }
 _LAZY_MODULES = {
     "tensor",
@@ -137,6 +143,7 @@ _LAZY_MODULES = {
     "testing",
     "parallel",
     "launch",
+    "data",
 }
 
 publish(__name__, [n for n in __all__ if n not in _LAZY], globals())

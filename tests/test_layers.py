@@ -31,7 +31,7 @@ LAYERS: list[list[str]] = [
         "rpcdist.futures",
     ],
     ["rpcdist._serialization"],
-    ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist._save"],
+    ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist._save", "rpcdist.data"],
     ["rpcdist._transport"],
     ["rpcdist._store"],
     ["rpcdist._rpc"],

@@ -13,6 +13,7 @@ OPTIONAL = [
     "rpcdist.nn",
     "rpcdist.optim",
     "rpcdist.collectives",
+    "rpcdist.data",
     "rpcdist.parallel",
     "rpcdist.parallel.comm_hooks",
 ]
