@@ -16,7 +16,12 @@ import rpcdist
 from rpcdist._errors import ConfigError, ConnectError
 from rpcdist._rpc import _join
 from rpcdist._store import StoreClient, StoreServer, _rendezvous
-from rpcdist._store._rendezvous import RendezvousSpec, open_store, parse_init_method
+from rpcdist._store._rendezvous import (
+    RendezvousSpec,
+    open_store,
+    parse_init_method,
+    rendezvous_file,
+)
 from rpcdist.testing import local_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -194,14 +199,14 @@ def test_file_rendezvous_with_three_concurrent_ranks(tmp_path: Path) -> None:
         servers = [server for _, server in opened if server is not None]
         assert len(servers) == 1
         assert {store.server_id for store, _ in opened} == {servers[0].server_id}
-        assert path.read_text().splitlines()[1] == servers[0].server_id
+        assert Path(rendezvous_file(str(path))).read_text().splitlines()[1] == servers[0].server_id
         async with asyncio.TaskGroup() as group:
             for store, _ in opened:
                 group.create_task(store.barrier("joined", 3, timeout=10))
         assert await opened[0][0].add("count", 3) == 3
         for store, server in opened:
             await _close(store, server)
-        assert not path.exists()
+        assert not path.exists() and not Path(rendezvous_file(str(path))).exists()
         assert sorted(os.listdir(tmp_path)) == []
 
     run(main)
@@ -217,7 +222,7 @@ def test_file_rendezvous_replaces_a_stale_file(
         old = StoreServer(token="t")
         old_port = await old.start()
         await old.stop(0)
-        path.write_text(f"127.0.0.1:{old_port}\n{old.server_id}\n")
+        Path(rendezvous_file(str(path))).write_text(f"127.0.0.1:{old_port}\n{old.server_id}\n")
 
         read_stale = asyncio.Event()
         stale_reads: set[int] = set()
@@ -246,7 +251,7 @@ def test_file_rendezvous_replaces_a_stale_file(
             assert store.server_id == server.server_id
             await store.close()
         await _close(store0, server)
-        assert not path.exists()
+        assert not path.exists() and not Path(rendezvous_file(str(path))).exists()
 
     run(main)
 
@@ -259,7 +264,7 @@ def test_file_naming_another_live_store_is_stale(tmp_path: Path, old_token: str)
         # The port in the file now belongs to another store (another id or token).
         other = StoreServer(token=old_token)
         port = await other.start()
-        path.write_text(f"127.0.0.1:{port}\nsome-older-id\n")
+        Path(rendezvous_file(str(path))).write_text(f"127.0.0.1:{port}\nsome-older-id\n")
         try:
             with pytest.raises(ConnectError, match=r"rendezvous file.*(another store|token)"):
                 await open_store(_file_spec(path, 1), token="t", timeout=0.3)
@@ -282,9 +287,10 @@ def test_rank_0_keeps_a_file_that_a_newer_run_replaced(tmp_path: Path) -> None:
 
     async def main() -> None:
         store, server = await open_store(_file_spec(path, 0, 1), token=None, timeout=10)
-        path.write_text("127.0.0.1:1\nnewer-run\n")
+        own = Path(rendezvous_file(str(path)))
+        own.write_text("127.0.0.1:1\nnewer-run\n")
         await _close(store, server)
-        assert path.read_text() == "127.0.0.1:1\nnewer-run\n"
+        assert own.read_text() == "127.0.0.1:1\nnewer-run\n"
 
     run(main)
 

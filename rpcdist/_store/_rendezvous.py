@@ -8,7 +8,11 @@ Three schemes, as in ``torch.distributed``:
 - ``tcp://host:port`` (``tcp://[::1]:29500`` for IPv6).
 - ``file:///abs/path``: rank 0 serves the store on a port the OS picks (host
   ``RPCDIST_STORE_HOST``, default ``127.0.0.1``) and publishes
-  ``host:port\\n<server id>`` in the file; the other ranks read it.
+  ``host:port\\n<server id>`` in ``/abs/path.rpcdist`` (:func:`rendezvous_file`);
+  the other ranks read it. The path itself is left alone, for a torch
+  ``FileStore`` on the same ``init_method`` (``init_rpc`` then
+  ``torch.distributed.init_process_group`` with one file, as hybrid
+  DDP + RPC programs and PyTorch's own tests do).
 
 ``rank`` and ``world_size`` come from the arguments, else from the URL's
 query (``?rank=1&world_size=4``), else from ``RANK`` and ``WORLD_SIZE``.
@@ -36,7 +40,7 @@ if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs 
     from ._client import StoreClient
     from ._server import StoreServer
 
-__all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
+__all__ = ["RendezvousSpec", "open_store", "parse_init_method", "rendezvous_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +239,10 @@ async def open_store(
     if spec.scheme == "file":
         if spec.path is None:
             raise ConfigError(f"file:// rendezvous without a path: {spec!r}")
+        path = rendezvous_file(spec.path)
         if spec.rank == 0:
-            return await _serve_file(spec, spec.path, token, timeout, tls)
-        return await _join_file(spec.path, token, timeout, spec.rank, tls), None
+            return await _serve_file(spec, path, token, timeout, tls)
+        return await _join_file(path, token, timeout, spec.rank, tls), None
     from ._client import StoreClient
     from ._server import StoreServer
 
@@ -258,6 +263,12 @@ async def open_store(
             await server.stop(0)
         raise
     return store, server
+
+
+def rendezvous_file(path: str) -> str:
+    """The file rpcdist's ``file://`` rendezvous at ``path`` uses: beside it,
+    so that ``path`` stays free for a torch ``FileStore`` on the same URL."""
+    return path + ".rpcdist"
 
 
 def _file_contents(address: str, server_id: str) -> str:
