@@ -30,7 +30,7 @@ from .._errors import ConfigError
 from ..nn import Module
 from ..tensor import Tensor, is_grad_enabled
 from ._arrays import group_size, xp_of
-from ._fsdp_policy import MixedPrecision, resolve_mixed_precision
+from ._fsdp_policy import MixedPrecision, WrapPolicy, as_wrap_policy, resolve_mixed_precision
 from ._fsdp_state import full_state_dict, load_optim, load_state, optim_state, sharded_state_dict
 from ._fsdp_unit import FlatUnit, Shared, Slot
 from ._join import Join, Joinable, JoinHook
@@ -59,7 +59,8 @@ class FullyShardedDataParallel(Module, Joinable):
         auto_wrap_policy: ``policy(submodule, numel) -> bool`` deciding which
             submodules become units of their own, e.g.
             :class:`size_based_auto_wrap_policy` or :class:`ModuleWrapPolicy`
-            (None: the whole model is one unit).
+            (None: the whole model is one unit); PyTorch's form
+            ``policy(module, recurse, nonwrapped_numel)`` works too.
         sharding_strategy: ``"full_shard"`` (ZeRO-3: free gathered
             parameters after each unit's forward and backward),
             ``"shard_grad_op"`` (ZeRO-2: keep them from forward until that
@@ -95,8 +96,7 @@ class FullyShardedDataParallel(Module, Joinable):
                 f"{_WHAT}: sharding_strategy must be one of {list(_STRATEGIES)}, "
                 f"got {sharding_strategy!r}"
             )
-        if auto_wrap_policy is not None and not callable(auto_wrap_policy):
-            raise ConfigError(f"{_WHAT}: auto_wrap_policy must be callable or None")
+        wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
         rank, world = group_size(process_group, _WHAT)
         mp = resolve_mixed_precision(mixed_precision)
         params = list(module.named_parameters())
@@ -121,8 +121,8 @@ class FullyShardedDataParallel(Module, Joinable):
             child._setup(sub, shared, names, claimed, root=False)
             return child
 
-        if auto_wrap_policy is not None:
-            _wrap(module, auto_wrap_policy, make)
+        if wrap_policy is not None:
+            _wrap(module, wrap_policy, make)
         self._setup(module, shared, names, claimed, root=True)
         order = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
         shared.units = [m.unit for m in order]
@@ -325,22 +325,29 @@ class _FSDPJoinHook(JoinHook):
         self.optimizer.step()
 
 
-def _wrap(
-    module: Module, policy: Callable[[Module, int], bool], make: Callable[[Module], Module]
-) -> int:
+def _wrap(module: Module, policy: WrapPolicy, make: Callable[[Module], Module]) -> int:
     """Replace submodules the policy picks (bottom-up); the unclaimed numel of ``module``."""
     total = sum(int(p.data.size) for p in module._parameters.values() if p is not None)
     for name, child in list(module._modules.items()):
         if child is None or isinstance(child, FullyShardedDataParallel):
             continue
+        if not policy.descend(child, _numel(child)):
+            total += _numel(child)
+            continue
         n = _wrap(child, policy, make)
-        if n and policy(child, n):
+        if n and policy.wrap(child, n):
             wrapper = make(child)
             module._modules[name] = wrapper
             object.__setattr__(module, name, wrapper)
         else:
             total += n
     return total
+
+
+def _numel(module: Module) -> int:
+    """The parameters under ``module``, in elements (each shared one once)."""
+    seen = {id(p): int(p.data.size) for p in module.parameters()}
+    return sum(seen.values())
 
 
 def _make_unit(

@@ -4,11 +4,20 @@ A wrap policy decides which submodules become units of their own (each
 unit's parameters are flattened, sharded and gathered together). It is
 called bottom-up as ``policy(module, numel)``, where ``numel`` counts the
 parameters of ``module`` not already claimed by a unit below it.
+
+PyTorch's form, ``policy(module, recurse, nonwrapped_numel)``, is accepted
+too (:func:`as_wrap_policy`): asked with ``recurse=True`` before a
+submodule's children are visited (``False``: leave them as they are), then
+with ``recurse=False`` whether to wrap it. So is
+``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``, the
+way PyTorch's size policy is configured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +28,8 @@ from .._errors import ConfigError
 __all__ = [
     "MixedPrecision",
     "ModuleWrapPolicy",
+    "WrapPolicy",
+    "as_wrap_policy",
     "resolve_mixed_precision",
     "size_based_auto_wrap_policy",
 ]
@@ -75,6 +86,56 @@ class ModuleWrapPolicy:
     def __repr__(self) -> str:
         names = sorted(c.__name__ for c in self.module_classes)
         return f"ModuleWrapPolicy({{{', '.join(names)}}})"
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """A wrap policy in rpcdist's form: ``descend(module, numel)`` (visit its
+    children?) and ``wrap(module, unclaimed_numel)`` (make it a unit?)."""
+
+    descend: Callable[[Any, int], bool]
+    wrap: Callable[[Any, int], bool]
+
+
+def _takes_recurse(policy: Callable[..., Any]) -> bool:
+    """Whether ``policy`` has PyTorch's signature ``(module, recurse, nonwrapped_numel)``."""
+    try:
+        params = inspect.signature(policy).parameters
+    except (TypeError, ValueError):  # no signature to read: rpcdist's two-argument form
+        return False
+    if "recurse" in params:
+        return True
+    positional = [
+        p
+        for p in params.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(positional) >= 3
+
+
+def as_wrap_policy(policy: Callable[..., Any]) -> WrapPolicy:
+    """``policy`` in either form (see the module docstring) as a :class:`WrapPolicy`.
+
+    Raises:
+        ConfigError: ``policy`` is not callable.
+    """
+    if not callable(policy):
+        raise ConfigError(
+            f"FullyShardedDataParallel: auto_wrap_policy must be callable or None, got {policy!r:.60}"
+        )
+    if isinstance(policy, functools.partial) and policy.func is size_based_auto_wrap_policy:
+        policy = size_based_auto_wrap_policy(*policy.args, **policy.keywords)
+    if not _takes_recurse(policy):
+        return WrapPolicy(descend=lambda module, numel: True, wrap=policy)
+    torch_form = policy
+    return WrapPolicy(
+        descend=lambda module, numel: bool(
+            torch_form(module=module, recurse=True, nonwrapped_numel=numel)
+        ),
+        wrap=lambda module, numel: bool(
+            torch_form(module=module, recurse=False, nonwrapped_numel=numel)
+        ),
+    )
 
 
 _LOW = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}

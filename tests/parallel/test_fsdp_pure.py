@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -41,3 +43,57 @@ def test_mixed_precision_names():
         MixedPrecision("int8")
     with pytest.raises(ConfigError, match="mixed_precision"):
         resolve_mixed_precision(3)
+
+
+def _pytorch_size_policy(module, recurse, nonwrapped_numel, min_num_params=100):
+    """PyTorch's size policy, as its users write their own."""
+    return True if recurse else nonwrapped_numel >= min_num_params
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 10)  # 110 parameters
+        self.b = nn.Linear(2, 2)  # 6
+
+
+def _picked(policy):
+    from rpcdist.parallel._fsdp import _wrap
+    from rpcdist.parallel._fsdp_policy import as_wrap_policy
+
+    picked = []
+    model = nn.Sequential(_Block(), nn.Linear(3, 3))
+    _wrap(model, as_wrap_policy(policy), lambda m: picked.append(type(m).__name__) or m)
+    return picked
+
+
+def test_pytorch_policy_forms_are_accepted():
+    ours = _picked(size_based_auto_wrap_policy(100))
+    assert ours == ["Linear"]  # the block's big Linear; the rest (18) is below 100
+    assert _picked(_pytorch_size_policy) == ours
+    assert _picked(functools.partial(_pytorch_size_policy, min_num_params=100)) == ours
+    assert _picked(functools.partial(size_based_auto_wrap_policy, min_num_params=100)) == ours
+
+
+def test_pytorch_policy_that_declines_to_recurse_leaves_the_module_to_its_parent():
+    # As in PyTorch: recurse=False for a module means neither it nor anything
+    # under it becomes a unit; its parameters stay with the enclosing unit.
+    def no_recurse_into_blocks(module, recurse, nonwrapped_numel):
+        if recurse:
+            return not isinstance(module, _Block)
+        return nonwrapped_numel >= 100
+
+    assert _picked(no_recurse_into_blocks) == []
+    assert _picked(functools.partial(no_recurse_into_blocks)) == []
+
+    def wrap_big_leaves(module, recurse, nonwrapped_numel):
+        return True if recurse else nonwrapped_numel >= 100 and not isinstance(module, _Block)
+
+    assert _picked(wrap_big_leaves) == ["Linear"]  # only the block's 110-parameter Linear
+
+
+def test_a_policy_that_is_not_callable_is_refused():
+    from rpcdist.parallel._fsdp_policy import as_wrap_policy
+
+    with pytest.raises(ConfigError, match="auto_wrap_policy must be callable"):
+        as_wrap_policy(100)
