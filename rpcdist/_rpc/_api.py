@@ -11,6 +11,7 @@ from .._deadline import UNSET, Unset
 from .._errors import ConfigError, NotInitializedError
 from .._futures import Future
 from .._options import RpcOptions
+from .._store import parse_init_method
 from .._worker import WorkerInfo
 from ._agent import Agent
 from ._context import current_agent, default_agent, set_default_agent
@@ -124,16 +125,12 @@ def start_agent_for(
         agent = default_agent()
         if agent is None or agent.closed:
             opts = dataclasses.replace(options or RpcOptions(), init_timeout=timeout)
-            spec_rank = rank if rank is not None else None
+            # The rank may come from the environment or init_method: resolve it
+            # first, so that the transport and the store see the final name.
+            spec = parse_init_method(init_method, rank, world_size)
             agent = Agent(
-                f"rank{spec_rank}" if spec_rank is not None else "rank",
-                rank,
-                world_size,
-                init_method=init_method,
-                options=opts,
+                f"rank{spec.rank}", rank, world_size, init_method=init_method, options=opts
             )
-            if spec_rank is None:  # the rank came from the environment
-                agent.name = f"rank{agent.rank}"
             agent.start()
             set_default_agent(agent)
         agent.roles.add(role)

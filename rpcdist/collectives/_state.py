@@ -54,7 +54,9 @@ def cpu_backend(requested: str, hosts: Sequence[str]) -> str:
 
     ``auto`` (and ``nccl``, whose CPU side is ``auto``'s) picks shared memory
     when every member is on one host, the message ring (over the agent's
-    links: sockets or gRPC streams) otherwise.
+    links: sockets or gRPC streams) otherwise. Shared memory is only the
+    candidate here: the members then probe each other's doorbells
+    (``setup_segments``) and fall back to the ring together if that fails.
 
     Raises:
         ConfigError: ``shm`` asked for a group that spans hosts, or an
