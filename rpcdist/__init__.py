@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` s
     from ._rref._rref import RRef, remote
     from ._save import load, save
     from ._serialization import register_type
+    from ._serialization._exposure import expose
 
 __version__ = "0.1.0"
 
@@ -89,6 +90,7 @@ __all__ = [
     "WorkerLostError",
     "WrongThreadError",
     "debug_info",
+    "expose",
     "functions",
     "futures",
     "get_rpc_timeout",
@@ -127,6 +129,7 @@ _LAZY = {
     "load": "._save",
     "save": "._save",
     "register_type": "._serialization",
+    "expose": "._serialization._exposure",
 }
 _LAZY_MODULES = {
     "tensor",
