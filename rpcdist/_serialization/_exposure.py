@@ -55,6 +55,8 @@ PROTOCOL_ENTRIES = frozenset(
         "rpcdist._rref._owner:create_value",
         "rpcdist._rref._owner:call_method",
         "rpcdist._rref._rref:value_type",
+        "rpcdist.autograd._backward:apply_grads",
+        "rpcdist.torch._backward:apply_grad",
         "rpcdist.nn._remote:_make",
         "rpcdist.nn._remote:_parameters",
         "rpcdist.optim._distributed:_new_local",
@@ -63,6 +65,9 @@ PROTOCOL_ENTRIES = frozenset(
         "rpcdist.torch._remote_module:_to_device",
         "rpcdist.torch._gather:gather_at_leader",
         "rpcdist.torch._optim:_LocalOptimizer",
+        # (torch's idiom: rpc_sync(to, RemoteModule.init_from_module_rref, ...))
+        "rpcdist.torch._remote_module:RemoteModule.init_from_module_rref",
+        "rpcdist.torch.nn:RemoteModule.init_from_module_rref",
     }
 )
 #: Modules no peer may call into, whatever the options (but ``"any"``).
@@ -189,6 +194,7 @@ CURATED: dict[str, frozenset[str]] = {
     "_operator": _OPERATOR,
     "builtins": _BUILTINS,
     "time": _TIME,
+    "collections": frozenset({"OrderedDict", "Counter", "deque", "ChainMap"}),
     "numpy": _NUMPY,
     "numpy.linalg": _LINALG,
     "torch": _TORCH,
@@ -315,6 +321,8 @@ def own_method(cls: type, name: str, method: object) -> bool:
     program's types, found without running a getter) runs the program's own
     code or a curated pure method of a base (``list.append``,
     ``torch.nn.Module.parameters``)."""
+    if method is None:  # not found statically: the program's __getattr__ runs, or AttributeError
+        return True
     fn = getattr(method, "__func__", method)  # staticmethod, classmethod
     if is_program_object(fn):
         return True
