@@ -259,9 +259,9 @@ def is_program_object(obj: object) -> bool:
 def is_protocol(module: str, qualname: str) -> bool:
     """Whether ``module:qualname`` is one of rpcdist's protocol entry points
     or a method of one of its protocol types."""
-    return (
-        f"{module}:{qualname}" in PROTOCOL_ENTRIES
-        or f"{module}:{qualname.rpartition('.')[0]}" in PROTOCOL_ENTRIES
+    owner, _, method = qualname.rpartition(".")
+    return f"{module}:{qualname}" in PROTOCOL_ENTRIES or (
+        not method.startswith("_") and f"{module}:{owner}" in PROTOCOL_ENTRIES
     )
 
 
@@ -303,8 +303,9 @@ def curated(module: str, qualname: str, target: object) -> bool:
         return True
     if module.partition(".")[0] == "numpy" and type(target).__name__ == "ufunc":
         return True
-    if module == "torch" and qualname.startswith("ops.aten."):
-        return qualname.split(".")[2] in _TORCH_MATH | _TORCH
+    parts = qualname.split(".")
+    if module == "torch" and parts[:2] == ["ops", "aten"] and len(parts) in (3, 4):
+        return parts[2] in _TORCH and not any(p.startswith("_") for p in parts)
     return _model_class(target)
 
 

@@ -383,3 +383,28 @@ def test_sweep_numpy_admits_math_and_refuses_files_and_pickles():
             resolve_function(name)
     assert callable(resolve_function("numpy.linalg:norm"))
     assert callable(resolve_function("numpy:ndarray.reshape"))
+
+
+def test_sweep_torch_admits_tensor_math_only():
+    pytest.importorskip("torch")
+    for loaded in ("torch.hub", "torch.utils.cpp_extension", "torch.jit"):
+        importlib.import_module(loaded)  # (imported: refused all the same)
+
+    from rpcdist._serialization._exposure import CURATED
+
+    admitted = set()
+    for modname in ("torch", "torch._C", "torch.nn.functional", "torch.hub", "torch.serialization",
+                    "torch.utils.cpp_extension", "torch.jit"):  # fmt: skip
+        for attr in _callables(sys.modules[modname]):
+            with contextlib.suppress(rpcdist.CallPolicyError, rpcdist.SerializationError):
+                resolve_function(f"{modname}:{attr}")
+                admitted.add(f"{modname}:{attr}")
+    allowed = {f"{m}:{n}" for m in ("torch", "torch.nn.functional") for n in CURATED[m]}
+    assert admitted <= allowed, sorted(admitted - allowed)
+    assert {"torch:add", "torch:matmul", "torch:ones", "torch:rand"} <= admitted
+    for name in ("torch:load", "torch:save", "torch:from_file", "torch.hub:load",
+                 "torch:ops.load_library", "torch._C:_pickle_load_obj", "torch:Tensor.storage"):  # fmt: skip
+        with pytest.raises((rpcdist.CallPolicyError, rpcdist.SerializationError)):
+            resolve_function(name)
+    assert callable(resolve_function("torch:ops.aten.mul.Tensor"))
+    assert callable(resolve_function("torch:Tensor.sum"))
