@@ -210,8 +210,10 @@ CURATED_TYPES: dict[tuple[str, str], frozenset[str]] = {
     ("torch._C", "TensorBase"): _TENSOR,
     ("torch.nn.parameter", "Parameter"): _TENSOR,
 }
-#: Refused whatever a table says (belt and braces: they reach files).
-_REFUSED = frozenset({"tofile", "dump", "dumps", "save", "load", "fromfile", "memmap"})
+#: Refused whatever a table says: they reach files, or read attributes of
+#: their arguments (``"{0.__globals__}".format(fn)`` would leak a module's).
+_REFUSED = frozenset({"tofile", "dump", "dumps", "save", "load", "fromfile", "memmap",
+                      "format", "format_map"})  # fmt: skip
 #: Base classes of layers and optimizers, by the packages they live in:
 #: their subclasses there are pure and callable, with the :data:`_MODEL` methods.
 _MODEL_BASES = (

@@ -229,6 +229,14 @@ def test_a_reexport_through_the_programs_module_is_judged_by_its_origin():
     assert resolve_function("rel_funcs:shell") is rf.shell  # the program's own: its choice
 
 
+def test_string_formatting_cannot_read_the_programs_globals():
+    # "{0.__globals__[SECRET]}".format(some_program_function) would read them
+    for name in ("builtins:str.format", "builtins:str.format_map", "builtins:format"):
+        with pytest.raises(rpcdist.CallPolicyError):
+            resolve_function(name)
+    assert resolve_function("builtins:str.upper") is str.upper
+
+
 def test_expose_admits_a_function_of_any_module_process_wide():
     import json
 
