@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._deadline import current_deadline
 from .._errors import (
+    CallPolicyError,
     ClosedError,
     NotInitializedError,
     RpcdistError,
@@ -280,7 +281,7 @@ class Calls:
             return
         try:
             value = decode(m.header, m.buffers, allow_pickle=pickle, context=wire)
-        except SerializationError as e:
+        except (SerializationError, CallPolicyError) as e:  # (a refused function in it)
             self.finish(m.id, exc=e, link=link)
             return
         if m.kind == REPLY:
