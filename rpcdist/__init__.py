@@ -61,8 +61,8 @@ if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` s
     from ._rref._rref import RRef, remote
     from ._save import load, save
     from ._serialization import register_type
-    from ._spawn import ProcessFailedError, spawn
     from ._serialization._exposure import expose
+    from ._spawn import ProcessFailedError, spawn
 
 __version__ = "0.1.0"
 
