@@ -166,9 +166,8 @@ class Agent:
 
     async def _start(self) -> None:
         self.calls.start()
+        # (without a token, this also sets the job's secret as the links' token)
         self._store, self._store_server = await _join.open_job_store(self, self._spec)
-        if self.options.token is None:  # a secret of the job's own, made at rendezvous
-            self.links.transport.set_token(await _join.job_secret(self))
         infos = await _join.join(self, await self.links.serve())
         self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
         self._by_name = {w.name: w for w in self.workers}

@@ -218,13 +218,20 @@ def parse_init_method(
 
 
 async def open_store(
-    spec: RendezvousSpec, *, token: str | None, timeout: float, tls: GrpcTls | None = None
+    spec: RendezvousSpec,
+    *,
+    token: str | None,
+    timeout: float,
+    tls: GrpcTls | None = None,
+    secret_file: str | None = None,
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to the store ``spec`` names; rank 0 serves it first.
 
     Returns the client and, on rank 0, the server (the caller stops it after
     closing the client). ``timeout`` bounds the whole rendezvous. With
-    ``tls``, the store is served and reached over TLS.
+    ``tls``, the store is served and reached over TLS. With ``secret_file``
+    (rank 0 of a job without a user token, :mod:`._private`), ``token`` is
+    the job's secret, written there once the store listens.
 
     Raises:
         ConnectError: The store was not reached in time, rank 0 could not
@@ -236,21 +243,23 @@ async def open_store(
         if spec.path is None:
             raise ConfigError(f"file:// rendezvous without a path: {spec!r}")
         if spec.rank == 0:
-            return await _serve_file(spec, spec.path, token, timeout, tls)
-        return await _join_file(spec.path, token, timeout, spec.rank, tls), None
+            return await _serve_file(spec, spec.path, token, timeout, tls, secret_file)
+        return await join_file(spec.path, token, timeout, spec.rank, tls), None
     from ._client import StoreClient
     from ._server import StoreServer
 
     server = None
     address = spec.address
     if spec.rank == 0:
-        server = StoreServer(token=token, tls=tls)
+        server = StoreServer(token=token, tls=tls, secret_file=secret_file)
         port = await server.start(spec.host, spec.port)
         address = format_address(_WILDCARDS.get(spec.host, spec.host), port)
     elif spec.port == 0:
         raise ConfigError(f"rank {spec.rank} cannot find a store on port 0 ({spec!r})")
     store = StoreClient(address, token=token, timeout=timeout, rank=spec.rank, tls=tls)
     try:
+        if server is not None:
+            _publish_secret(server, token)
         await store.connect()
     except BaseException:
         await store.close()
@@ -260,17 +269,32 @@ async def open_store(
     return store, server
 
 
+def _publish_secret(server: StoreServer, token: str | None) -> None:
+    """Write the job's secret to the server's secret file, if it has one
+    (after the server bound its port: the address is then ours)."""
+    if server.secret_file is not None and token is not None:
+        from ._secret_file import write_secret
+
+        server.files.append(server.secret_file)
+        write_secret(server.secret_file, token, server.server_id)
+
+
 def _file_contents(address: str, server_id: str) -> str:
     return f"{address}\n{server_id}\n"
 
 
 async def _serve_file(
-    spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: GrpcTls | None
+    spec: RendezvousSpec,
+    path: str,
+    token: str | None,
+    timeout: float,
+    tls: GrpcTls | None,
+    secret_file: str | None,
 ) -> tuple[StoreClient, StoreServer]:
     from ._client import StoreClient
     from ._server import FileStoreServer
 
-    server = FileStoreServer(token=token, path=path, tls=tls)
+    server = FileStoreServer(token=token, path=path, tls=tls, secret_file=secret_file)
     port = await server.start(spec.host, 0)
     advertised = socket.gethostname() if spec.host in _WILDCARDS else spec.host
     store = StoreClient(
@@ -281,6 +305,7 @@ async def _serve_file(
         tls=tls,
     )
     try:
+        _publish_secret(server, token)  # before the rendezvous file names the store
         temporary = f"{path}.{server.server_id}.tmp"
         try:
             with open(temporary, "w", encoding="utf-8") as file:
@@ -316,7 +341,7 @@ def _read_file(path: str) -> tuple[str, str] | str:
     return lines[0], lines[1]
 
 
-async def _join_file(
+async def join_file(
     path: str,
     token: str | None,
     timeout: float,
