@@ -36,14 +36,21 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT = 60.0
 
 #: One rank of a 2-rank job, as a user writes it: plain init_rpc, then rank 0
-#: calls rank 1. argv: rank, tcp port (or "env" for env://), init timeout.
+#: calls rank 1. argv: tcp port (or "env" for env://, RANK from the
+#: environment as the launcher sets it), init timeout, rank (tcp only).
+#: With GO_FILE set, rank 1 waits for that file before it starts.
 WORKER = textwrap.dedent(
     """
-    import sys
+    import os, sys, time
     import rpcdist
     import rel_funcs
 
-    rank, where, limit = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    where, limit = sys.argv[1], float(sys.argv[2])
+    rank = int(os.environ["RANK"] if where == "env" else sys.argv[3])
+    if rank == 1 and os.environ.get("GO_FILE"):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.environ["GO_FILE"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
     opts = rpcdist.RpcOptions(init_timeout=limit)
     try:
         if where == "env":  # as the launcher starts it: RANK, WORLD_SIZE, MASTER_*
@@ -131,7 +138,8 @@ class _Procs:
         return proc
 
     def rank(self, rank: int, where: str, limit: float = 30.0, **env: str) -> subprocess.Popen[str]:
-        return self.start([sys.executable, "-c", WORKER, str(rank), where, str(limit)], _env(**env))
+        argv = [sys.executable, "-c", WORKER, where, str(limit), str(rank)]
+        return self.start(argv, _env(**env))
 
 
 @contextlib.contextmanager
@@ -282,3 +290,21 @@ def test_a_timed_out_rendezvous_counts_the_refused_calls_and_says_from_where():
     assert code == 3 and "ERROR RpcTimeoutError" in out, out
     assert "2 call(s) to the rendezvous store were refused for their token" in out, out
     assert "from ipv4:127.0.0.1:" in out, out
+
+
+def test_stray_store_calls_do_not_abort_a_job_under_the_launcher(tmp_path):
+    port = _free_port()
+    script, go = tmp_path / "job.py", tmp_path / "go"
+    script.write_text(WORKER)
+    argv = [sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", "2"]
+    argv += ["--master-port", str(port), str(script), "env", "30"]
+    with _processes() as procs:
+        launcher = procs.start(argv, _env(GO_FILE=str(go)))  # rank 1 waits for "go"
+        # Rank 0 serves the store and waits for rank 1; strangers call it meanwhile.
+        _wait_for(lambda: "token" in _stray_call(f"127.0.0.1:{port}", "x"), "the store", launcher)
+        told = _stray_call(f"127.0.0.1:{port}", None)
+        assert told.startswith("ConnectError:") and "token" in told, told
+        assert launcher.poll() is None, _finish(launcher)
+        go.touch()
+        code, out = _finish(launcher)
+    assert code == 0 and "SUM 42" in out, out
