@@ -232,7 +232,8 @@ class StoreServer:
 
     def _refuse(self, metadata: dict[str, Any], peer: str, why: str) -> None:
         rank = metadata.get(RANK_METADATA_KEY)
-        claim = f" (claiming rank {rank})" if isinstance(rank, str) and rank.isdigit() else ""
+        named = isinstance(rank, str) and rank.isdigit() and len(rank) <= 9  # (the caller's word)
+        claim = f" (claiming rank {rank})" if named else ""
         self.refused += 1
         if len(self.refused_from) < _REFUSALS_KEPT:
             self.refused_from.append(f"{peer}{claim}")
