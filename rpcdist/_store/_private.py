@@ -10,14 +10,13 @@ hosts or users the job needs ``RPCDIST_TOKEN`` (the launcher sets one).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 from typing import TYPE_CHECKING
 
-from .._deadline import deadline_for, remaining
 from .._errors import ConnectError
 from ._common import SECRET_FILE_REFUSAL, GrpcTls, format_address
+from ._rendezvous import Polling, join_file, open_store
 from ._secret_file import read_secret, secret_path
 
 if TYPE_CHECKING:
@@ -27,10 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["open_private_store", "private_secret_path"]
 
-_ATTEMPT_TIMEOUT = 0.5
 _PROBE_TIMEOUT = 0.2
-_POLL_FIRST = 0.01
-_POLL_MAX = 0.25
 _LOOPBACK_NAMES = {"localhost": "127.0.0.1"}
 
 
@@ -62,8 +58,6 @@ async def open_private_store(
         ConfigError: the secret file or its directory is not private, or
             cannot be written.
     """
-    from ._rendezvous import open_store
-
     if spec.rank == 0:
         secret = secrets.token_hex(16)
         # (a job of one has nobody to share the secret with: no file)
@@ -86,8 +80,7 @@ async def _join(
     replaces it: a store that refuses the secret, or that is not the one the
     file names, sends us back to reading the file until the deadline.
     """
-    deadline = deadline_for(timeout, None)
-    delay = _POLL_FIRST
+    polling = Polling(timeout)
     while True:
         found = read_secret(path)
         if isinstance(found, str):
@@ -95,10 +88,8 @@ async def _join(
             await _probe(spec, tls)
         else:
             secret, server_id = found
-            left = remaining(deadline)
-            attempt = _ATTEMPT_TIMEOUT if left is None else min(left, _ATTEMPT_TIMEOUT)
             try:
-                store = await _reach(spec, secret, attempt, timeout, tls)
+                store = await _reach(spec, secret, polling.attempt(), timeout, tls)
             except ConnectError as exc:
                 problem = f"the secret in {path!r} did not open the store: {exc}"
             else:
@@ -106,16 +97,13 @@ async def _join(
                     return store
                 problem = f"the secret file {path!r} names another store (left by a past job)"
                 await store.close()
-        left = remaining(deadline)
-        if left is not None and left <= 0:
+        if not await polling.pause():
             raise ConnectError(
                 f"rank {spec.rank} reached no store of its job within {timeout}s: {problem}. "
                 "A job without RPCDIST_TOKEN shares its secret through a file only the user "
                 "who started rank 0 can read, so every rank must run on that host as that "
                 "user; otherwise set RPCDIST_TOKEN on every rank (rpcdist-run sets one)"
             )
-        await asyncio.sleep(delay if left is None else min(delay, left))
-        delay = min(2 * delay, _POLL_MAX)
 
 
 async def _probe(spec: RendezvousSpec, tls: GrpcTls | None) -> None:
@@ -147,7 +135,6 @@ async def _reach(
         ConnectError: not reached, or the token was refused.
     """
     from ._client import StoreClient
-    from ._rendezvous import join_file
 
     if spec.scheme == "file" and spec.path is not None:
         return await join_file(spec.path, token, attempt, spec.rank, tls)

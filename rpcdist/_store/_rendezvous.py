@@ -36,17 +36,18 @@ if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs 
     from ._client import StoreClient
     from ._server import StoreServer
 
-__all__ = ["RendezvousSpec", "open_store", "parse_init_method"]
+__all__ = ["Polling", "RendezvousSpec", "join_file", "open_store", "parse_init_method"]
 
 logger = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"[0-9]+")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-#: How long one attempt to reach the address read from a rendezvous file lasts
-#: before the file is read again (it may have been replaced meanwhile).
-_FILE_ATTEMPT_TIMEOUT = 0.5
-_FILE_POLL_FIRST = 0.01
-_FILE_POLL_MAX = 0.25
+#: How long one attempt to reach the address read from a rendezvous (or
+#: secret) file lasts before the file is read again (it may have been
+#: replaced meanwhile), and the pauses between readings.
+_ATTEMPT_TIMEOUT = 0.5
+_POLL_FIRST = 0.01
+_POLL_MAX = 0.25
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,28 @@ def _publish_secret(server: StoreServer, token: str | None) -> None:
         write_secret(server.secret_file, token, server.server_id)
 
 
+class Polling:
+    """Rounds of reading a file rank 0 writes, until ``timeout`` (``None``/0: none)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._deadline = deadline_for(timeout, None)
+        self._delay = _POLL_FIRST
+
+    def attempt(self) -> float:
+        """How long one attempt to reach a store may last now."""
+        left = remaining(self._deadline)
+        return _ATTEMPT_TIMEOUT if left is None else min(left, _ATTEMPT_TIMEOUT)
+
+    async def pause(self) -> bool:
+        """Wait before the next round; ``False`` (at once) if time is up."""
+        left = remaining(self._deadline)
+        if left is not None and left <= 0:
+            return False
+        await asyncio.sleep(self._delay if left is None else min(self._delay, left))
+        self._delay = min(2 * self._delay, _POLL_MAX)
+        return True
+
+
 def _file_contents(address: str, server_id: str) -> str:
     return f"{address}\n{server_id}\n"
 
@@ -356,8 +379,7 @@ async def join_file(
     """
     from ._client import StoreClient
 
-    deadline = deadline_for(timeout, None)
-    delay = _FILE_POLL_FIRST
+    polling = Polling(timeout)
     problem = "the file does not exist yet"
     while True:
         found = _read_file(path)
@@ -366,12 +388,8 @@ async def join_file(
         else:
             address, server_id = found
             store = StoreClient(address, token=token, timeout=timeout, rank=rank, tls=tls)
-            left = remaining(deadline)
             try:
-                attempt = (
-                    _FILE_ATTEMPT_TIMEOUT if left is None else min(left, _FILE_ATTEMPT_TIMEOUT)
-                )
-                await store.connect(timeout=attempt)
+                await store.connect(timeout=polling.attempt())
             except ConnectError as exc:
                 if f"[store {server_id}]" in str(exc):  # the file's own store refused us
                     await store.close()
@@ -385,10 +403,7 @@ async def join_file(
                     return store
                 problem = f"the file names {address}, which is another store than the file's"
             await store.close()
-        left = remaining(deadline)
-        if left is not None and left <= 0:
+        if not await polling.pause():
             raise ConnectError(
                 f"no store found through the rendezvous file {path!r} within {timeout}s: {problem}"
             )
-        await asyncio.sleep(delay if left is None else min(delay, left))
-        delay = min(2 * delay, _FILE_POLL_MAX)
