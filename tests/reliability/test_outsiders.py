@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -195,11 +196,41 @@ def _stray_call(address: str, token: str | None) -> str:
 def _system_python() -> str | None:
     """A Python user nobody may run, of this interpreter's version (the venv's
     compiled modules must load in it), or ``None``."""
-    for candidate in (f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}",):
-        if os.access(candidate, os.X_OK):
-            return candidate
-    found = shutil.which("python3", path="/usr/bin:/usr/local/bin")
-    return found
+    candidate = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def _nobody_imports(python: str, paths: list[str]) -> bool:
+    """Whether user nobody can import rpcdist and its dependencies from ``paths``."""
+    probe = f"import sys; sys.path[:0] = {paths!r}; import rpcdist, grpc, msgpack, rel_funcs"
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    done = subprocess.run(
+        [python, "-c", probe], env=env, user="nobody", cwd="/", capture_output=True, timeout=60
+    )
+    return done.returncode == 0
+
+
+@contextlib.contextmanager
+def _paths_for_nobody(python: str) -> Iterator[list[str]]:
+    """``sys.path`` entries from which user nobody imports this checkout: the
+    checkout itself, else a world-readable copy of rpcdist and the test helpers
+    (a checkout under a private home directory)."""
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    if _nobody_imports(python, [HERE, ROOT, *site]):
+        yield [HERE, ROOT, *site]
+        return
+    copy = tempfile.mkdtemp(prefix="rpcdist-outsider-")
+    try:
+        shutil.copytree(os.path.join(ROOT, "rpcdist"), os.path.join(copy, "rpcdist"))
+        shutil.copy(os.path.join(HERE, "rel_funcs.py"), copy)
+        for where, dirs, files in os.walk(copy):
+            for name in [where, *(os.path.join(where, n) for n in dirs + files)]:
+                os.chmod(name, 0o755 if os.path.isdir(name) else 0o644)
+        if not _nobody_imports(python, [copy, *site]):
+            pytest.skip(f"user nobody cannot import the venv's packages from {site}")
+        yield [copy, *site]
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def test_another_user_can_neither_read_the_secret_nor_use_the_store_nor_join():
@@ -214,17 +245,16 @@ def test_another_user_can_neither_read_the_secret_nor_use_the_store_nor_join():
     python = _system_python()
     if python is None:
         pytest.skip(f"no system python{sys.version_info[0]}.{sys.version_info[1]} for nobody")
-    site = [p for p in sys.path if p.endswith("site-packages")]
     port = _free_port()
     path = _secret_file(port)
-    with _processes() as procs:
+    with _paths_for_nobody(python) as paths, _processes() as procs:
         rank0 = procs.rank(0, str(port), limit=TIMEOUT)
         _wait_for(lambda: os.path.exists(path), "rank 0's secret file", rank0)
         mode = os.stat(path).st_mode
         assert stat.S_IMODE(mode) == 0o600, oct(mode)
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
         nobody = procs.start(
-            [python, "-c", OUTSIDER, str(port), path, json.dumps([HERE, ROOT, *site])],
+            [python, "-c", OUTSIDER, str(port), path, json.dumps(paths)],
             {"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
             user="nobody",
             cwd="/tmp",
