@@ -105,8 +105,7 @@ class Agent:
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
         self._spec = parse_init_method(init_method, rank, world_size)
-        if self._spec.rank == 0:
-            self.options.check_store_host(self._spec.host)
+        self.options.check_store_host(self._spec.host, self._spec.rank)
         #: What peers may call here by name (see ``RpcOptions.callable_policy``).
         self.policy = CallablePolicy(
             self.options.callable_policy, frozenset(self.options.allowed_callables)

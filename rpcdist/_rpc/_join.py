@@ -78,13 +78,7 @@ async def open_job_store(
         store, server, secret = await open_private_store(spec, timeout=opts.init_timeout, tls=tls)
         agent.links.transport.set_token(secret)
         return store, server
-    if opts.token is None and not opts.allow_insecure:
-        raise ConfigError(
-            f"rank {spec.rank} would meet its job at the store on {spec.host!r} (MASTER_ADDR or "
-            "the init_method), beyond this host, with no job token: set one on every rank "
-            "(RpcOptions.token or RPCDIST_TOKEN; rpcdist-run sets one) or pass "
-            "RpcOptions(allow_insecure=True) on a network you trust"
-        )
+    opts.check_store_host(spec.host, spec.rank)  # (the agent checked it first)
     return await open_store(spec, token=opts.token, timeout=opts.init_timeout, tls=tls)
 
 

@@ -120,8 +120,14 @@ def test_listening_beyond_loopback_needs_a_token_tls_or_an_explicit_option():
     rpcdist.RpcOptions(token="t", listen_host="0.0.0.0").validated()
     rpcdist.RpcOptions(token=None, listen_host="0.0.0.0", allow_insecure=True).validated()
     rpcdist.RpcOptions(token=None, listen_host="::1").validated()
-    with pytest.raises(rpcdist.ConfigError, match="rendezvous store"):
+    with pytest.raises(rpcdist.ConfigError, match="rendezvous store.*RPCDIST_TOKEN.*rpcdist-run"):
         Agent("w0", 0, 2, init_method="tcp://0.0.0.0:29511", options=rpcdist.RpcOptions(token=None))
+    # A rank without a token cannot meet its job beyond loopback either: its
+    # secret would come from a file on rank 0's host.
+    with pytest.raises(rpcdist.ConfigError, match="rank 1 would meet its job.*RPCDIST_TOKEN"):
+        Agent(
+            "w1", 1, 2, init_method="tcp://192.0.2.1:29511", options=rpcdist.RpcOptions(token=None)
+        )
     with pytest.raises(rpcdist.ConfigError, match="must not be empty"):
         rpcdist.RpcOptions(token="").validated()
 
