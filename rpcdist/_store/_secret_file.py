@@ -6,8 +6,9 @@ never served by the store: rank 0 writes it, with the store's server id, to
 ``<runtime dir>/job-<hash of the rendezvous address>`` (mode 0600), and the
 other ranks, which run on the same host as the same user, read it there. The
 runtime directory is ``$XDG_RUNTIME_DIR/rpcdist`` when that variable is set,
-else ``/tmp/rpcdist-<uid>``; it is made with mode 0700 and refused if it is
-owned by someone else, is a symbolic link or lets the group or others in.
+else ``rpcdist-<uid>`` in the temporary directory; it is made with mode 0700
+and refused if it is owned by someone else, is a symbolic link or lets the
+group or others in.
 The store server removes the file when it stops (when it still holds its id).
 """
 
