@@ -341,8 +341,10 @@ class RpcOptions:
             allowed_callables=allowed,
         )
 
-    def check_store_host(self, host: str) -> None:
-        """Refuse to serve the rendezvous store beyond loopback without a token.
+    def check_store_host(self, host: str, rank: int = 0) -> None:
+        """Refuse to serve (rank 0) or meet at the rendezvous store beyond
+        loopback without a token: a job without one shares its secret through
+        a file on one host.
 
         Raises:
             ConfigError: ``host`` is not a loopback address and neither a token
@@ -350,10 +352,12 @@ class RpcOptions:
         """
         if self.token or self.allow_insecure or is_loopback(host or "0.0.0.0"):
             return
+        what = "serve the rendezvous store" if rank == 0 else "meet its job at the store"
         raise ConfigError(
-            f"rank 0 would serve the rendezvous store on {host!r} (MASTER_ADDR or the "
-            "init_method) with no job token: set a token (RpcOptions.token or RPCDIST_TOKEN; "
-            "rpcdist-run sets one) or pass RpcOptions(allow_insecure=True) on a network you trust"
+            f"rank {rank} would {what} on {host!r} (MASTER_ADDR or the init_method), beyond "
+            "this host, with no job token: set the same token on every rank (RpcOptions.token "
+            "or RPCDIST_TOKEN; rpcdist-run sets one) or pass RpcOptions(allow_insecure=True) "
+            "on a network you trust"
         )
 
     @property

@@ -105,8 +105,7 @@ class Agent:
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
         self._spec = parse_init_method(init_method, rank, world_size)
-        if self._spec.rank == 0:
-            self.options.check_store_host(self._spec.host)
+        self.options.check_store_host(self._spec.host, self._spec.rank)
         #: What peers may call here by name (see ``RpcOptions.callable_policy``).
         self.policy = CallablePolicy(
             self.options.callable_policy, frozenset(self.options.allowed_callables)
@@ -166,9 +165,8 @@ class Agent:
 
     async def _start(self) -> None:
         self.calls.start()
+        # (without a token, this also sets the job's secret as the links' token)
         self._store, self._store_server = await _join.open_job_store(self, self._spec)
-        if self.options.token is None:  # a secret of the job's own, made at rendezvous
-            self.links.transport.set_token(await _join.job_secret(self))
         infos = await _join.join(self, await self.links.serve())
         self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
         self._by_name = {w.name: w for w in self.workers}

@@ -58,14 +58,17 @@ def init_rpc(
         options: Further :class:`RpcOptions`.
 
     Without a job token (``RpcOptions.token``, ``RPCDIST_TOKEN``) the job
-    still authenticates its links with a secret rank 0 makes at rendezvous,
-    and its workers listen on loopback only (docs/failure-model.md).
+    still authenticates its store and links with a secret rank 0 makes and
+    shares through a file only its user can read: such a job runs on one host,
+    as one user, on loopback (docs/threat-model.md).
 
     Raises:
         ConfigError: bad arguments, duplicate names, already initialised, or
-            listening beyond loopback without a token or TLS.
+            listening or meeting beyond loopback without a token or TLS.
         ConnectError: the rendezvous store could not be reached in time, or
-            a rank's job token was refused (on every rank, naming it).
+            this rank's job token was refused.
+        RpcTimeoutError: a rank did not arrive within ``init_timeout`` (the
+            message counts the calls the store refused meanwhile, and from where).
     """
     with _init_lock:
         existing = default_agent()

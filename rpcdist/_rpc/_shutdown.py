@@ -347,8 +347,8 @@ async def _wait_for_leavers(agent: Agent) -> None:
     """Rank 0 serves the store: before closing, wait until every other live
     rank has said it is leaving (a rank lost meanwhile is not waited for)."""
     server = agent._store_server
-    if server is not None and server.refused is not None:
-        return  # a rank was refused: the job never started, nobody is left to wait for
+    if server is not None and not agent.workers:
+        return  # the job never formed: nobody read the worker table, nobody waits
     await agent.store.set("rpc/left/0", b"1")
     await gather_live(agent, _left_key, _LEAVE_WAIT)
 
