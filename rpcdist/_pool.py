@@ -7,6 +7,17 @@ reply itself, so nobody waits on a Future there. ``ThreadPoolExecutor.submit``
 builds a Future, a work item and a semaphore check per call; on the 2-core
 machine of docs/benchmarks.md that measured about 18 us of the loop's time
 per call, against a few for :meth:`post`.
+
+Managed blocking: a thread running the pool's work that is about to wait
+for a nested call (``rpc_sync`` or ``Future.wait`` inside a handler) says
+so with :func:`blocking`. While it waits it counts against neither bound,
+so the pool starts another thread for queued work if it has none idle, up
+to ``max_grown`` threads in all (a thread beyond ``max_workers`` leaves
+once the blocked ones are back); nested blocking calls then cannot take
+every thread and wait for work that none is left to run. Past that bound
+the pool is *exhausted*: it logs a warning naming the blocked handlers and
+the calls they wait on, and :meth:`WorkerPool.debug_info` says so (the
+agent's timeout errors carry it).
 """
 
 from __future__ import annotations
@@ -15,10 +26,11 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["WorkerPool"]
+__all__ = ["GROWTH", "WorkerPool", "blocking"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,6 +40,23 @@ _STOP = None
 #: ``(fn, args, future)``: the future (of :meth:`WorkerPool.submit`) is
 #: cancelled if the item is dropped at shutdown.
 _Item = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any] | None"]
+#: The default ``max_grown``: this many times ``max_workers``.
+GROWTH = 4
+#: ``pool``: the pool whose work the current thread runs (its own threads,
+#: and a thread while it holds a borrowed slot); ``own``: one of its threads.
+_here = threading.local()
+
+
+def blocking(waits_on: object) -> WorkerPool | None:
+    """The calling thread is about to wait for ``waits_on`` (a description,
+    or what the pool's ``describe`` hook makes one of): if it runs a pool's
+    work, the pool lets another thread take queued work meanwhile. Returns
+    that pool, whose :meth:`WorkerPool.unblocked` the caller must call once
+    the wait is over, or None (nothing to do)."""
+    pool: WorkerPool | None = getattr(_here, "pool", None)
+    if pool is not None:
+        pool._block(waits_on)
+    return pool
 
 
 class WorkerPool(concurrent.futures.Executor):
@@ -37,10 +66,29 @@ class WorkerPool(concurrent.futures.Executor):
     the bound; beyond it, work waits in arrival order.
     """
 
-    def __init__(self, max_workers: int, name_prefix: str) -> None:
+    def __init__(self, max_workers: int, name_prefix: str, *, max_grown: int | None = None) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._max = max_workers
+        #: Most threads while some are blocked in nested calls.
+        self._cap = max(max_workers, GROWTH * max_workers if max_grown is None else max_grown)
+        #: Threads blocked in nested calls (:func:`blocking`): ident ->
+        #: ``[thread name, what it runs, what it waits on, since]``; how many
+        #: are this pool's own threads; the most threads so far; what was
+        #: said when the pool was found exhausted, kept until no work waits
+        #: and no thread is blocked (so that the errors of the calls it held
+        #: up say it too).
+        self._parked: dict[int, list[Any]] = {}
+        self._parked_own = 0
+        self._high = max_workers
+        self._exhausted = ""
+        self._named = 0
+        #: Set by the pool's owner, for the warnings (slow path only):
+        #: ``describe(waits_on) -> (what the calling thread runs, what it
+        #: waits on, or None if not known yet)``, on the blocking thread;
+        #: ``resolve(waits_on) -> what it waits on``, later, on any thread.
+        self.describe: Callable[[object], tuple[str, str | None]] | None = None
+        self.resolve: Callable[[object], str] = str
         self._prefix = name_prefix
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -81,20 +129,32 @@ class WorkerPool(concurrent.futures.Executor):
             if self._shut:
                 raise RuntimeError("cannot schedule work on a pool that was shut down")
             self._waiting_work += 1
-            if self._waiting_work > self._idle and len(self._threads) < self._max:
-                t = threading.Thread(
-                    target=self._work,
-                    name=f"{self._prefix}_{len(self._threads)}",
-                    daemon=True,
-                )
-                t.start()
-                self._threads.append(t)
+            warn = None
+            if (
+                self._waiting_work > self._idle
+                and len(self._threads) - self._parked_own < self._max
+            ):
+                warn = self._warning(self._grow())
         # Outside the lock: the woken thread takes it at once.
         self._queue.put(item)
+        if warn:
+            _log.warning("%s", warn)
+
+    def _grow(self) -> bool | None:
+        """Start a thread (holding ``_lock``), unless ``max_grown`` are running:
+        True if it is one beyond ``max_workers``, False if not, None if none."""
+        if len(self._threads) >= self._cap:
+            return None
+        t = threading.Thread(target=self._work, name=f"{self._prefix}_{self._named}", daemon=True)
+        self._named += 1
+        t.start()
+        self._threads.append(t)
+        return len(self._threads) > self._max
 
     def _work(self) -> None:
         q = self._queue
         lock = self._lock
+        _here.pool, _here.own = self, True
         with lock:
             self._idle += 1
         while True:
@@ -104,6 +164,8 @@ class WorkerPool(concurrent.futures.Executor):
                 if item is _STOP:
                     return
                 self._waiting_work -= 1
+                if self._exhausted and not (self._waiting_work or self._parked):
+                    self._exhausted = ""
                 wait = self._active >= self._max  # only while slots are borrowed
                 if wait:
                     self._blocked += 1
@@ -120,10 +182,17 @@ class WorkerPool(concurrent.futures.Executor):
             # not keep the last call's arguments or result (RRefs) alive.
             del item, fn, args
             with lock:
-                self._idle += 1
                 handoff = self._release_slot()
+                # A thread the pool grew by leaves once it is not needed.
+                surplus = len(self._threads) - self._parked_own > self._max
+                if surplus:
+                    self._threads.remove(threading.current_thread())
+                else:
+                    self._idle += 1
             if handoff:
                 self._handoff.release()
+            if surplus:
+                return
 
     def _release_slot(self) -> bool:
         """A slot is free (holding ``_lock``): True if it goes to a blocked thread."""
@@ -145,14 +214,119 @@ class WorkerPool(concurrent.futures.Executor):
             if self._shut or self._active >= self._max or self._waiting_work or self._blocked:
                 return False
             self._active += 1
-            return True
+        _here.pool, _here.own = self, False
+        return True
 
     def give_back(self) -> None:
         """Return a slot taken with :meth:`try_borrow`."""
+        _here.pool = None
         with self._lock:
             handoff = self._release_slot()
         if handoff:
             self._handoff.release()
+
+    # ------------------------------------------------------------ blocking
+
+    def _block(self, waits_on: object) -> None:
+        """:func:`blocking`: the calling thread gives up its slot (to a thread
+        waiting for one) and counts against no bound until :meth:`unblocked`;
+        a thread is started for queued work that no idle thread will take."""
+        me = threading.current_thread()
+        how = self.describe
+        running, what = how(waits_on) if how is not None else (me.name, None)
+        own = bool(getattr(_here, "own", False))
+        with self._lock:
+            self._parked[me.ident or 0] = [me.name, running, what or waits_on, time.monotonic()]
+            if own:
+                self._parked_own += 1
+            handoff = self._release_slot()
+            warn = None
+            if (
+                self._waiting_work > self._idle
+                and len(self._threads) - self._parked_own < self._max
+                and not self._shut
+            ):
+                warn = self._warning(self._grow())
+        if handoff:
+            self._handoff.release()
+        if warn:
+            _log.warning("%s", warn)
+
+    def unblocked(self) -> None:
+        """The wait :func:`blocking` announced is over: the thread runs again
+        (taking a slot back at once, even if that exceeds ``max_workers``
+        for a while: it holds work that is half done)."""
+        with self._lock:
+            if self._parked.pop(threading.get_ident(), None) is None:
+                return
+            if getattr(_here, "own", False):
+                self._parked_own -= 1
+            self._active += 1
+            if self._exhausted and not (self._waiting_work or self._parked):
+                self._exhausted = ""
+
+    def _warning(self, grown: bool | None) -> str | None:
+        """What to log (holding ``_lock``) after trying to start a thread for
+        queued work while some are blocked: the pool grew past its highest
+        yet (``grown``), or it could not (None) and is exhausted."""
+        if not self._parked:
+            return None
+        if grown:
+            if len(self._threads) <= self._high:
+                return None
+            self._high = len(self._threads)
+            return (
+                f"rpcdist handler pool {self._prefix!r} grew to {len(self._threads)} threads "
+                f"(num_worker_threads={self._max}, at most {self._cap}): "
+                f"{self._blocked_text()} while calls wait to be handled"
+            )
+        if grown is None and not self._exhausted and len(self._threads) == self._parked_own:
+            self._exhausted = self._exhausted_text()
+            return self._exhausted
+        return None
+
+    def _blocked_text(self) -> str:
+        parked = sorted(self._parked.values(), key=lambda p: p[3])
+        shown = ", ".join(f"{p[1]} (thread {p[0]}) waits on {self._what(p)}" for p in parked[:4])
+        more = f" and {len(parked) - 4} more" if len(parked) > 4 else ""
+        return f"{len(parked)} handlers blocked in nested blocking calls: {shown}{more}"
+
+    def _what(self, parked: list[Any]) -> str:
+        what = parked[2]
+        return what if isinstance(what, str) else self.resolve(what)
+
+    def _exhausted_text(self) -> str:
+        return (
+            f"handler pool exhausted: all {len(self._threads)} threads of {self._prefix!r} "
+            f"are taken ({self._blocked_text()}) and {self._waiting_work} calls wait to be "
+            f"handled; raise init_rpc's num_worker_threads (now {self._max}; the pool grows "
+            f"to {self._cap} while handlers block), make the handlers `async def`, or use "
+            f"rpc_async in them instead of blocking"
+        )
+
+    def debug_info(self) -> dict[str, Any]:
+        """Threads, blocked handlers and queued work now (any thread); with
+        ``exhausted``, the text saying so and what to do about it."""
+        with self._lock:
+            now = time.monotonic()
+            info: dict[str, Any] = {
+                "threads": len(self._threads),
+                "max_workers": self._max,
+                "max_grown": self._cap,
+                "queued": self._waiting_work,
+                "blocked": [
+                    {
+                        "thread": p[0],
+                        "running": p[1],
+                        "waits_on": self._what(p),
+                        "age_s": round(now - p[3], 3),
+                    }
+                    for p in sorted(self._parked.values(), key=lambda p: p[3])
+                ],
+            }
+            if self._exhausted:
+                info["exhausted"] = self._exhausted
+        return info
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; with ``cancel_futures``, drop work not started yet.

@@ -20,6 +20,7 @@ and the init checks in :mod:`._join`; snapshots for hang diagnosis in
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -131,6 +132,8 @@ class Agent:
         self.mailbox = Mailbox()
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
+        self.executor.describe = functools.partial(_dispatch.blocked_handler, self)
+        self.executor.resolve = functools.partial(_dispatch.waited_call, self)
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         try:
             self.loop = self._lt.loop

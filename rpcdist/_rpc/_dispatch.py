@@ -24,6 +24,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._agent import Agent
 
 __all__ = [
+    "blocked_handler",
     "call_user",
     "call_wire",
     "decode_call",
@@ -56,6 +58,7 @@ __all__ = [
     "reply_error_threadsafe",
     "run_handler",
     "serve",
+    "waited_call",
 ]
 
 _log = logging.getLogger(__name__)
@@ -115,6 +118,44 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         except ValueError:  # no signature available (some builtins)
             pass
         raise e
+
+
+def blocked_handler(agent: Agent, waits_on: object) -> tuple[str, str | None]:
+    """What the calling thread's handler runs and what it waits on, for the
+    handler pool's warnings (its ``describe`` hook; slow path only): the
+    function of the innermost :func:`call` on this thread's stack, and the
+    call ``waits_on`` is the reply of (a ``Started`` call, the Future of a
+    pending call, or that of an ``Agent.rpc_sync`` on the stack not sent yet)."""
+    running, sent_by = "a task", None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is call.__code__:
+            running = repr(frame.f_locals.get("name"))
+            break
+        if sent_by is None and code.co_qualname == "Agent.rpc_sync":
+            sent_by = frame.f_locals
+        frame = frame.f_back  # type: ignore[assignment]
+    del frame
+    if isinstance(waits_on, Future):
+        what = agent.calls.describe(waits_on)
+        if what is None and sent_by is not None:
+            msg, peer = sent_by.get("msg"), sent_by.get("peer")
+            what = f"{getattr(msg, 'label', '') or getattr(msg, 'method', '?')!r} on "
+            what += repr(getattr(peer, "name", "?"))
+    elif hasattr(waits_on, "chan") and hasattr(waits_on, "label"):  # a ``Started`` call
+        what = f"{waits_on.label!r} on {agent.workers[waits_on.chan.link.peer_rank].name!r}"
+    else:
+        what = str(waits_on)
+    return running, what
+
+
+def waited_call(agent: Agent, waits_on: object) -> str:
+    """What a blocked handler waits on, described after it blocked (the
+    handler pool's ``resolve`` hook): a Future's call once it is pending."""
+    if isinstance(waits_on, Future):
+        return agent.calls.describe(waits_on) or "a Future (its call not sent yet, or other work)"
+    return str(waits_on)
 
 
 async def call_user(
