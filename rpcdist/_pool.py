@@ -73,7 +73,7 @@ class WorkerPool(concurrent.futures.Executor):
         #: Most threads while some are blocked in nested calls.
         self._cap = max(max_workers, GROWTH * max_workers if max_grown is None else max_grown)
         #: Threads blocked in nested calls (:func:`blocking`): ident ->
-        #: ``[thread name, what it runs, what it waits on, since]``; how many
+        #: ``[thread name, ident, what it waits on, since]``; how many
         #: are this pool's own threads; the most threads so far; what was
         #: said when the pool was found exhausted, kept until no work waits
         #: and no thread is blocked (so that the errors of the calls it held
@@ -83,12 +83,10 @@ class WorkerPool(concurrent.futures.Executor):
         self._high = max_workers
         self._exhausted = ""
         self._named = 0
-        #: Set by the pool's owner, for the warnings (slow path only):
-        #: ``describe(waits_on) -> (what the calling thread runs, what it
-        #: waits on, or None if not known yet)``, on the blocking thread;
-        #: ``resolve(waits_on) -> what it waits on``, later, on any thread.
-        self.describe: Callable[[object], tuple[str, str | None]] | None = None
-        self.resolve: Callable[[object], str] = str
+        #: Set by the pool's owner, for the warnings and :meth:`debug_info`
+        #: (only when they are made, from any thread): ``describe(ident,
+        #: waits_on) -> (what blocked thread ``ident`` runs, what it waits on)``.
+        self.describe: Callable[[int, object], tuple[str, str]] | None = None
         self._prefix = name_prefix
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -134,11 +132,11 @@ class WorkerPool(concurrent.futures.Executor):
                 self._waiting_work > self._idle
                 and len(self._threads) - self._parked_own < self._max
             ):
-                warn = self._warning(self._grow())
+                warn = self._event(self._grow())
         # Outside the lock: the woken thread takes it at once.
         self._queue.put(item)
         if warn:
-            _log.warning("%s", warn)
+            self._warn(*warn)
 
     def _grow(self) -> bool | None:
         """Start a thread (holding ``_lock``), unless ``max_grown`` are running:
@@ -232,11 +230,9 @@ class WorkerPool(concurrent.futures.Executor):
         waiting for one) and counts against no bound until :meth:`unblocked`;
         a thread is started for queued work that no idle thread will take."""
         me = threading.current_thread()
-        how = self.describe
-        running, what = how(waits_on) if how is not None else (me.name, None)
         own = bool(getattr(_here, "own", False))
         with self._lock:
-            self._parked[me.ident or 0] = [me.name, running, what or waits_on, time.monotonic()]
+            self._parked[me.ident or 0] = [me.name, me.ident, waits_on, time.monotonic()]
             if own:
                 self._parked_own += 1
             handoff = self._release_slot()
@@ -246,11 +242,11 @@ class WorkerPool(concurrent.futures.Executor):
                 and len(self._threads) - self._parked_own < self._max
                 and not self._shut
             ):
-                warn = self._warning(self._grow())
+                warn = self._event(self._grow())
         if handoff:
             self._handoff.release()
         if warn:
-            _log.warning("%s", warn)
+            self._warn(*warn)
 
     def unblocked(self) -> None:
         """The wait :func:`blocking` announced is over: the thread runs again
@@ -265,43 +261,64 @@ class WorkerPool(concurrent.futures.Executor):
             if self._exhausted and not (self._waiting_work or self._parked):
                 self._exhausted = ""
 
-    def _warning(self, grown: bool | None) -> str | None:
-        """What to log (holding ``_lock``) after trying to start a thread for
-        queued work while some are blocked: the pool grew past its highest
-        yet (``grown``), or it could not (None) and is exhausted."""
+    def _event(self, grown: bool | None) -> tuple[bool, list[list[Any]], int, int] | None:
+        """After trying to start a thread for queued work while some are
+        blocked (holding ``_lock``): ``(exhausted, blocked, threads, queued)``
+        to warn of, if the pool grew past its highest yet (``grown``) or
+        could not grow (None) and is exhausted; None if nothing to say."""
         if not self._parked:
             return None
+        n = len(self._threads)
         if grown:
-            if len(self._threads) <= self._high:
+            if n <= self._high:
                 return None
-            self._high = len(self._threads)
-            return (
-                f"rpcdist handler pool {self._prefix!r} grew to {len(self._threads)} threads "
-                f"(num_worker_threads={self._max}, at most {self._cap}): "
-                f"{self._blocked_text()} while calls wait to be handled"
-            )
-        if grown is None and not self._exhausted and len(self._threads) == self._parked_own:
-            self._exhausted = self._exhausted_text()
-            return self._exhausted
-        return None
+            self._high = n
+        elif grown is None and not self._exhausted and n == self._parked_own:
+            self._exhausted = self._exhausted_text([], n, self._waiting_work)
+        else:
+            return None
+        return grown is None, list(self._parked.values()), n, self._waiting_work
 
-    def _blocked_text(self) -> str:
-        parked = sorted(self._parked.values(), key=lambda p: p[3])
-        shown = ", ".join(f"{p[1]} (thread {p[0]}) waits on {self._what(p)}" for p in parked[:4])
+    def _warn(self, exhausted: bool, blocked: list[list[Any]], threads: int, queued: int) -> None:
+        """Log an :meth:`_event` (not holding ``_lock``: describing the
+        blocked handlers reads their stacks and the agent's tables)."""
+        if not exhausted:
+            _log.warning(
+                "rpcdist handler pool %r grew to %d threads (num_worker_threads=%d, at most %d): "
+                "%s while calls wait to be handled",
+                self._prefix, threads, self._max, self._cap, self._blocked_text(blocked),
+            )  # fmt: skip
+            return
+        text = self._exhausted_text(blocked, threads, queued)
+        with self._lock:
+            if self._exhausted:  # (the errors of the calls held up say it too)
+                self._exhausted = text
+        _log.warning("%s", text)
+
+    def _describe(self, parked: list[Any]) -> tuple[str, str]:
+        """What a blocked thread runs and what it waits on."""
+        how = self.describe
+        if how is None:
+            return f"thread {parked[0]}", str(parked[2])
+        return how(parked[1], parked[2])
+
+    def _blocked_text(self, blocked: list[list[Any]]) -> str:
+        parked = sorted(blocked, key=lambda p: p[3])
+        shown = []
+        for p in parked[:4]:
+            running, what = self._describe(p)
+            shown.append(f"{running} (thread {p[0]}) waits on {what}")
         more = f" and {len(parked) - 4} more" if len(parked) > 4 else ""
-        return f"{len(parked)} handlers blocked in nested blocking calls: {shown}{more}"
+        return f"{len(parked)} handlers blocked in nested blocking calls: {', '.join(shown)}{more}"
 
-    def _what(self, parked: list[Any]) -> str:
-        what = parked[2]
-        return what if isinstance(what, str) else self.resolve(what)
-
-    def _exhausted_text(self) -> str:
+    def _exhausted_text(self, blocked: list[list[Any]], threads: int, queued: int) -> str:
+        which = f" ({self._blocked_text(blocked)})" if blocked else ""
         return (
-            f"handler pool exhausted: all {len(self._threads)} threads of {self._prefix!r} "
-            f"are taken ({self._blocked_text()}) and {self._waiting_work} calls wait to be "
-            f"handled; raise init_rpc's num_worker_threads (now {self._max}; the pool grows "
-            f"to {self._cap} while handlers block), make the handlers `async def`, or use "
-            f"rpc_async in them instead of blocking"
+            f"handler pool exhausted: all {threads} threads of {self._prefix!r} are taken"
+            f"{which} and {queued} calls wait to be handled; raise init_rpc's "
+            f"num_worker_threads (now {self._max}; the pool grows to {self._cap} while "
+            f"handlers block), make the handlers `async def`, or use rpc_async in them "
+            f"instead of blocking"
         )
 
     def debug_info(self) -> dict[str, Any]:
@@ -309,23 +326,23 @@ class WorkerPool(concurrent.futures.Executor):
         ``exhausted``, the text saying so and what to do about it."""
         with self._lock:
             now = time.monotonic()
+            parked = sorted(self._parked.values(), key=lambda p: p[3])
             info: dict[str, Any] = {
                 "threads": len(self._threads),
                 "max_workers": self._max,
                 "max_grown": self._cap,
                 "queued": self._waiting_work,
-                "blocked": [
-                    {
-                        "thread": p[0],
-                        "running": p[1],
-                        "waits_on": self._what(p),
-                        "age_s": round(now - p[3], 3),
-                    }
-                    for p in sorted(self._parked.values(), key=lambda p: p[3])
-                ],
             }
-            if self._exhausted:
-                info["exhausted"] = self._exhausted
+            exhausted = self._exhausted
+        info["blocked"] = []
+        for p in parked:
+            running, what = self._describe(p)
+            info["blocked"].append(
+                {"thread": p[0], "running": running, "waits_on": what,
+                 "age_s": round(now - p[3], 3)}
+            )  # fmt: skip
+        if exhausted:
+            info["exhausted"] = exhausted
         return info
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

@@ -133,7 +133,6 @@ class Agent:
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
         self.executor.describe = functools.partial(_dispatch.blocked_handler, self)
-        self.executor.resolve = functools.partial(_dispatch.waited_call, self)
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         try:
             self.loop = self._lt.loop

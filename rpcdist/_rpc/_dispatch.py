@@ -58,7 +58,6 @@ __all__ = [
     "reply_error_threadsafe",
     "run_handler",
     "serve",
-    "waited_call",
 ]
 
 _log = logging.getLogger(__name__)
@@ -120,14 +119,15 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         raise e
 
 
-def blocked_handler(agent: Agent, waits_on: object) -> tuple[str, str | None]:
-    """What the calling thread's handler runs and what it waits on, for the
-    handler pool's warnings (its ``describe`` hook; slow path only): the
-    function of the innermost :func:`call` on this thread's stack, and the
-    call ``waits_on`` is the reply of (a ``Started`` call, the Future of a
-    pending call, or that of an ``Agent.rpc_sync`` on the stack not sent yet)."""
+def blocked_handler(agent: Agent, ident: int, waits_on: object) -> tuple[str, str]:
+    """What blocked thread ``ident``'s handler runs and what it waits on,
+    for the handler pool's warnings (its ``describe`` hook; any thread, only
+    when a warning or snapshot is made): the function of the innermost
+    :func:`call` on that thread's stack, and the call whose reply
+    ``waits_on`` is (a ``Started`` call, the Future of a pending call, or
+    that of an ``Agent.rpc_sync`` on the stack not sent yet)."""
     running, sent_by = "a task", None
-    frame = sys._getframe(1)
+    frame = sys._current_frames().get(ident)
     while frame is not None:
         code = frame.f_code
         if code is call.__code__:
@@ -135,7 +135,7 @@ def blocked_handler(agent: Agent, waits_on: object) -> tuple[str, str | None]:
             break
         if sent_by is None and code.co_qualname == "Agent.rpc_sync":
             sent_by = frame.f_locals
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     del frame
     if isinstance(waits_on, Future):
         what = agent.calls.describe(waits_on)
@@ -143,19 +143,12 @@ def blocked_handler(agent: Agent, waits_on: object) -> tuple[str, str | None]:
             msg, peer = sent_by.get("msg"), sent_by.get("peer")
             what = f"{getattr(msg, 'label', '') or getattr(msg, 'method', '?')!r} on "
             what += repr(getattr(peer, "name", "?"))
+        what = what or "a Future (its call not sent yet, or other work)"
     elif hasattr(waits_on, "chan") and hasattr(waits_on, "label"):  # a ``Started`` call
         what = f"{waits_on.label!r} on {agent.workers[waits_on.chan.link.peer_rank].name!r}"
     else:
         what = str(waits_on)
     return running, what
-
-
-def waited_call(agent: Agent, waits_on: object) -> str:
-    """What a blocked handler waits on, described after it blocked (the
-    handler pool's ``resolve`` hook): a Future's call once it is pending."""
-    if isinstance(waits_on, Future):
-        return agent.calls.describe(waits_on) or "a Future (its call not sent yet, or other work)"
-    return str(waits_on)
 
 
 async def call_user(
