@@ -287,7 +287,8 @@ processes per fault (ranks from the environment; rank 0 observes and is never
 the victim), the fault injected into rank 1 or 2 once every rank is mid-work:
 SIGKILL; SIGSTOP; or *linkdrop*, every message the victim sends dropped from
 then on (its `RpcOptions.faults` injector, switched on by a SIGUSR1 sent from
-outside: its links go silent while its sockets stay open). Default detector
+outside: its links go silent while its sockets stay open; only those jobs
+carry an injector, which keeps their calls off the thread-driven fast path). Default detector
 settings (heartbeats every 0.5 s, a peer lost after 3 s of silence). A
 survivor with no result {cap:.0f} s after the fault is a **hang**, even where
 a timeout of its own would end it later; a survivor that finishes its work

@@ -12,6 +12,8 @@ rank other than the observer (rank 0):
   dropped from then on (the campaign sends it SIGUSR1, which turns on a
   drop-everything rule of its ``RpcOptions.faults`` injector): to the
   others its links go silent, as in a partition, while its sockets stay up.
+  (Only these jobs run with an injector: it keeps calls off the
+  thread-driven fast path, which the other faults should meet.)
 
 Each survivor records when its work raised (wall clock, to compare with the
 moment of the fault) and what; a survivor that has not reported within
@@ -129,26 +131,26 @@ def _step_fn(kind: str, rank: int) -> Any:
     return step
 
 
-def job(rank: int, world_size: int, init: str, kind: str, marks: str) -> dict[str, Any]:
+def job(rank: int, world_size: int, init: str, kind: str, fault: str, marks: str) -> dict[str, Any]:
     """One rank of a trial: work until the work raises (or :data:`LIMIT`
     seconds pass), then report (and write a ``done`` marker)."""
     from rpcdist.testing import FaultInjector
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    faults = FaultInjector()
-    # SIGUSR1 (the campaign's "linkdrop"): every message this rank sends is
-    # dropped from now on. (A thread adds the rule: the handler may interrupt
-    # a thread that holds the injector's lock.)
-    signal.signal(
-        signal.SIGUSR1,
-        lambda *_: threading.Thread(
-            target=faults.add, args=("*", "drop"), kwargs={"times": None}
-        ).start(),
-    )
+    faults = None
+    if fault == "linkdrop":  # (only then: an injector keeps calls off the fast paths)
+        injector = faults = FaultInjector()
+        # SIGUSR1: every message this rank sends is dropped from now on. (A
+        # thread adds the rule: the handler may interrupt one holding its lock.)
+        signal.signal(
+            signal.SIGUSR1,
+            lambda *_: threading.Thread(
+                target=injector.add, args=("*", "drop"), kwargs={"times": None}
+            ).start(),
+        )
     Path(marks, f"pid{rank}").write_text(str(os.getpid()))
     opts = rpcdist.RpcOptions(faults=faults, shutdown_timeout=5)
     rpcdist.init_rpc(f"w{rank}", init_method=init, rpc_timeout=None, options=opts)
-    os.environ.update(MASTER_ADDR="127.0.0.1")
     out: dict[str, Any] = {"iters": 0}
     try:
         step = _step_fn(kind, rank)
@@ -220,7 +222,7 @@ def trial(kind: str, fault: str, victim: int, cap: float = CAP) -> Trial:
 
         def run() -> None:
             box["res"] = harness.run_job(
-                job, WORLD, (kind, tmp), timeout=LIMIT, expect=set(survivors)
+                job, WORLD, (kind, fault, tmp), timeout=LIMIT, expect=set(survivors)
             )
 
         runner = threading.Thread(target=run, daemon=True)
