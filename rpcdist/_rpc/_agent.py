@@ -20,6 +20,7 @@ and the init checks in :mod:`._join`; snapshots for hang diagnosis in
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -130,6 +131,7 @@ class Agent:
         self.mailbox = Mailbox()
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
+        self.executor.describe = functools.partial(_dispatch.blocked_handler, self)
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         try:
             self.loop = self._lt.loop

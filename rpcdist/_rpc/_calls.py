@@ -90,6 +90,15 @@ class Calls:
         with self._lock:
             return [(p.dst, p.label, p.started, p.deadline) for p in self._pending.values()]
 
+    def describe(self, fut: Future[Any]) -> str | None:
+        """The pending call whose reply ``fut`` gets, as ``'label' on 'worker'``
+        (any thread; a scan, for warnings); None if none."""
+        with self._lock:
+            found = next((p for p in self._pending.values() if p.fut is fut), None)
+        if found is None:
+            return None
+        return f"{found.label!r} on {self._agent.workers[found.dst].name!r}"
+
     def busy(self) -> bool:
         """Whether user calls are pending or queued for the loop (any thread; a hint)."""
         return len(self._pending) > self._unordered or bool(self._queued)
