@@ -18,6 +18,7 @@ so rank 0 fails within milliseconds instead of timing out.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import socket
 import sys
@@ -29,6 +30,7 @@ import msgpack
 from .._errors import ConfigError, ConnectError
 from .._store import GrpcTls, open_store
 from .._store._common import REFUSED_KEY
+from . import _procview
 
 if TYPE_CHECKING:
     from .._store import RendezvousSpec, StoreClient, StoreServer
@@ -138,6 +140,8 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
         "name": agent.name,
         "rank": agent.rank,
         "host": host_id(),
+        "pid": os.getpid(),
+        "seat": _procview.seat(),
         "transport": agent.links.transport.name,
         "link": published,
         "wire": WIRE_PROTOCOL,
