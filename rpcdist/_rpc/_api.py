@@ -134,6 +134,7 @@ def start_agent_for(
             )
             if spec_rank is None:  # the rank came from the environment
                 agent.name = f"rank{agent.rank}"
+                agent.links.transport.rename(agent.name)  # (its hello names the worker)
             agent.start()
             set_default_agent(agent)
         agent.roles.add(role)

@@ -172,6 +172,13 @@ class CollectiveState(BaseExtension):
             and not _alive(self.pids[q])
         ]
 
+    def watch(self, ranks: Sequence[int]) -> None:
+        """Make the failure detector watch these members (any thread)."""
+        liveness = self.agent.liveness
+        for q in ranks:
+            if q != self.agent.rank and not liveness.is_lost(q):
+                liveness.watch_threadsafe(q)
+
     def peer_lost(self, rank: int) -> None:
         """Worker ``rank`` was declared lost: fail the groups it belongs to (on the loop)."""
         liveness = self.agent.liveness
