@@ -165,11 +165,11 @@ class RpcOptions:
             RRefs, collectives and autograd contexts involving it fail with
             ``WorkerLostError``, and it is never dialled again. One whose
             process still runs is only paused (see ``pause_timeout``); one on
-            another host is declared lost after twice this, or twice the
+            another host is declared lost after four times this, or twice the
             longest silence it ended itself. ``None`` turns the failure
             detector off (hangs are then found only by deadlines). Default
             3 s: a stopped peer on this host is declared lost 3 to 4 s after
-            it stops, one on another host after 6 s (docs/failure-model.md).
+            it stops, one on another host after 12 s (docs/failure-model.md).
         pause_timeout: The longest silence tolerated from a peer that is
             still running (a garbage collection or a native call holding its
             GIL): on this host, seen running through ``/proc``; on another

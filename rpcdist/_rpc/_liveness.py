@@ -23,9 +23,9 @@ A peer is *lost* when
     is gone at once; one whose process runs or sleeps is only paused, and
     is declared lost only after ``RpcOptions.pause_timeout`` seconds;
   - a peer without that view (another host) is declared lost after an
-    adaptive window: twice ``peer_timeout``, or twice the longest silence
-    it has ever ended itself (a peer known to pause for 4 s gets 8 s), at
-    most ``pause_timeout``.
+    adaptive window: ``REMOTE_FACTOR`` (4) times ``peer_timeout``, or twice
+    the longest silence it has ever ended itself (a peer known to pause for
+    8 s gets 16 s), at most ``pause_timeout``.
 
   Only time this worker was listening counts: when its own loop was held
   up (a starved or paused process), the stall is not counted against its
@@ -73,6 +73,11 @@ log = logging.getLogger(__name__)
 
 #: The internal method of a probe (answered by every agent).
 PING = "rpc.ping"
+#: Without a view of its process (another host), a silent peer is declared
+#: lost after this many ``peer_timeout``: long enough for the longest GIL
+#: holds measured (``docs/benchmarks.md``, "GIL holds": unpickling millions
+#: of objects held it 7.6 s), short enough to end a partition's calls.
+REMOTE_FACTOR = 4
 #: A probe's bound when the detector is off.
 _PROBE_LIMIT = 5.0
 
@@ -255,10 +260,12 @@ class Liveness:
 
     def window(self, rank: int) -> float:
         """Seconds of silence after which ``rank`` is declared lost, when no
-        second opinion speaks (another host): twice the suspicion threshold,
-        or twice the longest silence it ended itself, at most ``pause_limit``."""
+        second opinion speaks (another host): ``REMOTE_FACTOR`` times the
+        suspicion threshold, or twice the longest silence it ended itself, at
+        most ``pause_limit``."""
         base = self.timeout if self.timeout is not None else _PROBE_LIMIT
-        return min(max(self.pause_limit, base), max(2 * base, 2 * self._gaps.get(rank, 0.0)))
+        longest = 2 * self._gaps.get(rank, 0.0)
+        return min(max(self.pause_limit, base), max(REMOTE_FACTOR * base, longest))
 
     def judge(self, rank: int, quiet: float) -> str | None:
         """Why ``rank``, silent for ``quiet`` seconds, is lost; ``None``: not (yet)."""
