@@ -12,13 +12,20 @@ launcher's environment, with the detector's default settings.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import time
 
 import harness
 import live_workers as lw
 import pytest
 
 import rpcdist
+from rpcdist._rpc._liveness import REMOTE_FACTOR
+from rpcdist._rpc._procview import STOPPED, process_state
+from rpcdist.testing import local_agents
 
 #: The default detector: a stopped same-host peer is declared lost within
 #: ``peer_timeout`` plus two looks.
@@ -81,3 +88,39 @@ def test_shutdown_with_the_store_host_stopped_ends_promptly_naming_it_only():
         assert v["lost"] == ["w0"], (rank, v)
         assert v["shutdown_s"] < WINDOW + 2.0, (rank, v["shutdown_s"])
     assert res.exitcodes[0] == -9
+
+
+def test_the_second_opinion_tells_a_stopped_process_from_a_paused_one():
+    """The verdict on a silent same-host peer, with a real process as its
+    stand-in: running, it is paused (up to ``pause_timeout``); stopped, it is
+    lost once suspected; gone, at once. Without a view, the remote window."""
+    opts = rpcdist.RpcOptions(token=None, heartbeat_interval=0.1, peer_timeout=1.0,
+                              pause_timeout=20.0)  # fmt: skip
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        with local_agents(2, options=opts) as (a, _b):
+            lv = a.liveness
+            assert lv.judge(1, 30.0) is not None  # in-process: no view, the remote window
+            assert lv.window(1) == REMOTE_FACTOR * 1.0
+            lv._pids[1] = proc.pid  # as a peer on this host
+            assert lv.judge(1, 0.5) is None  # not even suspected
+            assert lv.judge(1, 19.0) is None  # it runs (sleeps): a pause
+            assert "runs" in lv.judge(1, 20.0)  # past pause_timeout: hung
+            os.kill(proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10  # (the signal is delivered asynchronously)
+            while process_state(proc.pid) != STOPPED and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert lv.judge(1, 0.5) is None
+            assert "is stopped" in lv.judge(1, 1.0)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            assert "has exited" in lv.judge(1, 0.0)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_options_check_pause_timeout():
+    with pytest.raises(rpcdist.ConfigError, match="pause_timeout"):
+        rpcdist.RpcOptions(peer_timeout=3.0, pause_timeout=2.0).validated()
+    assert rpcdist.RpcOptions(peer_timeout=None, pause_timeout=1.0).validated()
