@@ -33,10 +33,10 @@ A peer is *lost* when
   each link that sent nothing since the last look, so a live peer's links
   are never silent that long; links that carry calls send no heartbeats.
 
-Extensions hear of each verdict (``Extension.peer_lost``), and so do
-listeners added with :meth:`Liveness.on_lost`, from any thread's point of
-view at the same moment: every layer (calls, RRefs, every collective
-backend, the shutdown) learns of a loss from this one detector.
+Every layer learns of a loss from this one detector, with the same
+window: calls and blocking calls here, RRefs and every collective backend
+through ``Extension.peer_lost`` (a blocked collective makes the detector
+watch its members), the shutdown through :meth:`Liveness.changed`.
 
 Losing a peer is final (fail-stop): every call pending on it fails with
 ``WorkerLostError`` naming it, its links are closed, threads waiting on its
@@ -56,7 +56,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConnectError, RpcdistError, RpcTimeoutError, WorkerLostError
@@ -104,7 +103,6 @@ class Liveness:
         self._gaps: dict[int, float] = {}
         #: Peers suspected (silent past ``timeout``) and not yet judged lost.
         self.suspected: set[int] = set()
-        self._listeners: list[Callable[[int], None]] = []
         #: Lost workers: rank -> why (written on the loop; read anywhere).
         self.lost: dict[int, str] = {}
         #: When each was declared lost (the loop's clock).
@@ -129,10 +127,6 @@ class Liveness:
             for i in infos
             if me and i.get("seat") == me and i.get("pid") not in (None, pid)
         }
-
-    def on_lost(self, listener: Callable[[int], None]) -> None:
-        """Call ``listener(rank)`` on the loop at each verdict (after the extensions)."""
-        self._listeners.append(listener)
 
     def start(self) -> None:
         """Start the detector (on the loop, once the workers table is known)."""
@@ -186,11 +180,6 @@ class Liveness:
                 w.set_result(None)
         self._waiters.clear()
         agent.peer_lost(rank)
-        for listener in list(self._listeners):
-            try:
-                listener(rank)
-            except Exception:
-                log.exception("%s: a listener of lost workers failed", agent.name)
 
     def changed(self) -> asyncio.Future[None]:
         """A future done at the next loss (on the loop)."""
