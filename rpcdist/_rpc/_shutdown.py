@@ -161,7 +161,7 @@ async def _store_host_lost(agent: Agent) -> bool:
         return False
     liveness.probe(0, "the store it serves failed")
     loop = asyncio.get_running_loop()
-    end = loop.time() + (liveness.timeout or 0.0) + liveness.interval
+    end = loop.time() + (liveness.window(0) if liveness.timeout else 0.0) + liveness.interval
     while not liveness.is_lost(0) and loop.time() < end:
         changed = liveness.changed()
         await asyncio.wait({changed}, timeout=end - loop.time())
