@@ -162,12 +162,20 @@ class RpcOptions:
         heartbeat_interval: Seconds of silence on a link after which this
             worker sends a heartbeat on it (only idle links carry them).
         peer_timeout: Seconds without a byte from a linked peer (heartbeats
-            included) after which it is declared lost: calls, RRefs,
-            collectives and autograd contexts involving it fail with
-            ``WorkerLostError``, and it is never dialled again. ``None`` turns
-            the failure detector off (hangs are then found only by deadlines).
-            Default 3 s: a hung peer is declared lost 3 to 4 s after it
-            stops (docs/failure-model.md).
+            included) after which it is suspected. A suspect on this host
+            whose process is stopped (SIGSTOP) is then declared lost: calls,
+            RRefs, collectives and autograd contexts involving it fail with
+            ``WorkerLostError``, and it is never dialled again. One whose
+            process still runs is only paused (see ``pause_timeout``); one on
+            another host is declared lost after four times this, or twice the
+            longest silence it ended itself. ``None`` turns the failure
+            detector off (hangs are then found only by deadlines). Default
+            3 s: a stopped peer on this host is declared lost 3 to 4 s after
+            it stops, one on another host after 12 s (docs/failure-model.md).
+        pause_timeout: The longest silence tolerated from a peer that is
+            still running (a garbage collection or a native call holding its
+            GIL): on this host, seen running through ``/proc``; on another
+            host, the cap of its adaptive window. Default 30 s.
         callable_policy: Which functions peers may call here by name (and
             send as arguments, call as methods through RRef proxies):
             ``"exposed"`` (the default) admits only what the program exposes:
@@ -225,6 +233,7 @@ class RpcOptions:
     max_message_bytes: int = 2 * _GiB
     heartbeat_interval: float = 0.5
     peer_timeout: float | None = 3.0
+    pause_timeout: float = 30.0
     callable_policy: str = "exposed"
     allowed_callables: tuple[Any, ...] = ()
     cuda_ipc: bool = field(default_factory=lambda: os.environ.get("RPCDIST_CUDA_IPC", "1") != "0")
@@ -301,6 +310,12 @@ class RpcOptions:
             raise ConfigError(
                 "RpcOptions.peer_timeout must be None or a number of seconds >= "
                 f"heartbeat_interval ({hb}), got {pt!r}"
+            )
+        pz = self.pause_timeout
+        if not isinstance(pz, int | float) or isinstance(pz, bool) or pz < (pt or hb):
+            raise ConfigError(
+                "RpcOptions.pause_timeout must be a number of seconds >= peer_timeout "
+                f"({pt}), got {pz!r}"
             )
         if self.callable_policy not in CALLABLE_POLICIES:
             raise ConfigError(

@@ -174,6 +174,7 @@ class Agent:
         self._by_name = {w.name: w for w in self.workers}
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
+        self.liveness.learn(infos)
         # Only with its tables filled in may a worker pass this: peers call at once.
         await _join.barrier(self, "rpc/init")
         await _join.check(self, infos)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import sys
 from collections.abc import Awaitable
@@ -31,6 +32,7 @@ from .._options import is_loopback
 from .._store import GrpcTls, open_store
 from .._store._common import REFUSED_KEY
 from .._store._private import open_private_store
+from . import _procview
 
 if TYPE_CHECKING:
     from .._store import RendezvousSpec, StoreClient, StoreServer
@@ -130,6 +132,8 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
         "name": agent.name,
         "rank": agent.rank,
         "host": host_id(),
+        "pid": os.getpid(),
+        "seat": _procview.seat(),
         "transport": agent.links.transport.name,
         "link": published,
         "wire": WIRE_PROTOCOL,
