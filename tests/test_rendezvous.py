@@ -426,3 +426,26 @@ def test_an_empty_refusal_summary_when_nobody_was_refused() -> None:
         await _close(store, server)
 
     run(main)
+
+
+def test_a_tokenless_ranks_probe_is_refused_without_a_report(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        server = StoreServer(token="secret", secret_file=str(tmp_path / "secret"))
+        port = await server.start("127.0.0.1", 0)
+        try:
+            for probe in (True, False):
+                client = StoreClient(f"127.0.0.1:{port}", token=None, rank=1, probe=probe)
+                with pytest.raises(ConnectError, match="no job token"):
+                    await client.connect(timeout=5)
+                await client.close()
+                # the probe is refused as any tokenless caller, but only the
+                # stranger is counted and logged
+                assert server.refused == (0 if probe else 1)
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level("WARNING", logger="rpcdist._store._server"):
+        run(main)
+    assert [r.getMessage().count("refused a call") for r in caplog.records] == [1]

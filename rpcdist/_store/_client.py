@@ -35,7 +35,7 @@ from .._proto import store_pb2 as pb
 from ._common import BARRIER_PREFIX as _BARRIER_PREFIX
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, TOKEN_METADATA_KEY, GrpcTls
+from ._common import PROBE_METADATA_KEY, RANK_METADATA_KEY, TOKEN_METADATA_KEY, GrpcTls
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["StoreClient"]
@@ -103,6 +103,7 @@ class StoreClient:
         timeout: float = 60.0,
         rank: int | None = None,
         tls: GrpcTls | None = None,
+        probe: bool = False,
     ) -> None:
         self._address = address
         self._tls = tls
@@ -113,6 +114,8 @@ class StoreClient:
             metadata.append((TOKEN_METADATA_KEY, token))
         if rank is not None:  # named in the server's report if it refuses us
             metadata.append((RANK_METADATA_KEY, str(rank)))
+        if probe:  # (a refusal is expected: the server does not report it)
+            metadata.append((PROBE_METADATA_KEY, "1"))
         self._metadata = tuple(metadata) or None
         deadline_for(timeout, None)  # validates it
         self._timeout = timeout

@@ -10,6 +10,7 @@ __all__ = [
     "BARRIER_PREFIX",
     "INT64",
     "MESSAGE_OPTIONS",
+    "PROBE_METADATA_KEY",
     "RANK_METADATA_KEY",
     "REFUSED_KEY",
     "SECRET_FILE_REFUSAL",
@@ -23,6 +24,10 @@ __all__ = [
 TOKEN_METADATA_KEY = "rpcdist-token"
 #: gRPC metadata key naming the caller's rank (for the server's refusal report).
 RANK_METADATA_KEY = "rpcdist-rank"
+#: gRPC metadata key a tokenless rank sets on its probe of the store while it
+#: waits for its job's secret file: a refusal of it is expected, and is
+#: neither logged nor counted among the refused calls.
+PROBE_METADATA_KEY = "rpcdist-probe"
 #: A key that is always set: how many callers the server refused for their
 #: token and from where, ``b""`` if none (it is not counted among the keys stored).
 REFUSED_KEY = "rpcdist/refused"

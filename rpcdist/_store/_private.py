@@ -115,7 +115,7 @@ async def _probe(spec: RendezvousSpec, tls: GrpcTls | None) -> None:
     """
     rank = spec.rank
     try:
-        store = await _reach(spec, None, _PROBE_TIMEOUT, _PROBE_TIMEOUT, tls)
+        store = await _reach(spec, None, _PROBE_TIMEOUT, _PROBE_TIMEOUT, tls, probe=True)
         await store.close()  # a store with no token at all: not this job's
     except ConnectError as exc:
         text = str(exc)
@@ -127,7 +127,12 @@ async def _probe(spec: RendezvousSpec, tls: GrpcTls | None) -> None:
 
 
 async def _reach(
-    spec: RendezvousSpec, token: str | None, attempt: float, timeout: float, tls: GrpcTls | None
+    spec: RendezvousSpec,
+    token: str | None,
+    attempt: float,
+    timeout: float,
+    tls: GrpcTls | None,
+    probe: bool = False,
 ) -> StoreClient:
     """One attempt, of ``attempt`` seconds, to reach the store with ``token``.
 
@@ -138,7 +143,9 @@ async def _reach(
 
     if spec.scheme == "file" and spec.path is not None:
         return await join_file(rendezvous_file(spec.path), token, attempt, spec.rank, tls)
-    store = StoreClient(spec.address, token=token, timeout=timeout, rank=spec.rank, tls=tls)
+    store = StoreClient(
+        spec.address, token=token, timeout=timeout, rank=spec.rank, tls=tls, probe=probe
+    )
     try:
         await store.connect(timeout=attempt)
     except BaseException:

@@ -37,6 +37,7 @@ from .._proto import store_pb2 as pb
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
 from ._common import (
+    PROBE_METADATA_KEY,
     RANK_METADATA_KEY,
     REFUSED_KEY,
     SECRET_FILE_REFUSAL,
@@ -231,6 +232,11 @@ class StoreServer:
         return None
 
     def _refuse(self, metadata: dict[str, Any], peer: str, why: str) -> None:
+        if metadata.get(PROBE_METADATA_KEY) and metadata.get(TOKEN_METADATA_KEY) is None:
+            # A tokenless rank of this user asking whether the job has a
+            # token, while it waits for the secret file: no one to warn of.
+            logger.debug("refused a probe of the rendezvous store from %s", peer)
+            return
         rank = metadata.get(RANK_METADATA_KEY)
         named = isinstance(rank, str) and rank.isdigit() and len(rank) <= 9  # (the caller's word)
         claim = f" (claiming rank {rank})" if named else ""
