@@ -232,9 +232,11 @@ class StoreServer:
         return None
 
     def _refuse(self, metadata: dict[str, Any], peer: str, why: str) -> None:
-        if metadata.get(PROBE_METADATA_KEY) and metadata.get(TOKEN_METADATA_KEY) is None:
-            # A tokenless rank of this user asking whether the job has a
-            # token, while it waits for the secret file: no one to warn of.
+        probe = metadata.get(PROBE_METADATA_KEY) and metadata.get(TOKEN_METADATA_KEY) is None
+        if probe and self.secret_file is not None:
+            # A tokenless rank asking whether the job has a user token while
+            # it waits for the secret file (this job has none): expected.
+            # (A store with RPCDIST_TOKEN counts it: that rank is misconfigured.)
             logger.debug("refused a probe of the rendezvous store from %s", peer)
             return
         rank = metadata.get(RANK_METADATA_KEY)
