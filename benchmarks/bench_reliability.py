@@ -289,8 +289,12 @@ the victim), the fault injected into rank 1 or 2 once every rank is mid-work:
 SIGKILL; SIGSTOP; or *linkdrop*, every message the victim sends dropped from
 then on (its `RpcOptions.faults` injector, switched on by a SIGUSR1 sent from
 outside: its links go silent while its sockets stay open; only those jobs
-carry an injector, which keeps their calls off the thread-driven fast path). Default detector
-settings (heartbeats every 0.5 s, a peer lost after 3 s of silence). A
+carry an injector, which keeps their calls off the thread-driven fast path). The
+detector's defaults (heartbeats every 0.5 s; a silent peer suspected after 3 s
+and, on this host, lost then if `/proc` shows it stopped) except
+`pause_timeout`, 6 s instead of 30: a linkdrop victim is a running process on
+this host, which the detector treats as paused (a long GIL hold) for up to
+`pause_timeout` before it declares it lost. A
 survivor with no result {cap:.0f} s after the fault is a **hang**, even where
 a timeout of its own would end it later; a survivor that finishes its work
 without an error counts as completed. All trials: {seconds:.0f} s.
