@@ -294,7 +294,9 @@ detector's defaults (heartbeats every 0.5 s; a silent peer suspected after 3 s
 and, on this host, lost then if `/proc` shows it stopped) except
 `pause_timeout`, 6 s instead of 30: a linkdrop victim is a running process on
 this host, which the detector treats as paused (a long GIL hold) for up to
-`pause_timeout` before it declares it lost. A
+`pause_timeout` before it declares it lost. DDP and FSDP jobs hit by a
+linkdrop run their collectives on the message ring over the dropped links
+(on one host `auto` takes shared memory, which a link drop does not touch). A
 survivor with no result {cap:.0f} s after the fault is a **hang**, even where
 a timeout of its own would end it later; a survivor that finishes its work
 without an error counts as completed. All trials: {seconds:.0f} s.

@@ -17,7 +17,9 @@ rank other than the observer (rank 0):
   process still runs on this host, so the detector takes its silence for a
   pause (a long GIL hold) for up to ``pause_timeout``: every job runs with
   :data:`PAUSE_TIMEOUT` (6 s, not the default 30 s) so that this verdict
-  falls within the cap.
+  falls within the cap. DDP and FSDP jobs hit by a link drop run their
+  collectives on the message ring over those links (on one host ``auto``
+  takes shared memory, which no link drop touches).
 
 Each survivor records when its work raised (wall clock, to compare with the
 moment of the fault) and what; a survivor that has not reported within
@@ -89,7 +91,7 @@ def _mlp(seed: int) -> Any:
     return nn.Sequential(nn.Linear(6, 16, generator=g), nn.Tanh(), nn.Linear(16, 3, generator=g))
 
 
-def _step_fn(kind: str, rank: int) -> Any:
+def _step_fn(kind: str, rank: int, fault: str) -> Any:
     """One iteration of ``kind`` on ``rank`` (after init_rpc)."""
     peers = [r for r in range(WORLD) if r != rank]
     if kind == "rpc":
@@ -122,7 +124,10 @@ def _step_fn(kind: str, rank: int) -> Any:
         from rpcdist.nn import functional as F
         from rpcdist.parallel import DistributedDataParallel, FullyShardedDataParallel
 
-        dist.init_process_group(timeout=LIMIT)  # (no end of its own before the cap)
+        # A link drop is a fault of the links: the collectives take the message
+        # ring over them (shared memory, auto's choice on one host, has none).
+        backend = "ring" if fault == "linkdrop" else "auto"
+        dist.init_process_group(backend=backend, timeout=LIMIT)  # (no end before the cap)
         wrap = DistributedDataParallel if kind == "ddp" else FullyShardedDataParallel
         model = wrap(_mlp(rank + 1))
         opt = optim.SGD(list(model.parameters()), lr=0.01)
@@ -160,7 +165,7 @@ def job(rank: int, world_size: int, init: str, kind: str, fault: str, marks: str
     rpcdist.init_rpc(f"w{rank}", init_method=init, rpc_timeout=None, options=opts)
     out: dict[str, Any] = {"iters": 0}
     try:
-        step = _step_fn(kind, rank)
+        step = _step_fn(kind, rank, fault)
         end = time.monotonic() + LIMIT
         i = 0
         while time.monotonic() < end:
