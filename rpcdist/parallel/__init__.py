@@ -29,10 +29,10 @@ from __future__ import annotations
 from . import comm_hooks
 from ._bucket import GradBucket
 from ._ddp import DistributedDataParallel
-from ._ft import FaultTolerance
-from ._ft_coordinator import FaultToleranceCoordinator
 from ._fsdp import FullyShardedDataParallel
 from ._fsdp_policy import MixedPrecision, ModuleWrapPolicy, size_based_auto_wrap_policy
+from ._ft import FaultTolerance
+from ._ft_coordinator import FaultToleranceCoordinator
 from ._join import Join, Joinable, JoinHook
 from ._zero import ZeroRedundancyOptimizer
 

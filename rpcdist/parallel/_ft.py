@@ -100,6 +100,7 @@ class FaultTolerance:
         self._send_to: list[int] = []
         self._heal_from: int | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._iter: Iterator[int] | None = None
         self._committed = 0  # samples per rank committed in the sampler's segment
         self._batch: np.ndarray[Any, Any] | None = None
@@ -320,8 +321,11 @@ class FaultTolerance:
         for s in mesh.values():
             s.settimeout(self.timeout)
         self._mesh = mesh
-        if self._pool is None or self._pool._max_workers < len(mesh):  # noqa: SLF001
-            self._pool = ThreadPoolExecutor(max(len(mesh), 1), thread_name_prefix="ft-send")
+        if self._pool is None or self._pool_size < len(mesh):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool_size = len(mesh)
+            self._pool = ThreadPoolExecutor(len(mesh), thread_name_prefix="ft-send")
         return mesh
 
     def _drop_mesh(self) -> None:
@@ -331,19 +335,21 @@ class FaultTolerance:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
-    def _exchange(self, outgoing: dict[int, np.ndarray[Any, Any]], shapes: dict[int, int]) -> dict[int, np.ndarray[Any, Any]]:
+    def _exchange(
+        self, outgoing: dict[int, np.ndarray[Any, Any]], shapes: dict[int, int]
+    ) -> dict[int, np.ndarray[Any, Any]]:
         """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from each."""
         mesh = self._peers()
         assert self._pool is not None
         sends = [
-            self._pool.submit(mesh[rid].sendall, memoryview(np.ascontiguousarray(arr)).cast("B"))
+            self._pool.submit(mesh[rid].sendall, np.ascontiguousarray(arr).data.cast("B"))
             for rid, arr in outgoing.items()
         ]
         got = {}
         try:
             for rid, n in shapes.items():
                 buf = np.empty(n, np.float64)
-                recv_into(mesh[rid], memoryview(buf).cast("B"))
+                recv_into(mesh[rid], buf.data.cast("B"))
                 got[rid] = buf
         finally:
             for f in sends:

@@ -6,7 +6,8 @@ committed step it appends ``step members sha256(parameters)`` to
 ``OUT/rank<id>.log`` and at the end writes its parameters, optimizer state
 and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
 ``OUT/kill<id>-<step>`` when the step reaches that point and then waits to
-be killed from outside.
+be killed from outside. With ``FT_HOLD=<step>`` it waits at that step
+until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ N, IN, HID, OUT, B = 90, 6, 16, 3, 4
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
-    return rng.standard_normal((N, IN)), rng.integers(0, OUT, N)
+    x = rng.standard_normal((N, IN))
+    return x, np.argmax(x @ rng.standard_normal((IN, OUT)), axis=1)  # learnable
 
 
 def model(seed: int) -> nn.Module:
     g = rt.Generator().manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(IN, HID, dtype=F64, generator=g), nn.Tanh(), nn.Linear(HID, OUT, dtype=F64, generator=g)
+        nn.Linear(IN, HID, dtype=F64, generator=g),
+        nn.Tanh(),
+        nn.Linear(HID, OUT, dtype=F64, generator=g),
     )
 
 
@@ -65,23 +69,32 @@ def main(argv: list[str]) -> int:
             time.sleep(120)  # killed from outside before this ends
 
     sampler = DistributedSampler(N, num_replicas=1, rank=0, seed=3)
-    ft = FaultTolerance(sampler=sampler, batch_size=B, timeout=float(os.environ.get("FT_TIMEOUT", "20")), hook=hook)
+    ft = FaultTolerance(
+        sampler=sampler, batch_size=B, timeout=float(os.environ.get("FT_TIMEOUT", "20")), hook=hook
+    )
     net = DDP(model(me + 1), fault_tolerance=ft)  # different on purpose: the first quorum heals
     opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     ft.register_state("optim", opt)
-    log = open(os.path.join(out, f"rank{me}.log"), "a")
-    if kill and kill[1] == "start" and int(kill[0]) == 0:
-        hook("start")
+    log = open(os.path.join(out, f"rank{me}.log"), "a")  # noqa: SIM115 (closed at exit)
+    hold = int(os.environ.get("FT_HOLD", "-1"))  # wait for OUT/go before this step
     while ft.step < steps:
+        while ft.step == hold and not os.path.exists(os.path.join(out, "go")):
+            time.sleep(0.01)
         idx = ft.start_step()
         opt.zero_grad()
         loss = loss_of(net, idx)
         loss.backward()
         if ft.commit():
             opt.step()
-            log.write(f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module)} {float(loss.item())!r}\n")
+            log.write(
+                f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module)} {float(loss.item())!r}\n"
+            )
             log.flush()
-    state = {"params": net.module.state_dict(), "optim": opt.state_dict(), "sampler": sampler.state_dict()}
+    state = {
+        "params": net.module.state_dict(),
+        "optim": opt.state_dict(),
+        "sampler": sampler.state_dict(),
+    }
     rpcdist.save(state, os.path.join(out, f"rank{me}.npz"))
     ft.close()
     return 0
