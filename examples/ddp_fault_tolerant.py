@@ -99,13 +99,30 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 def plain_rank(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> int:
+    """The same training with the ordinary DDP, checkpointing every
+    ``--checkpoint-every`` steps into ``--workdir`` and resuming from it after
+    the launcher restarted the job (``--max-restarts``)."""
+    import rpcdist
     from rpcdist import collectives as dist
 
     dist.init_process_group()
+    rank = dist.get_rank()
     sampler = DistributedSampler(len(x), seed=args.seed)
     model = DDP(Net(args.hidden))
     opt = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step, it, start = 0, iter(sampler), 0.0
+    step, start = 0, 0.0
+    work = args.workdir
+    ckpt = os.path.join(work, "checkpoint.npz") if work else ""
+    if work:
+        with open(os.path.join(work, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        if os.path.exists(ckpt):
+            saved = rpcdist.load(ckpt)
+            model.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            sampler.load_state_dict(saved["sampler"])
+            step = int(saved["step"])
+    it = iter(sampler)
     while step < args.steps:
         idx = np.fromiter((i for _, i in zip(range(args.batch_size), it, strict=False)), int)
         if not len(idx):
@@ -118,16 +135,34 @@ def plain_rank(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> int:
         step += 1
         if step == 1:
             start = time.perf_counter()
-    if dist.get_rank() == 0:
+        if work and rank == 0 and args.checkpoint_every and step % args.checkpoint_every == 0:
+            state = {
+                "model": model.module.state_dict(),
+                "optim": opt.state_dict(),
+                "sampler": sampler.state_dict(),
+                "step": step,
+            }
+            rpcdist.save(state, ckpt)
+            with open(os.path.join(work, "progress.tmp"), "w") as f:
+                f.write(f"{step} {time.monotonic()}")
+            os.replace(os.path.join(work, "progress.tmp"), os.path.join(work, "progress"))
+    if rank == 0 and step > 1:
         rate = (step - 1) / (time.perf_counter() - start)
         print(f"plain DDP: {rate:.1f} steps/s", flush=True)
     dist.destroy_process_group()
     return 0
 
 
-def run_job(args: argparse.Namespace, argv: list[str], kill_every: int) -> dict:
+def run_job(
+    args: argparse.Namespace,
+    argv: list[str],
+    kill_every: int,
+    kill_every_s: float = 0.0,
+    duration: float = 0.0,
+) -> dict:
     """Start the coordinator and ``--workers`` ranks; kill and replace one every
-    ``kill_every`` committed steps. Returns the measurements."""
+    ``kill_every`` committed steps (or ``kill_every_s`` seconds); with
+    ``duration``, stop the job after that many seconds. Returns the measurements."""
     coord = FaultToleranceCoordinator(args.workers, timeout=10.0)
     rng = np.random.default_rng(args.seed)
     procs: dict[int, subprocess.Popen] = {}
@@ -144,12 +179,19 @@ def run_job(args: argparse.Namespace, argv: list[str], kill_every: int) -> dict:
     try:
         for r in range(args.workers):
             procs[r] = start(str(r))
-        if kill_every:
+        if kill_every or kill_every_s:
             spares.append(start("spare"))
-        next_kill = kill_every
+        while coord.step == 0 and all(p.poll() is None for p in procs.values()):
+            time.sleep(0.01)  # the clock starts at the first committed step
+        next_kill, began = kill_every, time.monotonic()
+        next_time = began + kill_every_s
         while any(p.poll() is None for p in procs.values()):
+            now = time.monotonic()
+            if duration and now - began > duration:
+                break
             back = len(coord.members()) == full  # kill again only once the last one is back
-            if kill_every and back and coord.step >= next_kill and coord.step < args.steps - 5:
+            due = (now >= next_time) if kill_every_s else (coord.step >= next_kill)
+            if (kill_every or kill_every_s) and back and due and coord.step < args.steps - 5:
                 victim = int(rng.integers(args.workers))
                 procs[victim].send_signal(signal.SIGKILL)
                 kills.append(time.monotonic())
@@ -160,7 +202,7 @@ def run_job(args: argparse.Namespace, argv: list[str], kill_every: int) -> dict:
                 spare.stdin.write(f"{victim}\n")
                 spare.stdin.flush()
                 spares.append(start("spare"))  # the next one, started ahead
-                next_kill = coord.step + kill_every
+                next_kill, next_time = coord.step + kill_every, now + kill_every_s
             time.sleep(0.005)
         codes = [p.returncode for p in procs.values()]
     finally:
@@ -173,11 +215,15 @@ def run_job(args: argparse.Namespace, argv: list[str], kill_every: int) -> dict:
         for p in [*procs.values(), *others, *spares]:
             p.wait()
         coord.close()
-    commits = [(t, d) for t, kind, d in coord.events if kind == "commit"]
+    # The i-th "commit" event is when coord.commits[i] (each member's batch) was decided.
+    times = [t for t, kind, _ in coord.events if kind == "commit"]
+    commits = list(zip(times, coord.commits, strict=True))
     span = commits[-1][0] - commits[0][0]
+    samples = sum(len(idx) for _, (_, batches) in commits[1:] for _, idx in batches)
     recoveries = []
     for k in kills:
-        full = [t for t, (_, members) in commits if t > k and len(members) == args.workers]
+        noticed = min((t for t, kind, _ in coord.events if kind == "lost" and t > k), default=k)
+        full = [t for t, (_, b) in commits if t > noticed and len(b) == args.workers]
         if full:
             recoveries.append(full[0] - k)
     epochs = sorted({e for e, _ in coord.commits})
@@ -189,6 +235,7 @@ def run_job(args: argparse.Namespace, argv: list[str], kill_every: int) -> dict:
     return {
         "codes": codes,
         "rate": (len(commits) - 1) / span,
+        "sample_rate": samples / span,
         "recoveries": recoveries,
         "coverage": coverage,
         "steps": coord.step,
@@ -207,6 +254,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["ft", "plain"], default="ft")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run")
+    p.add_argument("--workdir", default="", help="plain mode: checkpoint, pids, progress")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="plain mode: steps")
     return p.parse_args(argv)
 
 
@@ -220,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(c == 0 for c in faulty["codes"]) and faulty["steps"] >= args.steps
     if free is not None:
         print(f"fault-free: {free['rate']:.1f} steps/s")
-        print(f"with faults: {faulty['rate']:.1f} steps/s; goodput {faulty['rate'] / free['rate']:.2f}")
+        print(
+            f"with faults: {faulty['rate']:.1f} steps/s; goodput {faulty['rate'] / free['rate']:.2f}"
+        )
     rec = faulty["recoveries"]
     print(f"{faulty['kills']} kill(s), {len(rec)} back to full membership before the end")
     print(f"recoveries (kill -> full membership again): {[round(r, 2) for r in rec]} s"
