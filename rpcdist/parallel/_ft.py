@@ -329,7 +329,11 @@ class FaultTolerance:
         return mesh
 
     def _drop_mesh(self) -> None:
-        mesh, self._mesh = self._mesh, {}
+        with self._cv:  # connections of an older quorum nobody will take
+            stale = [k for k in self._inbox if k[0] == "mesh" and k[1] < self._qid]
+            mesh = {i: self._inbox.pop(k)[0] for i, k in enumerate(stale)}
+        mesh.update({-1 - i: s for i, s in enumerate(self._mesh.values())})
+        self._mesh = {}
         for s in mesh.values():
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)

@@ -1,12 +1,14 @@
 """One rank of the fault-tolerant DDP tests, run as its own process (so it can be killed).
 
 Environment: ``RANK`` and ``RPCDIST_FT_ADDR`` as the launcher would give
-them. Arguments: ``OUT STEPS [KILL_STEP:KILL_POINT]``. After every
+them. Arguments: ``OUT STEPS [KILL_STEP:KILL_POINT[:RANK]]`` (the kill point
+only on RANK if given; never in a restarted worker). After every
 committed step it appends ``step members sha256(parameters)`` to
 ``OUT/rank<id>.log`` and at the end writes its parameters, optimizer state
 and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
 ``OUT/kill<id>-<step>`` when the step reaches that point and then waits to
-be killed from outside. With ``FT_HOLD=<step>`` it waits at that step
+be killed from outside. It writes ``OUT/started<id>-<restart count>`` once it asked to join.
+With ``FT_HOLD=<step>`` it waits at that step
 until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 """
 
@@ -62,10 +64,16 @@ def main(argv: list[str]) -> int:
     out, steps = argv[0], int(argv[1])
     me = int(os.environ["RANK"])
     kill = argv[2].split(":") if len(argv) > 2 else None
+    if kill and (
+        (len(kill) > 2 and int(kill[2]) != me)
+        or os.environ.get("RPCDIST_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None  # another rank's kill point, or this is the replacement
 
     def hook(point: str) -> None:
         if kill and int(kill[0]) == ft.step and kill[1] == point:
-            open(os.path.join(out, f"kill{me}-{ft.step}"), "w").close()
+            with open(os.path.join(out, f"kill{me}-{ft.step}"), "w") as f:
+                f.write(str(os.getpid()))
             time.sleep(120)  # killed from outside before this ends
 
     sampler = DistributedSampler(N, num_replicas=1, rank=0, seed=3)
@@ -75,6 +83,8 @@ def main(argv: list[str]) -> int:
     net = DDP(model(me + 1), fault_tolerance=ft)  # different on purpose: the first quorum heals
     opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     ft.register_state("optim", opt)
+    restarts = os.environ.get("RPCDIST_RESTART_COUNT", "0")
+    open(os.path.join(out, f"started{me}-{restarts}"), "w").close()  # joining: sent
     log = open(os.path.join(out, f"rank{me}.log"), "a")  # noqa: SIM115 (closed at exit)
     hold = int(os.environ.get("FT_HOLD", "-1"))  # wait for OUT/go before this step
     while ft.step < steps:

@@ -224,3 +224,42 @@ def test_a_stopped_rank_is_declared_lost_and_the_job_goes_on(tmp_path):
     assert any(e[1] == "lost" and e[2] == (2, "no vote in time") for e in coord.events)
     assert [m for m, _ in coord.commits[-1][1]] == [0, 1]
     check_survivors(tmp_path, [0, 1], coord)
+
+
+@pytest.mark.timeout(240)
+def test_the_launcher_restarts_only_the_dead_rank(tmp_path):
+    """``--restart-policy rank``: the launcher runs the coordinator and restarts
+    rank 1 alone after its kill -9; the replacement pulls the live state."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(ROOT), FT_HOLD="12", OPENBLAS_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", "3", "--restart-policy",
+        "rank", "--max-restarts", "1", str(WORKER), str(tmp_path), "30", "5:mid_allreduce:1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        marker = tmp_path / "kill1-5"
+        end = time.monotonic() + 120
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < end and proc.poll() is None, "rank 1 never reached step 5"
+            time.sleep(0.01)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        while not (tmp_path / "started1-1").exists():
+            assert time.monotonic() < end and proc.poll() is None, "rank 1 was not restarted"
+            time.sleep(0.01)
+        (tmp_path / "go").touch()  # the others held at step 12 until the replacement joined
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == 0, out
+    assert "restarting only rank 1 (1/1)" in out
+    finals = [rpcdist.load(str(tmp_path / f"rank{r}.npz")) for r in range(3)]
+    for f in finals[1:]:
+        assert_same_tree(finals[0], f)
+    steps = {s for s, members, _, _ in logs(tmp_path, 1) if members == "0,1,2"}
+    assert max(steps) == 30  # the replacement trained to the end with the full membership
