@@ -240,6 +240,7 @@ def run_job(
         "coverage": coverage,
         "steps": coord.step,
         "kills": len(kills),
+        "redone": sum(kind == "redo" for _, kind, _ in coord.events),
     }
 
 
