@@ -121,6 +121,18 @@ def test_ddp_resumes_after_a_crash_with_uneven_shards(tmp_path):
     assert "final test accuracy" in out and ckpt.exists()
 
 
+def test_ddp_fault_tolerant_survives_kills_and_sees_every_sample():
+    out = run_example(
+        "ddp_fault_tolerant.py", "--workers", "3", "--steps", "150", "--kill-every", "30",
+        "--no-baseline", timeout=110,
+    )  # fmt: skip
+    assert re.search(r"kill -9 rank \d at step \d+", out)
+    assert re.search(r"rank \d: 150 steps, test accuracy", out)
+    epochs = re.findall(r"epoch \d+: every sample seen (exactly once|NOT exactly once)", out)
+    assert epochs and set(epochs) == {"exactly once"}
+    assert out.rstrip().endswith("OK")
+
+
 def test_ddp_rpc_hybrid_trains():
     out = run_example("ddp_rpc.py", "--epochs", "2", "--min-accuracy", "0.5")
     rows = re.findall(r"^\[rank 1\]\s+(\d)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)

@@ -23,6 +23,7 @@ Each node runs one launcher, which starts ``N`` children as
 | ``RPCDIST_TOKEN`` | the job token: on one node ``--token``, else ``RPCDIST_TOKEN`` from the launcher's environment, else a fresh random one; with several nodes a random one node 0 makes for the job |
 | ``RPCDIST_RESTART_COUNT`` | restarts of the job so far (0 on the first run) |
 | ``RPCDIST_MAX_RESTARTS`` | ``--max-restarts`` |
+| ``RPCDIST_FT_ADDR`` | with ``--restart-policy rank``: the fault-tolerant mode's coordinator, run by the launcher |
 
 so ``rpcdist.init_rpc(name)`` with the default ``env://`` needs no rank,
 world size or address. Every line a child prints is shown with its rank in
@@ -36,6 +37,10 @@ jobs) joins, every worker is stopped (``SIGTERM``, then ``SIGKILL`` after
 ``--grace-period``) and the job starts again, up to ``--max-restarts``
 times; after that every launcher exits with the failing child's code
 (``128 + n`` for a child killed by signal ``n``; 1 for a lost node).
+With ``--restart-policy rank`` (one node) only the failed child is started
+again, up to ``--max-restarts`` times per rank (its
+``RPCDIST_RESTART_COUNT`` counts its own restarts), for training with
+``rpcdist.parallel.FaultTolerance``, whose coordinator the launcher runs.
 ``SIGINT`` and ``SIGTERM`` sent to a launcher are forwarded to its children
 (a second one kills them at once): node 0 then ends the job with ``128 + n``,
 another node leaves it. Children are always reaped before a launcher

@@ -45,6 +45,10 @@ class LaunchConfig:
         rdzv_last_call: Elastic jobs: once ``MIN`` nodes joined the first
             round, seconds to wait for more (up to ``MAX``).
         node_timeout: Seconds without a heartbeat after which a node is lost.
+        restart_policy: ``"job"``: a failure restarts every worker;
+            ``"rank"`` (one node): only the failed worker is restarted, up
+            to ``max_restarts`` times per rank, for the fault-tolerant mode
+            (the launcher runs its coordinator: ``RPCDIST_FT_ADDR``).
     """
 
     nproc_per_node: int
@@ -61,6 +65,7 @@ class LaunchConfig:
     rdzv_timeout: float = 300.0
     rdzv_last_call: float = 3.0
     node_timeout: float = 5.0
+    restart_policy: str = "job"
 
     @property
     def world_size(self) -> int:
@@ -108,6 +113,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-restarts", type=int, default=0, help="restarts after a failure or membership change"
+    )
+    p.add_argument(
+        "--restart-policy",
+        choices=["job", "rank"],
+        default="job",
+        help="job: a failure restarts every worker; rank (one node): only the failed one, "
+        "for rpcdist.parallel.FaultTolerance (the launcher runs its coordinator)",
     )
     p.add_argument(
         "--token",
@@ -193,6 +205,8 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Laun
         raise ConfigError(f"--master-port must be in 1..65535, got {ns.master_port}")
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    if ns.restart_policy == "rank" and (min_nodes is not None or nnodes != 1):
+        raise ConfigError("--restart-policy rank needs a single node (--nnodes 1)")
     grace = _seconds(ns.grace_period, "--grace-period")
     rdzv_timeout = _seconds(ns.rdzv_timeout, "--rdzv-timeout", positive=True)
     last_call = _seconds(ns.rdzv_last_call, "--rdzv-last-call")
@@ -234,4 +248,5 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Laun
         rdzv_timeout=rdzv_timeout,
         rdzv_last_call=last_call,
         node_timeout=node_timeout,
+        restart_policy=ns.restart_policy,
     )

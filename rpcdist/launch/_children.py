@@ -105,6 +105,7 @@ class WorkerGroup:
         self.first_rank = first_rank
         self.procs: list[subprocess.Popen[bytes]] = []
         self._pump: OutputPump | None = None
+        self._extra_pumps: list[OutputPump] = []  # of restarted children
 
     def start(self, envs: Sequence[Mapping[str, str]], stop_if: Callable[[], bool]) -> None:
         """Start one child per environment; stop starting once ``stop_if()`` holds.
@@ -134,6 +135,26 @@ class WorkerGroup:
         finally:
             if pump is not None:
                 pump.start()
+
+    def restart(self, local: int, env: Mapping[str, str]) -> None:
+        """Start local rank ``local`` again in ``env`` (``--restart-policy rank``).
+
+        Raises:
+            OSError: the child could not be started.
+        """
+        cfg = self.config
+        pump = OutputPump() if self._pump is not None else None
+        pipe = subprocess.PIPE if pump is not None else None
+        proc = subprocess.Popen(worker_argv(cfg.command), env=dict(env), stdout=pipe, stderr=pipe)
+        self.procs[local] = proc
+        if pump is not None:
+            assert proc.stdout is not None and proc.stderr is not None
+            rank = self.first_rank + local
+            pump.add(proc.stdout, prefix_for(rank), "stdout")
+            pump.add(proc.stderr, prefix_for(rank), "stderr")
+            pump.start()
+            self._extra_pumps.append(pump)
+        logger.debug("restarted local rank %d as pid %d", local, proc.pid)
 
     def send(self, sig: int) -> None:
         """Send ``sig`` to every child not yet reaped."""
@@ -188,18 +209,17 @@ class WorkerGroup:
             p.wait()
 
     async def _drain(self, deadline: float) -> None:
-        pump = self._pump
-        if pump is None:
-            return
+        pumps = [p for p in (self._pump, *self._extra_pumps) if p is not None]
         loop = asyncio.get_running_loop()
-        while not pump.finished and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        pump.finish()
-        self._pump = None
+        for pump in pumps:
+            while not pump.finished and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            pump.finish()
+        self._pump, self._extra_pumps = None, []
 
     def close(self) -> None:
         """Kill, reap and stop copying output, without waiting (the exceptional path)."""
         self.kill()
-        if self._pump is not None:
-            self._pump.finish(_DRAIN_TIMEOUT)
-            self._pump = None
+        for pump in [p for p in (self._pump, *self._extra_pumps) if p is not None]:
+            pump.finish(_DRAIN_TIMEOUT)
+        self._pump, self._extra_pumps = None, []

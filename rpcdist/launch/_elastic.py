@@ -79,6 +79,8 @@ class _Agent:
         self.coordinator: Coordinator | None = member.coordinator
         self.signals = signals
         self.rounds = 0  # rounds this node took part in
+        self._envs: list[dict[str, str]] = []
+        self._rank_restarts: list[int] = []  # per local rank, under --restart-policy rank
 
     async def run(self) -> int:
         """Follow the coordinator's messages until the job is closed; this node's exit code."""
@@ -173,6 +175,13 @@ class _Agent:
             )
             for local in range(cfg.nproc_per_node)
         ]
+        ft = None
+        if cfg.restart_policy == "rank":  # the fault-tolerant mode's coordinator lives here
+            from ..parallel import FaultToleranceCoordinator
+
+            ft = FaultToleranceCoordinator(cfg.world_size, host=cfg.master_addr)
+            envs = [{**env, "RPCDIST_FT_ADDR": ft.address} for env in envs]
+        self._envs, self._rank_restarts = envs, [0] * len(envs)
         group = WorkerGroup(cfg, first)
         self.signals.group = group
         try:
@@ -189,6 +198,8 @@ class _Agent:
         finally:
             self.signals.group = None
             group.close()  # nothing left to do unless an error cut the above short
+            if ft is not None:
+                ft.close()
         await session.mark(rec.stopped_key(number, session.seq))
         return None
 
@@ -216,6 +227,8 @@ class _Agent:
                     reported = True
                     logger.info("all %d worker(s) finished successfully", len(group.procs))
                     await session.mark(rec.done_key(number, session.seq))
+                elif state is not False and self._restart_rank(group, state):
+                    continue
                 elif state is not False:
                     reported = failed_here = True
                     await session.end_round(number, self._failure(group, state, node_rank))
@@ -231,6 +244,25 @@ class _Agent:
                 ended.cancel()
                 with contextlib.suppress(asyncio.CancelledError, RpcdistError):
                     await ended
+
+    def _restart_rank(self, group: WorkerGroup, state: tuple[int, int]) -> bool:
+        """``--restart-policy rank``: start only the failed worker again, if it has restarts left."""
+        local, rc = state
+        used = self._rank_restarts[local]
+        if self.config.restart_policy != "rank" or used >= self.config.max_restarts:
+            return False
+        self._rank_restarts[local] = used + 1
+        logger.warning(
+            "worker rank %d exited with code %d; restarting only rank %d (%d/%d)",
+            group.first_rank + local,
+            rc,
+            group.first_rank + local,
+            used + 1,
+            self.config.max_restarts,
+        )
+        env = {**self._envs[local], "RPCDIST_RESTART_COUNT": str(used + 1)}
+        group.restart(local, env)
+        return True
 
     def _failure(self, group: WorkerGroup, state: tuple[int, int], node_rank: int) -> rec.End:
         local, rc = state

@@ -19,7 +19,9 @@ still runs. ``Join([model])`` lets ranks run different numbers of batches;
 ``register_comm_hook`` swaps the all-reduce for compression
 (:mod:`rpcdist.parallel.comm_hooks`); ``ZeroRedundancyOptimizer`` shards
 the optimizer state. ``FullyShardedDataParallel`` shards parameters,
-gradients and optimizer state (``docs/fsdp.md``). See ``docs/ddp.md``.
+gradients and optimizer state (``docs/fsdp.md``). ``FaultTolerance`` keeps
+DDP training going when ranks die or join (``docs/fault-tolerance.md``).
+See ``docs/ddp.md``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from ._bucket import GradBucket
 from ._ddp import DistributedDataParallel
 from ._fsdp import FullyShardedDataParallel
 from ._fsdp_policy import MixedPrecision, ModuleWrapPolicy, size_based_auto_wrap_policy
+from ._ft import FaultTolerance
+from ._ft_coordinator import FaultToleranceCoordinator
 from ._join import Join, Joinable, JoinHook
 from ._zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DistributedDataParallel",
+    "FaultTolerance",
+    "FaultToleranceCoordinator",
     "FullyShardedDataParallel",
     "GradBucket",
     "Join",

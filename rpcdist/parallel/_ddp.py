@@ -17,6 +17,7 @@ from .._errors import ConfigError
 from ..nn import Module
 from ..tensor import is_grad_enabled
 from ._arrays import group_size
+from ._ft import FaultTolerance
 from ._join import Join, Joinable, JoinHook
 from ._reducer import CommHook, Reducer
 from ._sync import broadcast_tensors, check_same_model, describe
@@ -51,6 +52,10 @@ class DistributedDataParallel(Module, Joinable):
             buffers (no copy after the reduction).
         static_graph: The same parameters are used in every iteration:
             unused ones are found in the first iteration only.
+        fault_tolerance: A :class:`FaultTolerance`: no process group; the
+            backward keeps its gradients local and ``fault_tolerance.commit()``
+            averages them over the step's live members
+            (``docs/fault-tolerance.md``). The other arguments are ignored.
 
     Raises:
         ConfigError: bad arguments, this process is not a member of the
@@ -69,6 +74,7 @@ class DistributedDataParallel(Module, Joinable):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
@@ -79,6 +85,13 @@ class DistributedDataParallel(Module, Joinable):
             raise ConfigError(f"{_WHAT}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module
         self.process_group = process_group
+        self.fault_tolerance = fault_tolerance
+        if fault_tolerance is not None:  # no process group: see docs/fault-tolerance.md
+            fault_tolerance.attach([p for p in module.parameters() if p.requires_grad])
+            fault_tolerance.register_state("module", module)
+            self.broadcast_buffers, self._buffer_list = False, []
+            self._sync, self._divide_by_initial_world_size = True, True
+            return
         self.rank, self.world_size = group_size(process_group, _WHAT)
         self.broadcast_buffers = broadcast_buffers
         params = list(module.named_parameters())
@@ -105,6 +118,8 @@ class DistributedDataParallel(Module, Joinable):
             AutogradError: the previous iteration's reduction did not finish.
             CollectiveError: a buffer broadcast or a Join exchange failed.
         """
+        if self.fault_tolerance is not None:
+            return self.module(*args, **kwargs)
         grad_on = is_grad_enabled()
         sync = grad_on and self._sync
         in_join = Join.context_of(self) is not None
@@ -198,6 +213,8 @@ class DistributedDataParallel(Module, Joinable):
         return self.reducer.statistics()
 
     def extra_repr(self) -> str:
+        if self.fault_tolerance is not None:
+            return "fault_tolerant=True"
         return f"world_size={self.world_size}, buckets={len(self.reducer.buckets)}"
 
 

@@ -24,6 +24,11 @@ MULTI = ["--master-port", "1234", "--token", "t"]
         (["--nproc-per-node", "2", "--master-port", "70000", CHILD], "--master-port"),
         (["--nproc-per-node", "2", "--max-restarts", "-1", CHILD], "--max-restarts"),
         (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--restart-policy", "rank", *MULTI, CHILD],
+            "--restart-policy rank needs a single node",
+        ),
+        (["--nproc-per-node", "2", "--restart-policy", "node", CHILD], "invalid choice"),
+        (
             ["--nproc-per-node", "2", "--nnodes", "2", "--token", "t", CHILD],
             "--master-port is required",
         ),

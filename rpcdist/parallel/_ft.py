@@ -1,0 +1,402 @@
+"""``FaultTolerance``: data-parallel training that goes on when a rank dies.
+
+Per step (see ``docs/fault-tolerance.md``)::
+
+    idx = ft.start_step()    # heal a joiner / send live state; this rank's batch
+    ... forward, backward (local gradients only) ...
+    if ft.commit():          # average over this step's members, then vote
+        opt.step()
+
+The gradients are averaged over a full mesh of TCP connections between this
+step's members (reduce-scatter then all-gather: each chunk is summed by one
+owner, in member order, so every member gets the same bits), outside the
+agent and its process groups, whose world is fixed: the membership here
+changes from step to step. A failed all-reduce (a peer's connection reset,
+or no data within ``timeout``) closes the mesh, so the other members fail
+too, and votes ``ok=False``; the coordinator (:class:`FaultToleranceCoordinator`)
+then has every survivor redo the step at the smaller world, the sampler
+re-sharded over the samples not yet committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._errors import ConfigError, WorkerLostError
+from .._save import load, save
+from ..tensor import Tensor, default_generator
+from ._ft_wire import connect, listen, recv_frame, recv_into, send_frame
+
+__all__ = ["FaultTolerance"]
+
+_FAILURES = (OSError, WorkerLostError)
+
+
+class FaultTolerance:
+    """This rank's side of fault-tolerant data parallelism.
+
+    Args:
+        sampler: An :class:`rpcdist.data.DistributedSampler` to draw batches
+            from (re-sharded at each change of membership), or None to feed
+            batches yourself.
+        batch_size: Samples per rank and step (with ``sampler``).
+        address: The coordinator's ``host:port`` (default: ``RPCDIST_FT_ADDR``).
+        replica_id: This rank's id (default: ``RANK``); a replacement reuses
+            the id of the rank it replaces, or takes a new one.
+        timeout: Seconds a peer may stay silent during an all-reduce or a
+            state transfer before the step fails.
+        hook: Called as ``hook(point)`` at ``"before_allreduce"``,
+            ``"mid_allreduce"`` (between the reduce-scatter and the
+            all-gather), ``"after_allreduce"`` and ``"after_commit"`` (tests time faults with it).
+
+    Attributes:
+        step: Steps committed so far (the same on every member).
+        rank: This rank's index among the current members.
+        world_size: Number of current members.
+        members: The current members' ids.
+        recoveries: Steps redone or membership changes seen, as ``(step, members)``.
+    """
+
+    __module__ = "rpcdist.parallel"
+
+    def __init__(
+        self,
+        sampler: Any = None,
+        batch_size: int | None = None,
+        address: str | None = None,
+        replica_id: int | None = None,
+        timeout: float = 30.0,
+        hook: Callable[[str], None] | None = None,
+    ) -> None:
+        if sampler is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ConfigError(f"FaultTolerance: batch_size must be >= 1, got {batch_size!r}")
+        address = address or os.environ.get("RPCDIST_FT_ADDR")
+        if not address:
+            raise ConfigError("FaultTolerance: pass address= or set RPCDIST_FT_ADDR")
+        self.id = int(os.environ.get("RANK", "0")) if replica_id is None else int(replica_id)
+        self.sampler, self.batch_size = sampler, batch_size
+        self.timeout, self.hook = timeout, hook
+        self.step, self.rank, self.world_size = 0, -1, 0
+        self.members: list[int] = []
+        self.recoveries: list[tuple[int, list[int]]] = []
+        self._states: dict[str, Any] = {}
+        self._params: list[Tensor] = []
+        self._coord = connect(address, None)
+        self._listener = listen(self._coord.getsockname()[0])
+        self._cv = threading.Condition()
+        self._inbox: dict[tuple[Any, ...], tuple[socket.socket, bytearray]] = {}
+        self._mesh: dict[int, socket.socket] = {}
+        self._qid = -1
+        self._addrs: dict[int, str] = {}
+        self._send_to: list[int] = []
+        self._heal_from: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._iter: Iterator[int] | None = None
+        self._committed = 0  # samples per rank committed in the sampler's segment
+        self._batch: np.ndarray[Any, Any] | None = None
+        self._closed = False
+        threading.Thread(target=self._accept, name="ft-accept", daemon=True).start()
+        host, port = self._listener.getsockname()[:2]
+        send_frame(self._coord, {"op": "join", "id": self.id, "addr": f"{host}:{port}"})
+        self._joined = False
+
+    # -- what the training loop calls -------------------------------------------------
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Carry ``obj.state_dict()`` to replacements (a module, an optimizer)."""
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+            raise ConfigError(f"FaultTolerance.register_state: {name!r} has no state_dict")
+        self._states[name] = obj
+
+    def attach(self, params: list[Tensor]) -> None:
+        """The parameters whose gradients :meth:`commit` averages (DDP calls this)."""
+        self._params = list(params)
+
+    def start_step(self) -> np.ndarray[Any, Any] | None:
+        """Begin a step: join (and heal) if new, send the live state to joiners.
+
+        Returns:
+            This rank's batch indices for the step (with a sampler), else None.
+
+        Raises:
+            WorkerLostError: the coordinator went away.
+        """
+        if not self._joined:
+            self._apply(self._coord_reply())
+            self._joined = True
+        if self._heal_from is not None:
+            self._receive_state()
+        for rid in self._send_to:
+            with contextlib.suppress(*_FAILURES):  # a joiner that died is the coordinator's
+                self._send_state(rid)
+        self._send_to = []
+        if self.sampler is None:
+            return None
+        self._batch = self._next_batch()
+        return self._batch
+
+    def commit(self) -> bool:
+        """Average the attached gradients over this step's members and vote.
+
+        Returns:
+            Whether the step committed everywhere: then ``.grad`` holds the
+            average and the caller steps its optimizer. If not, the step is
+            to be redone (the membership changed; call :meth:`start_step`).
+
+        Raises:
+            WorkerLostError: the coordinator went away.
+        """
+        ok, avg = True, None
+        self._point("before_allreduce")
+        try:
+            avg = self._allreduce(self._flat_grads())
+        except _FAILURES:
+            ok = False
+            self._drop_mesh()
+        self._point("after_allreduce")
+        batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
+        epoch = getattr(self.sampler, "epoch", 0)
+        send_frame(
+            self._coord,
+            {"op": "vote", "ok": ok, "epoch": epoch, "samples": batch.tolist()},
+        )
+        reply = self._coord_reply()
+        committed = bool(reply["commit"])
+        if committed and avg is not None:
+            self._write_grads(avg)
+        if committed:
+            self._committed += len(batch)
+        self._apply(reply)
+        self._point("after_commit")
+        return committed
+
+    def close(self) -> None:
+        """Leave: close the connections (the others go on without this rank)."""
+        self._closed = True
+        self._drop_mesh()
+        for s in (self._coord, self._listener):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    # -- membership --------------------------------------------------------------------
+
+    def _point(self, name: str) -> None:
+        if self.hook is not None:
+            self.hook(name)
+
+    def _coord_reply(self) -> dict[str, Any]:
+        try:
+            reply, _ = recv_frame(self._coord)
+        except OSError as e:
+            raise WorkerLostError("fault tolerance: the coordinator went away") from e
+        return reply
+
+    def _apply(self, reply: dict[str, Any]) -> None:
+        members = [int(m) for m, _ in reply["members"]]
+        self._addrs = {int(m): str(a) for m, a in reply["members"]}
+        self.step = int(reply["step"])
+        self._send_to = [int(r) for r in reply.get("send_to", ())]
+        heal = reply.get("heal_from")
+        self._heal_from = int(heal) if heal is not None and int(heal) != self.id else None
+        changed = int(reply["qid"]) != self._qid
+        if changed or not reply["commit"]:
+            if self._qid >= 0:
+                self.recoveries.append((self.step, members))
+            self._reshard(len(members), members.index(self.id))
+        if changed:
+            self._drop_mesh()
+            self._qid = int(reply["qid"])
+        self.members, self.world_size = members, len(members)
+        self.rank = members.index(self.id)
+
+    def _reshard(self, world: int, rank: int) -> None:
+        if self.sampler is not None and self._joined:
+            self.sampler.reshard(world, rank, consumed=self._committed)
+        elif self.sampler is not None:
+            self.sampler.reshard(world, rank, consumed=0)
+        self._committed, self._iter = 0, None
+
+    def _next_batch(self) -> np.ndarray[Any, Any]:
+        assert self.batch_size is not None
+        for _ in range(2):
+            if self._iter is None:
+                self._iter = iter(self.sampler)
+            out = [i for _, i in zip(range(self.batch_size), self._iter, strict=False)]
+            if out:
+                return np.asarray(out, np.int64)
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._committed, self._iter = 0, None
+        raise ConfigError("FaultTolerance: the sampler yields no samples")
+
+    # -- live state --------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "step": self.step,
+            "rng": default_generator().get_state(),
+            "objects": {n: o.state_dict() for n, o in self._states.items()},
+        }
+        if self.sampler is not None:
+            out["sampler"] = self.sampler.state_dict()
+        return out
+
+    def _send_state(self, rid: int) -> None:
+        buf = io.BytesIO()
+        save(self._state(), buf)
+        sock = connect(self._addrs[rid], self.timeout)
+        with sock:
+            send_frame(sock, {"kind": "heal", "id": self.id, "step": self.step}, buf.getvalue())
+            recv_frame(sock)  # the joiner's acknowledgement
+
+    def _receive_state(self) -> None:
+        sock, payload = self._take(("heal",))
+        state = load(io.BytesIO(bytes(payload)))
+        default_generator().set_state(state["rng"])
+        for name, obj in self._states.items():
+            obj.load_state_dict(state["objects"][name])
+        if self.sampler is not None and "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
+            self.sampler.reshard(self.world_size, self.rank, consumed=0)
+            self._iter, self._committed = None, 0
+        with sock:
+            send_frame(sock, {"ok": True})
+        self._heal_from = None
+
+    # -- the mesh ----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(self.timeout)
+                hello, payload = recv_frame(sock)
+            except _FAILURES:
+                if self._closed:
+                    return
+                continue
+            key: tuple[Any, ...] = (
+                ("heal",) if hello["kind"] == "heal" else ("mesh", hello["qid"], hello["id"])
+            )
+            with self._cv:
+                self._inbox[key] = (sock, payload)
+                self._cv.notify_all()
+
+    def _take(self, key: tuple[Any, ...]) -> tuple[socket.socket, bytearray]:
+        with self._cv:
+            if not self._cv.wait_for(lambda: key in self._inbox, self.timeout):
+                raise WorkerLostError(f"fault tolerance: no {key[0]} connection in time")
+            return self._inbox.pop(key)
+
+    def _peers(self) -> dict[int, socket.socket]:
+        if self._mesh:
+            return self._mesh
+        mesh: dict[int, socket.socket] = {}
+        try:
+            for rid in self.members:
+                if rid < self.id:
+                    sock = connect(self._addrs[rid], self.timeout)
+                    send_frame(sock, {"kind": "mesh", "qid": self._qid, "id": self.id})
+                    mesh[rid] = sock
+            for rid in self.members:
+                if rid > self.id:
+                    mesh[rid] = self._take(("mesh", self._qid, rid))[0]
+        except BaseException:
+            for s in mesh.values():
+                s.close()
+            raise
+        for s in mesh.values():
+            s.settimeout(self.timeout)
+        self._mesh = mesh
+        if self._pool is None or self._pool_size < len(mesh):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool_size = len(mesh)
+            self._pool = ThreadPoolExecutor(len(mesh), thread_name_prefix="ft-send")
+        return mesh
+
+    def _drop_mesh(self) -> None:
+        with self._cv:  # connections of an older quorum nobody will take
+            stale = [k for k in self._inbox if k[0] == "mesh" and k[1] < self._qid]
+            mesh = {i: self._inbox.pop(k)[0] for i, k in enumerate(stale)}
+        mesh.update({-1 - i: s for i, s in enumerate(self._mesh.values())})
+        self._mesh = {}
+        for s in mesh.values():
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _exchange(
+        self, outgoing: dict[int, np.ndarray[Any, Any]], shapes: dict[int, int]
+    ) -> dict[int, np.ndarray[Any, Any]]:
+        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from each."""
+        mesh = self._peers()
+        assert self._pool is not None
+        sends = [
+            self._pool.submit(mesh[rid].sendall, np.ascontiguousarray(arr).data.cast("B"))
+            for rid, arr in outgoing.items()
+        ]
+        got = {}
+        try:
+            for rid, n in shapes.items():
+                buf = np.empty(n, np.float64)
+                recv_into(mesh[rid], buf.data.cast("B"))
+                got[rid] = buf
+        finally:
+            for f in sends:
+                with contextlib.suppress(Exception):
+                    f.result(timeout=self.timeout)
+        for f in sends:
+            f.result(timeout=0)
+        return got
+
+    def _allreduce(self, flat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        n = self.world_size
+        if n == 1:
+            return flat.copy()
+        bounds = np.linspace(0, flat.size, n + 1).astype(int)
+        chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+        me = self.rank
+        others = [m for m in self.members if m != self.id]
+        idx = {m: self.members.index(m) for m in others}
+        mine = {m: chunk[idx[m]] for m in others}
+        got = self._exchange(mine, {m: chunk[me].size for m in others})
+        total = np.zeros(chunk[me].size, np.float64)
+        for m in self.members:  # member order: the same sum on whichever owner
+            total += chunk[me] if m == self.id else got[m]
+        total /= n
+        self._point("mid_allreduce")
+        parts = self._exchange({m: total for m in others}, {m: chunk[idx[m]].size for m in others})
+        parts[self.id] = total
+        return np.concatenate([parts[m] for m in self.members])
+
+    def _flat_grads(self) -> np.ndarray[Any, Any]:
+        arrays = []
+        for p in self._params:
+            g = p.grad
+            arrays.append(
+                np.zeros(p.data.size, np.float64)
+                if g is None
+                else np.asarray(g.data, np.float64).ravel()
+            )
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.float64)
+
+    def _write_grads(self, avg: np.ndarray[Any, Any]) -> None:
+        at = 0
+        for p in self._params:
+            size = p.data.size
+            p.grad = Tensor(avg[at : at + size].reshape(p.data.shape).astype(p.data.dtype))
+            at += size

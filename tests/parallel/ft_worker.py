@@ -1,0 +1,114 @@
+"""One rank of the fault-tolerant DDP tests, run as its own process (so it can be killed).
+
+Environment: ``RANK`` and ``RPCDIST_FT_ADDR`` as the launcher would give
+them. Arguments: ``OUT STEPS [KILL_STEP:KILL_POINT[:RANK]]`` (the kill point
+only on RANK if given; never in a restarted worker). After every
+committed step it appends ``step members sha256(parameters)`` to
+``OUT/rank<id>.log`` and at the end writes its parameters, optimizer state
+and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
+``OUT/kill<id>-<step>`` when the step reaches that point and then waits to
+be killed from outside. It writes ``OUT/started<id>-<restart count>`` once it asked to join.
+With ``FT_HOLD=<step>`` it waits at that step
+until ``OUT/go`` exists (so a test can have a replacement join mid-run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+
+import numpy as np
+
+import rpcdist
+import rpcdist.tensor as rt
+from rpcdist import nn, optim
+from rpcdist.data import DistributedSampler
+from rpcdist.nn import functional as F
+from rpcdist.parallel import DistributedDataParallel as DDP
+from rpcdist.parallel import FaultTolerance
+
+F64 = np.float64
+N, IN, HID, OUT, B = 90, 6, 16, 3, 4
+
+
+def dataset() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((N, IN))
+    return x, np.argmax(x @ rng.standard_normal((IN, OUT)), axis=1)  # learnable
+
+
+def model(seed: int) -> nn.Module:
+    g = rt.Generator().manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(IN, HID, dtype=F64, generator=g),
+        nn.Tanh(),
+        nn.Linear(HID, OUT, dtype=F64, generator=g),
+    )
+
+
+def loss_of(m: nn.Module, idx: np.ndarray) -> rt.Tensor:
+    x, y = dataset()
+    return F.cross_entropy(m(rt.tensor(x[idx])), rt.tensor(y[idx]))
+
+
+def digest(m: nn.Module) -> str:
+    h = hashlib.sha256()
+    for _, p in m.named_parameters():
+        h.update(np.ascontiguousarray(p.data).tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str]) -> int:
+    out, steps = argv[0], int(argv[1])
+    me = int(os.environ["RANK"])
+    kill = argv[2].split(":") if len(argv) > 2 else None
+    if kill and (
+        (len(kill) > 2 and int(kill[2]) != me)
+        or os.environ.get("RPCDIST_RESTART_COUNT", "0") != "0"
+    ):
+        kill = None  # another rank's kill point, or this is the replacement
+
+    def hook(point: str) -> None:
+        if kill and int(kill[0]) == ft.step and kill[1] == point:
+            with open(os.path.join(out, f"kill{me}-{ft.step}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)  # killed from outside before this ends
+
+    sampler = DistributedSampler(N, num_replicas=1, rank=0, seed=3)
+    ft = FaultTolerance(
+        sampler=sampler, batch_size=B, timeout=float(os.environ.get("FT_TIMEOUT", "20")), hook=hook
+    )
+    net = DDP(model(me + 1), fault_tolerance=ft)  # different on purpose: the first quorum heals
+    opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ft.register_state("optim", opt)
+    restarts = os.environ.get("RPCDIST_RESTART_COUNT", "0")
+    open(os.path.join(out, f"started{me}-{restarts}"), "w").close()  # joining: sent
+    log = open(os.path.join(out, f"rank{me}.log"), "a")  # noqa: SIM115 (closed at exit)
+    hold = int(os.environ.get("FT_HOLD", "-1"))  # wait for OUT/go before this step
+    while ft.step < steps:
+        while ft.step == hold and not os.path.exists(os.path.join(out, "go")):
+            time.sleep(0.01)
+        idx = ft.start_step()
+        opt.zero_grad()
+        loss = loss_of(net, idx)
+        loss.backward()
+        if ft.commit():
+            opt.step()
+            log.write(
+                f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module)} {float(loss.item())!r}\n"
+            )
+            log.flush()
+    state = {
+        "params": net.module.state_dict(),
+        "optim": opt.state_dict(),
+        "sampler": sampler.state_dict(),
+    }
+    rpcdist.save(state, os.path.join(out, f"rank{me}.npz"))
+    ft.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
