@@ -11,6 +11,7 @@ torch's, unchanged.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +19,6 @@ import torch
 
 from .._futures import Future
 from .._futures import collect_all as _collect_all
-from .._futures import wait_all as _wait_all
 
 __all__ = ["as_future", "collect_all", "install", "wait_all"]
 
@@ -50,15 +50,40 @@ def collect_all(futures: Iterable[Any]) -> Future[list[Future[Any]]]:
 
 
 def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
-    """Wait for every future and return their values (raising the first error).
+    """Wait for every future and return their values, as ``torch.futures.wait_all``:
+    the first error raises as soon as it arrives, without waiting for the
+    futures still pending (rpcdist's own ``rpcdist.futures.wait_all`` waits
+    for all first).
 
     Accepts rpcdist Futures and ``torch.futures.Future`` objects.
 
     Raises:
-        Exception: the first error among the futures.
+        Exception: the first error among the futures, in completion order.
         RpcTimeoutError: ``timeout`` seconds passed first.
     """
-    return _wait_all([as_future(f) for f in futures], timeout)
+    futs = [as_future(f) for f in futures]
+    first_error_or_all: Future[None] = Future()
+    lock = threading.Lock()
+    pending = len(futs)
+
+    def one_done(f: Future[Any]) -> None:
+        nonlocal pending
+        with lock:
+            pending -= 1
+            exc = f.exception()
+            if first_error_or_all.done() or (exc is None and pending):
+                return
+            if exc is not None:
+                first_error_or_all.set_exception(exc)
+            else:
+                first_error_or_all.set_result(None)
+
+    if not futs:
+        return []
+    for f in futs:
+        f.add_done_callback(one_done)
+    first_error_or_all.wait(timeout)
+    return [f.value() for f in futs]
 
 
 def _also_ours(theirs: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:

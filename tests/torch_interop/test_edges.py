@@ -117,8 +117,11 @@ def test_a_failure_on_another_worker_fails_the_backward_at_the_root(agents):
         x = tf.param(1, (2, 3))
         with dist_autograd.context() as cid:
             y = rpc.rpc_sync("worker1", tf.explode, args=(x,))
-            with pytest.raises(ValueError, match="exploded on purpose"):
+            with pytest.raises(ValueError, match="exploded on purpose") as caught:
                 dist_autograd.backward(cid, [y.sum()])
+    # torch's wording (a RuntimeError naming the node), the callee's type kept too
+    assert isinstance(caught.value, RuntimeError)
+    assert str(caught.value).startswith("Error on Node 1: backward exploded on purpose")
 
 
 @pytest.mark.parametrize("when", ["before the backward", "during its part"])
@@ -175,6 +178,19 @@ def test_roots_are_checked(agents):
             dist_autograd.backward(cid, [torch.zeros(())])
         with pytest.raises(ValueError, match="scalars"):
             dist_autograd.backward(cid, [tf.param(0, (2,)) * 2])
+        # torch's texts, which programs match
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(cid, None)
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(None, [tf.param(0).sum()])
+        with pytest.raises(RuntimeError, match="No tensors provided for gradient computation"):
+            dist_autograd.backward(cid, [])
+        with pytest.raises(RuntimeError, match="requires_grad not set on"):
+            dist_autograd.backward(cid, [torch.zeros(())])
+        with pytest.raises(RuntimeError, match="is not a scalar, all roots need to be scalar"):
+            dist_autograd.backward(cid, [tf.param(0, (2,)) * 2])
+        with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+            dist_autograd.backward(cid, [torch.zeros((), requires_grad=True)])
 
 
 def test_an_unknown_context_is_refused(agents):

@@ -57,3 +57,18 @@ def test_lists_of_torch_futures_still_take_torchs_own_path():
     assert isinstance(combined, torch._C.Future) and not isinstance(combined, Future)
     assert combined.wait()[0].wait() == 3
     assert torch.futures.wait_all.__wrapped__ is torch.futures.wait_all._rpcdist_wraps
+
+
+def test_torch_wait_all_raises_the_first_error_without_waiting_for_the_rest(agent):
+    # As torch's: a future still pending does not hold back an error that arrived.
+    pending: Future[int] = Future()
+    failed = rpc.rpc_async("worker1", tf.fail_with, args=("first",))
+    with pytest.raises(ValueError, match="first"):
+        torch.futures.wait_all([pending, failed], timeout=30)
+    assert not pending.done()
+    pending.set_result(1)
+    assert torch.futures.wait_all([pending, rpc.rpc_async("worker1", torch.add, args=(1, 1))]) == [
+        1,
+        2,
+    ]
+    assert torch.futures.wait_all([pending]) == [1]
