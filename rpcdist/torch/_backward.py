@@ -24,9 +24,10 @@ released: a tensor sent twice gets a gradient message per copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,14 +106,8 @@ def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, 
         payload: Any = ((context_id, recv.message_id, index, grad.contiguous()), {})
         call = agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent),
                                     meta=None, label="rpcdist.torch autograd gradients")  # fmt: skip
-        try:
+        with _node_errors(recv.peer):
             call.wait()
-        except (RpcTimeoutError, WorkerLostError):
-            raise
-        except Exception as e:
-            if _wrapped(e):
-                raise
-            raise _on_node(recv.peer, e) from e
 
     return deliver
 
@@ -172,8 +167,18 @@ def _on_node(rank: int, exc: BaseException) -> AutogradError:
     return AutogradError(message)
 
 
-def _wrapped(exc: BaseException) -> bool:
-    return isinstance(exc, AutogradError) and str(exc).startswith("Error on Node ")
+@contextlib.contextmanager
+def _node_errors(rank: int) -> Iterator[None]:
+    """Errors of worker ``rank``'s part of a pass as :func:`_on_node` words
+    them (timeouts and lost workers as they are)."""
+    try:
+        yield
+    except (RpcTimeoutError, WorkerLostError):
+        raise
+    except Exception as e:
+        if isinstance(e, AutogradError) and str(e).startswith("Error on Node "):
+            raise
+        raise _on_node(rank, e) from e
 
 
 @functools.cache
@@ -218,14 +223,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             for leaf in leaves:
                 leaf.grad = None
             try:
-                try:
+                with _node_errors(agent.rank):
                     _run_root(roots, leaves, retain_graph)
-                except (RpcTimeoutError, WorkerLostError):
-                    raise
-                except Exception as e:
-                    if _wrapped(e):
-                        raise
-                    raise _on_node(agent.rank, e) from e
                 for leaf in leaves:
                     g = leaf.grad
                     if g is not None and not _is_anchor(leaf):
