@@ -142,7 +142,16 @@ class Future(Generic[T]):
         self._run_callback(callback)
 
     def then(self, callback: Callable[[Future[T]], U]) -> Future[U]:
-        """A new Future completed with ``callback(self)``, or with what it raised."""
+        """A new Future completed with ``callback(self)``, or with what it raised.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        if not callable(callback):
+            raise TypeError(
+                "then(): incompatible function arguments: callback must be callable, "
+                f"got {callback!r}"
+            )
         out: Future[U] = Future()
 
         box = [out]  # (taken out on completion: see value())
