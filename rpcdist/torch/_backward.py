@@ -103,7 +103,8 @@ def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, 
     """What a receive function calls with its gradient: send it home and wait."""
 
     def deliver(index: int, grad: torch.Tensor) -> None:
-        payload: Any = ((context_id, recv.message_id, index, grad.contiguous()), {})
+        grad = grad if grad.is_sparse else grad.contiguous()
+        payload: Any = ((context_id, recv.message_id, index, grad), {})
         call = agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent),
                                     meta=None, label="rpcdist.torch autograd gradients")  # fmt: skip
         with _node_errors(recv.peer):

@@ -380,3 +380,26 @@ def test_torchs_profiler_records_each_call_as_pytorch_rpc_names_it(agents):
     }
     # the asynchronous call's range ends when its Future completes, not when it returns
     assert ranges["rpc_async#time.sleep(worker0 -> worker2)"] >= 40_000  # (us)
+
+
+def _sparse(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    i = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    v = torch.randn(3, generator=g, dtype=torch.float64)
+    return torch.sparse_coo_tensor(i, v, (3, 3)).coalesce().requires_grad_()
+
+
+def test_sparse_tensors_that_require_grad_cross_workers_with_their_edges(agents):
+    # (an embedding's sparse weights or gradients: PyTorch records their edges too)
+    with as_current(agents[0]):
+        t1, t2 = _sparse(1), _sparse(2)
+        with dist_autograd.context() as cid:
+            ret = rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+            assert ret.is_sparse and ret.requires_grad
+            loss = torch.sparse.sum(torch.mul(ret, ret))
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+        a, b = _sparse(1), _sparse(2)
+        torch.sparse.sum(torch.mul(a + b, a + b)).backward()
+        assert torch.equal(grads[t1].to_dense(), a.grad.to_dense())
+        assert torch.equal(grads[t2].to_dense(), b.grad.to_dense())
