@@ -4,6 +4,8 @@ left alone, failures reach the root, and contexts are freed everywhere."""
 
 from __future__ import annotations
 
+import collections
+import pickle
 import subprocess
 import sys
 import threading
@@ -315,8 +317,9 @@ def test_a_remote_module_over_a_module_already_in_an_rref(agents):
         # made on the owner and sent back, as torch's docs show
         there = rpc.rpc_sync("worker1", RemoteModule.init_from_module_rref, args=("worker1", rref))
         torch.testing.assert_close(there.forward_async(x).wait(), local(x))
-        with pytest.raises(ConfigError, match="not the module's owner 'worker1'"):
-            RemoteModule.init_from_module_rref("worker2", rref)
+        # as torch's: calls go to the module's owner whatever remote_device names
+        elsewhere = RemoteModule.init_from_module_rref("worker2", rref)
+        assert elsewhere.owner.name == "worker1"
         with pytest.raises(ConfigError, match="expected an RRef"):
             RemoteModule.init_from_module_rref("worker1", local)
 
@@ -336,9 +339,24 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         assert [p.shape for p in model.parameters()] == [(1, 2), (1,)]
         model.train(False)
         assert model(x).shape == (4, 1)
-        for refused in ("to", "parameters", "state_dict", "zero_grad", "cuda"):
+        refusals = ("to", "parameters", "state_dict", "zero_grad", "cuda", "modules",
+                    "named_modules", "children", "extra_repr")  # fmt: skip
+        for refused in refusals:
             with pytest.raises(ValueError, match=f"{refused}`` not supported for RemoteModule"):
                 list(getattr(rm, refused)() or ())  # (parameters() is lazy)
+        assert len(list(model.modules())) == 4  # a model's own walk still passes it
+        # training mode is the module's, on its owner (model.train(False) above reached it)
+        owner_mode = rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        assert owner_mode is False and not rm.training
+        rm.train()
+        assert rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        assert rm.training
+        rm.eval()
+        assert not rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+            pickle.dumps(rm)
+        with pytest.raises(ValueError, match=r"returns an instance of <class nn.Module>"):
+            RemoteModule("worker1", collections.OrderedDict)
         # sent to another worker, it is one there too
         back = rpc.rpc_sync("worker2", tf.echo_kind, args=(rm,))
         assert back == "RemoteModule is an nn.Module"
