@@ -83,3 +83,25 @@ def test_then_with_a_non_callable_is_a_type_error(agent):
     with pytest.raises(TypeError, match="incompatible function arguments"):
         fut.then(None)
     assert fut.wait().item() == 2.0
+
+
+def test_rref_backward_without_a_context_runs_locally_on_the_owner(agent):
+    t1 = torch.rand(3, 3, requires_grad=True)
+    rpc.RRef(t1.sum() + t1.sum()).backward()  # as torch's: into .grad
+    assert torch.equal(t1.grad, torch.ones(3, 3) * 2)
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        rpc.RRef(torch.rand(2)).backward()
+    with pytest.raises(RuntimeError, match="^RRef should contain a tensor for .backward()"):
+        rpc.RRef("foo").backward()
+    with pytest.raises(RuntimeError, match="^Could not find autograd context with id: 100"):
+        rpc.RRef(torch.rand(2, requires_grad=True).sum()).backward(100)
+    t = torch.rand(2, requires_grad=True)
+    with dist_autograd.context() as cid:
+        there = rpc.remote("worker1", torch.sum, args=(t,))
+        with pytest.raises(RuntimeError, match="^User RRefs require 'dist_autograd_ctx_id'"):
+            there.backward()
+        there.backward(cid)
+        assert torch.equal(dist_autograd.get_gradients(cid)[t], torch.ones(2))
+        foo = rpc.remote("worker1", str, args=("foo",))
+        with pytest.raises(RuntimeError, match="^RRef should contain a tensor for .backward()"):
+            foo.backward(cid)
