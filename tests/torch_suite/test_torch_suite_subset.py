@@ -35,5 +35,5 @@ SUBSET = (
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 @pytest.mark.parametrize("name", SUBSET)
 def test_pytorch_rpc_test_passes_on_rpcdist(name: str) -> None:
-    row = run_suite.run_one(name, "rpcdist", timeout=240)
+    row = run_suite.run_one(name, "rpcdist", timeout=420)
     assert row["status"] == "passed", row["tail"]
