@@ -10,6 +10,8 @@ torch's, unchanged.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterable
@@ -20,7 +22,63 @@ import torch
 from .._futures import Future
 from .._futures import collect_all as _collect_all
 
-__all__ = ["as_future", "collect_all", "install", "wait_all"]
+__all__ = ["TorchFuture", "adopt", "as_future", "collect_all", "install", "wait_all"]
+
+
+class TorchFuture(Future[Any]):
+    """rpcdist's Future as ``rpcdist.torch.rpc.rpc_async`` returns it, whose
+    :meth:`then` callbacks may block as torch's may (wait for another call
+    they make: ``rpc_async(...).wait()``).
+
+    rpcdist runs a Future's callbacks on the thread that completes it, for
+    a reply the agent's event-loop thread, where a callback that waits for
+    another reply would stop the loop that is to deliver it. A ``then``
+    callback that would run on an event loop runs on a thread of its own
+    instead (elsewhere, inline as before).
+    """
+
+    __slots__ = ()
+
+    def then(self, callback: Callable[[Future[Any]], Any]) -> Future[Any]:
+        """A new Future completed with ``callback(self)``, or with what it raised.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        if not callable(callback):
+            raise TypeError(
+                "then(): incompatible function arguments: callback must be callable, "
+                f"got {callback!r}"
+            )
+        out = TorchFuture()
+        caller = contextvars.copy_context()  # (the agent current where then() was called)
+
+        def chain(f: Future[Any]) -> None:
+            if asyncio._get_running_loop() is None:
+                _settle(out, callback, f)
+            else:  # (on an event loop: the loop goes on while it waits)
+                threading.Thread(target=caller.run, args=(_settle, out, callback, f),
+                                 name="torch-future-then", daemon=True).start()  # fmt: skip
+
+        self.add_done_callback(chain)
+        return out
+
+
+def _settle(out: Future[Any], callback: Callable[[Future[Any]], Any], f: Future[Any]) -> None:
+    try:
+        value = callback(f)
+    except BaseException as e:
+        out.set_exception(e)
+    else:
+        out.set_result(value)
+
+
+def adopt(fut: Future[Any]) -> Future[Any]:
+    """``fut`` as a :class:`TorchFuture` (the same object: its class changes
+    to the subclass, which adds no state)."""
+    if type(fut) is Future:
+        fut.__class__ = TorchFuture
+    return fut
 
 
 def as_future(fut: Any) -> Any:

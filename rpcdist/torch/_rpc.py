@@ -32,6 +32,7 @@ from ._constants import (
     DEFAULT_RPC_TIMEOUT_SEC,
     UNSET_RPC_TIMEOUT,
 )
+from ._futures import adopt
 from ._install import install
 from ._profile import enabled, profiled
 
@@ -296,7 +297,8 @@ def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: A
     """
     call = functools.partial(_api.rpc_async, to, func, args=_args(args), kwargs=kwargs,
                              timeout=_timeout(timeout))  # fmt: skip
-    return profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
+    fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
+    return adopt(fut)  # (then() callbacks may block, as torch's)
 
 
 def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,

@@ -72,3 +72,21 @@ def test_torch_wait_all_raises_the_first_error_without_waiting_for_the_rest(agen
         2,
     ]
     assert torch.futures.wait_all([pending]) == [1]
+
+
+def test_a_then_callback_may_wait_for_another_call_it_makes(agent):
+    # torch's tests do this (test_callback_with_ret); rpcdist runs a reply's
+    # callbacks on the agent's loop, which the wait would have stopped
+    def callback(first):
+        second = rpc.rpc_async("worker1", torch.add, args=(first.wait(), 1))
+        return second.then(lambda f: f.wait() + 1).wait(timeout=30)
+
+    fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1)).then(callback)
+    assert fut.wait(timeout=60).tolist() == [4.0, 4.0]
+    chained = rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1))
+    for _ in range(5):
+        chained = chained.then(lambda f: f.wait() + 1)
+    assert chained.wait(timeout=60).item() == 7.0
+    failing = rpc.rpc_async("worker1", tf.fail_with, args=("boom",)).then(lambda f: f.wait())
+    with pytest.raises(ValueError, match="boom"):
+        failing.wait(timeout=60)
