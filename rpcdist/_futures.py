@@ -147,11 +147,7 @@ class Future(Generic[T]):
         Raises:
             TypeError: ``callback`` is not callable.
         """
-        if not callable(callback):
-            raise TypeError(
-                "then(): incompatible function arguments: callback must be callable, "
-                f"got {callback!r}"
-            )
+        check_callback(callback)
         out: Future[U] = Future()
 
         box = [out]  # (taken out on completion: see value())
@@ -207,6 +203,14 @@ class Future(Generic[T]):
         if self._exc is not None:
             return f"<rpcdist.Future exception={self._exc!r}>"
         return f"<rpcdist.Future result={self._value!r}>"
+
+
+def check_callback(callback: object) -> None:
+    """Raises: TypeError: ``callback`` is not callable (torch's text first)."""
+    if not callable(callback):
+        raise TypeError(
+            f"then(): incompatible function arguments: callback must be callable, got {callback!r}"
+        )
 
 
 def collect_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._futures import Future
+from .._futures import Future, check_callback
 from .._futures import collect_all as _collect_all
 
 __all__ = ["TorchFuture", "adopt", "as_future", "collect_all", "install", "wait_all"]
@@ -45,11 +45,7 @@ class TorchFuture(Future[Any]):
         Raises:
             TypeError: ``callback`` is not callable.
         """
-        if not callable(callback):
-            raise TypeError(
-                "then(): incompatible function arguments: callback must be callable, "
-                f"got {callback!r}"
-            )
+        check_callback(callback)
         out = TorchFuture()
         caller = contextvars.copy_context()  # (the agent current where then() was called)
 
