@@ -97,9 +97,6 @@ KNOWN_GAPS = (
     "`RpcOptions(allow_pickle=True)`; the fixture does not set it.",
     "Dynamic membership (3): `init_rpc` without `world_size` (ranks joining and "
     "leaving a running group) is not implemented.",
-    "A blocking `.wait()` inside a `Future.then` callback (2): rpcdist runs callbacks "
-    "on the agent's event-loop thread, so a callback that waits for another reply "
-    "blocks the loop.",
     "Non-contiguous views (1): a tensor view arrives contiguous (same values, not "
     "the same strides).",
 )
