@@ -56,9 +56,12 @@ _NOT_HERE = (
 
 
 def _refuse(name: str) -> Any:
+    # (torch's text, which programs match, then rpcdist's detail)
+    hint = " Please use ``remote_parameters`` instead." if name == "parameters" else ""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(
-            f"Method ``{name}`` not supported for RemoteModule: it would act on this "
+            f"Method ``{name}`` not supported for RemoteModule.{hint} It would act on this "
             f"worker's stand-in, not on the module on {self.owner.name!r} (call it there "
             "through get_module_rref().rpc_sync())"
         )

@@ -341,6 +341,10 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         assert model(x).shape == (4, 1)
         refusals = ("to", "parameters", "state_dict", "zero_grad", "cuda", "modules",
                     "named_modules", "children", "extra_repr")  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"not supported for RemoteModule\. Please use ``remote_parameters``"
+        ):
+            rm.parameters()
         for refused in refusals:
             with pytest.raises(ValueError, match=f"{refused}`` not supported for RemoteModule"):
                 list(getattr(rm, refused)() or ())  # (parameters() is lazy)
