@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import rpcdist.tensor` s
     from ._rref._rref import RRef, remote
     from ._save import load, save
     from ._serialization import register_type
+    from ._serialization._exposure import expose
     from ._spawn import ProcessFailedError, spawn
 
 __version__ = "0.1.0"
@@ -92,6 +93,7 @@ __all__ = [
     "WorkerLostError",
     "WrongThreadError",
     "debug_info",
+    "expose",
     "functions",
     "futures",
     "get_rpc_timeout",
@@ -133,6 +135,7 @@ _LAZY = {
     "register_type": "._serialization",
     "spawn": "._spawn",
     "ProcessFailedError": "._spawn",
+    "expose": "._serialization._exposure",
 }
 _LAZY_MODULES = {
     "tensor",

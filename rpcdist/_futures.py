@@ -10,6 +10,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 from ._errors import RpcTimeoutError
+from ._pool import blocking
 
 __all__ = ["Future", "collect_all", "wait_all"]
 
@@ -97,10 +98,17 @@ class Future(Generic[T]):
             RpcTimeoutError: ``timeout`` passed before completion.
         """
         if self._state != _DONE:
-            if timeout is None:
-                self._gate.acquire()
-            elif not self._gate.acquire(True, min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)):
-                raise RpcTimeoutError(f"Future not complete after waiting {timeout} s")
+            pool = blocking(self)  # (a handler waiting: its pool may start another thread)
+            try:
+                if timeout is None:
+                    self._gate.acquire()
+                elif not self._gate.acquire(
+                    True, min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)
+                ):
+                    raise RpcTimeoutError(f"Future not complete after waiting {timeout} s")
+            finally:
+                if pool is not None:
+                    pool.unblocked()
             self._gate.release()
         try:
             return self.value()

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,9 @@ __all__ = ["CALLABLE_POLICIES", "RpcOptions", "callable_entry", "is_loopback"]
 _MiB = 1 << 20
 _GiB = 1 << 30
 
-#: ``RpcOptions.callable_policy`` values.
-CALLABLE_POLICIES = ("denylist", "allowlist", "any")
+#: ``RpcOptions.callable_policy`` values (``"denylist"``: a deprecated alias
+#: of ``"exposed"``).
+CALLABLE_POLICIES = ("exposed", "allowlist", "any", "denylist")
 
 
 def _env(name: str) -> str | None:
@@ -160,23 +162,40 @@ class RpcOptions:
         heartbeat_interval: Seconds of silence on a link after which this
             worker sends a heartbeat on it (only idle links carry them).
         peer_timeout: Seconds without a byte from a linked peer (heartbeats
-            included) after which it is declared lost: calls, RRefs,
-            collectives and autograd contexts involving it fail with
-            ``WorkerLostError``, and it is never dialled again. ``None`` turns
-            the failure detector off (hangs are then found only by deadlines).
-            Default 3 s: a hung peer is declared lost 3 to 4 s after it
-            stops (docs/failure-model.md).
-        callable_policy: Which functions peers may call here by name:
-            ``"denylist"`` (the default) refuses functions of modules that run
-            programs or code or touch files and processes (``os``,
-            ``subprocess``, ``builtins.eval``/``exec``/``open``, ``importlib``,
-            ``ctypes``, ``pickle``, ``shutil``, ...); ``"allowlist"`` accepts
-            only ``allowed_callables`` (and rpcdist's own functions);
-            ``"any"`` accepts every importable callable (trusted clusters only).
-            A refused call raises ``CallPolicyError`` at the caller.
+            included) after which it is suspected. A suspect on this host
+            whose process is stopped (SIGSTOP) is then declared lost: calls,
+            RRefs, collectives and autograd contexts involving it fail with
+            ``WorkerLostError``, and it is never dialled again. One whose
+            process still runs is only paused (see ``pause_timeout``); one on
+            another host is declared lost after four times this, or twice the
+            longest silence it ended itself. ``None`` turns the failure
+            detector off (hangs are then found only by deadlines). Default
+            3 s: a stopped peer on this host is declared lost 3 to 4 s after
+            it stops, one on another host after 12 s (docs/failure-model.md).
+        pause_timeout: The longest silence tolerated from a peer that is
+            still running (a garbage collection or a native call holding its
+            GIL): on this host, seen running through ``/proc``; on another
+            host, the cap of its adaptive window. Default 30 s.
+        callable_policy: Which functions peers may call here by name (and
+            send as arguments, call as methods through RRef proxies):
+            ``"exposed"`` (the default) admits only what the program exposes:
+            its own functions and classes (``__main__`` and the modules it
+            has imported from outside the standard library and
+            site-packages), ``allowed_callables``, those decorated with
+            ``@rpcdist.expose``, a curated set of pure numerical functions
+            (``math``, ``operator``, NumPy's and torch's array math) and
+            rpcdist's protocol entry points; a peer's call never imports a
+            module. ``"allowlist"`` admits only ``allowed_callables``,
+            ``@rpcdist.expose`` and the protocol entry points. ``"any"``
+            admits every importable callable (fully trusted clusters only).
+            ``"denylist"`` is a deprecated alias of ``"exposed"``. A refused
+            call raises ``CallPolicyError`` at the caller, naming the option
+            that would admit it.
         allowed_callables: Functions, classes or modules (or their names,
             ``"module"`` / ``"module:qualname"``) peers may call even where
-            the policy would refuse them; with ``"allowlist"``, the only ones.
+            the policy would refuse them (an installed package of the
+            program's own is admitted by naming it; a named module may be
+            imported by a peer's call); with ``"allowlist"``, the only ones.
         cuda_ipc: Send large CuPy arrays to workers on the same host through
             CUDA IPC (device to device, no copy through host memory), once a
             probe has shown the peer can map this worker's device memory;
@@ -214,7 +233,8 @@ class RpcOptions:
     max_message_bytes: int = 2 * _GiB
     heartbeat_interval: float = 0.5
     peer_timeout: float | None = 3.0
-    callable_policy: str = "denylist"
+    pause_timeout: float = 30.0
+    callable_policy: str = "exposed"
     allowed_callables: tuple[Any, ...] = ()
     cuda_ipc: bool = field(default_factory=lambda: os.environ.get("RPCDIST_CUDA_IPC", "1") != "0")
 
@@ -291,11 +311,26 @@ class RpcOptions:
                 "RpcOptions.peer_timeout must be None or a number of seconds >= "
                 f"heartbeat_interval ({hb}), got {pt!r}"
             )
+        pz = self.pause_timeout
+        if not isinstance(pz, int | float) or isinstance(pz, bool) or pz < (pt or hb):
+            raise ConfigError(
+                "RpcOptions.pause_timeout must be a number of seconds >= peer_timeout "
+                f"({pt}), got {pz!r}"
+            )
         if self.callable_policy not in CALLABLE_POLICIES:
             raise ConfigError(
                 f"RpcOptions.callable_policy must be one of {CALLABLE_POLICIES}, "
                 f"got {self.callable_policy!r}"
             )
+        policy = self.callable_policy
+        if policy == "denylist":
+            warnings.warn(
+                "RpcOptions(callable_policy='denylist') is deprecated: it now means the "
+                "default, 'exposed' (peers call only what the program exposes)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            policy = "exposed"
         if not isinstance(self.allowed_callables, tuple | list | frozenset | set):
             raise ConfigError(
                 "RpcOptions.allowed_callables must be a tuple of functions, modules or names, "
@@ -314,11 +349,17 @@ class RpcOptions:
                     "or pass RpcOptions(allow_insecure=True) on a network you trust"
                 )
         return dataclasses.replace(
-            self, sync_channels=n, busy_poll_us=float(spin), allowed_callables=allowed
+            self,
+            sync_channels=n,
+            busy_poll_us=float(spin),
+            callable_policy=policy,
+            allowed_callables=allowed,
         )
 
-    def check_store_host(self, host: str) -> None:
-        """Refuse to serve the rendezvous store beyond loopback without a token.
+    def check_store_host(self, host: str, rank: int = 0) -> None:
+        """Refuse to serve (rank 0) or meet at the rendezvous store beyond
+        loopback without a token: a job without one shares its secret through
+        a file on one host.
 
         Raises:
             ConfigError: ``host`` is not a loopback address and neither a token
@@ -326,10 +367,12 @@ class RpcOptions:
         """
         if self.token or self.allow_insecure or is_loopback(host or "0.0.0.0"):
             return
+        what = "serve the rendezvous store" if rank == 0 else "meet its job at the store"
         raise ConfigError(
-            f"rank 0 would serve the rendezvous store on {host!r} (MASTER_ADDR or the "
-            "init_method) with no job token: set a token (RpcOptions.token or RPCDIST_TOKEN; "
-            "rpcdist-run sets one) or pass RpcOptions(allow_insecure=True) on a network you trust"
+            f"rank {rank} would {what} on {host!r} (MASTER_ADDR or the init_method), beyond "
+            "this host, with no job token: set the same token on every rank (RpcOptions.token "
+            "or RPCDIST_TOKEN; rpcdist-run sets one) or pass RpcOptions(allow_insecure=True) "
+            "on a network you trust"
         )
 
     @property

@@ -135,10 +135,15 @@ def busy_polling_alternating(rank, world_size, init_method):
             time.sleep(0.06)  # this worker's own part of a step
             assert rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.06, i)) == i
         mine = rpcdist.statistics()
-        theirs = rpcdist.rpc_sync("w1", rpcdist.statistics)
+        theirs = rpcdist.rpc_sync("w1", statistics)  # (rpcdist's own is not exposed to peers)
         return [(s["busy_polls"], s["busy_poll_hits"]) for s in (mine, theirs)]
     finally:
         rpcdist.shutdown()
+
+
+def statistics() -> dict[str, int]:
+    """This worker's ``rpcdist.statistics()``, for a peer to ask for."""
+    return rpcdist.statistics()
 
 
 def _until_handlers(running: bool) -> None:

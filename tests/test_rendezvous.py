@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -16,12 +17,15 @@ import rpcdist
 from rpcdist._errors import ConfigError, ConnectError
 from rpcdist._rpc import _join
 from rpcdist._store import StoreClient, StoreServer, _rendezvous
+from rpcdist._store._common import REFUSED_KEY
+from rpcdist._store._private import open_private_store, private_secret_path
 from rpcdist._store._rendezvous import (
     RendezvousSpec,
     open_store,
     parse_init_method,
     rendezvous_file,
 )
+from rpcdist._store._secret_file import read_secret, write_secret
 from rpcdist.testing import local_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -324,3 +328,101 @@ def test_grpc_loads_only_when_a_store_is_made() -> None:
         "assert 'grpc' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- a job without a token: the secret in a per-user file ---------------------
+
+
+def _private_specs(scheme: str, tmp_path: Path) -> list[RendezvousSpec]:
+    url = f"file://{tmp_path}/rdv" if scheme == "file" else f"tcp://127.0.0.1:{free_port()}"
+    return [parse_init_method(url, rank, 2, env={}) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_a_tokenless_job_shares_its_secret_through_a_private_file_not_the_store(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    specs = _private_specs(scheme, tmp_path)
+    path = private_secret_path(specs[0])
+    # A file left by a killed job that met here: rank 1 must not be fooled by it.
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    write_secret(path, "stale", "0" * 32)
+
+    async def main() -> None:
+        follower = asyncio.create_task(open_private_store(specs[1], timeout=10))
+        await asyncio.sleep(0)  # (rank 1 first reads the stale file)
+        store0, server, secret = await open_private_store(specs[0], timeout=10)
+        store1, _, secret1 = await follower
+        assert server is not None and secret == secret1 != "stale"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        await store1.set("k", b"v")
+        assert await store0.get("k", 5) == b"v"
+        # Without the secret the store answers nothing, and keeps serving.
+        # (Rank 1 may have been refused once already, with the stale secret.)
+        before = int((await store1.get(REFUSED_KEY, 1)).split(b" ")[0] or b"0")
+        stranger = StoreClient(store0.address, token=None, timeout=2)
+        with pytest.raises(ConnectError, match="token"):
+            await stranger.get("k", 1)
+        await stranger.close()
+        assert (await store1.get(REFUSED_KEY, 1)).startswith(b"%d call(s) " % (before + 1))
+        assert await store1.get("k", 1) == b"v"
+        await store1.close()
+        await _close(store0, server)
+        assert not os.path.exists(path)
+
+    run(main)
+
+
+def test_the_secret_directory_must_be_private_to_the_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    spec = _private_specs("tcp", tmp_path)[1]
+    os.mkdir(tmp_path / "rpcdist", 0o755)
+    os.chmod(tmp_path / "rpcdist", 0o755)
+    with pytest.raises(ConfigError, match="the group or others may use it"):
+        private_secret_path(spec)
+    os.rmdir(tmp_path / "rpcdist")
+    os.symlink(tmp_path, tmp_path / "rpcdist")
+    with pytest.raises(ConfigError, match="is not a plain directory"):
+        private_secret_path(spec)
+    os.remove(tmp_path / "rpcdist")
+    if os.geteuid() == 0:  # root can give the directory away
+        os.mkdir(tmp_path / "rpcdist", 0o700)
+        os.chown(tmp_path / "rpcdist", 65534, 65534)
+        with pytest.raises(ConfigError, match="is owned by uid 65534"):
+            private_secret_path(spec)
+        os.rmdir(tmp_path / "rpcdist")
+    path = private_secret_path(spec)
+    write_secret(path, "s", "id")
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="RPCDIST_TOKEN"):
+        read_secret(path)
+
+
+def test_a_tokenless_rank_fails_at_once_when_its_job_has_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    specs = _private_specs("tcp", tmp_path)
+
+    async def main() -> None:
+        store0, server = await open_store(specs[0], token="t", timeout=10)
+        with pytest.raises(ConnectError, match="has no job token"):
+            await open_private_store(specs[1], timeout=10)  # not its 10 s
+        await _close(store0, server)
+
+    run(main)
+
+
+def test_an_empty_refusal_summary_when_nobody_was_refused() -> None:
+    async def main() -> None:
+        store, server = await open_store(
+            parse_init_method(None, 0, 1, env={}), token="t", timeout=5
+        )
+        assert await store.get(REFUSED_KEY, 1) == b""
+        await _close(store, server)
+
+    run(main)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -428,6 +430,42 @@ def test_an_unreadable_load_never_counts_as_crowded(monkeypatch):
 
     monkeypatch.setattr(_cores, "_FD", -1)
     assert _cores.crowded() is False
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpu_max", "v1", "cpus"),
+    [
+        (8, "max 100000\n", None, 8),  # v2, no quota
+        (8, "200000 100000\n", None, 2),  # v2: 2 CPUs
+        (8, "150000 100000\n", None, 2),  # 1.5 CPUs: 2 threads run
+        (8, "50000 100000\n", None, 1),  # never below one
+        (1, "400000 100000\n", None, 1),  # affinity is the fewer
+        (4, None, ("200000\n", "100000\n"), 2),  # v1
+        (4, None, ("-1\n", "100000\n"), 4),  # v1, no quota
+        (4, "garbled", None, 4),
+        (4, None, None, 4),  # no cgroup files
+        (0, None, None, 1),
+    ],
+)
+def test_the_cpu_allowance_is_the_fewest_of_affinity_and_cgroup_quota(affinity, cpu_max, v1, cpus):
+    from rpcdist._rpc import _cores
+
+    assert _cores.allowance(affinity, cpu_max, *(v1 or (None, None))) == cpus
+
+
+def test_a_process_pinned_to_one_cpu_has_an_allowance_of_one():
+    """Read as the process runs it: a child pinned to CPU 0 before rpcdist
+    computes its allowance (the host's count would be os.cpu_count())."""
+    code = (
+        "import os; os.sched_setaffinity(0, {0})\n"
+        "from rpcdist._rpc._cores import cpu_allowance\n"
+        "print(cpu_allowance(), cpu_allowance())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, check=True)  # fmt: skip
+    assert out.stdout.split() == ["1", "1"]
 
 
 def test_a_started_call_leaves_at_once_and_is_read_later(agents2):

@@ -20,6 +20,7 @@ and the init checks in :mod:`._join`; snapshots for hang diagnosis in
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -105,8 +106,7 @@ class Agent:
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
         self._spec = parse_init_method(init_method, rank, world_size)
-        if self._spec.rank == 0:
-            self.options.check_store_host(self._spec.host)
+        self.options.check_store_host(self._spec.host, self._spec.rank)
         #: What peers may call here by name (see ``RpcOptions.callable_policy``).
         self.policy = CallablePolicy(
             self.options.callable_policy, frozenset(self.options.allowed_callables)
@@ -131,6 +131,7 @@ class Agent:
         self.mailbox = Mailbox()
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
+        self.executor.describe = functools.partial(_dispatch.blocked_handler, self)
         self._lt = LoopThread(f"rpcdist-loop-{self.name}")
         try:
             self.loop = self._lt.loop
@@ -166,14 +167,14 @@ class Agent:
 
     async def _start(self) -> None:
         self.calls.start()
+        # (without a token, this also sets the job's secret as the links' token)
         self._store, self._store_server = await _join.open_job_store(self, self._spec)
-        if self.options.token is None:  # a secret of the job's own, made at rendezvous
-            self.links.transport.set_token(await _join.job_secret(self))
         infos = await _join.join(self, await self.links.serve())
         self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
         self._by_name = {w.name: w for w in self.workers}
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
+        self.liveness.learn(infos)
         # Only with its tables filled in may a worker pass this: peers call at once.
         await _join.barrier(self, "rpc/init")
         await _join.check(self, infos)

@@ -11,6 +11,7 @@ from .._deadline import UNSET, Unset
 from .._errors import ConfigError, NotInitializedError
 from .._futures import Future
 from .._options import RpcOptions
+from .._store import parse_init_method
 from .._worker import WorkerInfo
 from ._agent import Agent
 from ._context import current_agent, default_agent, set_default_agent
@@ -57,14 +58,17 @@ def init_rpc(
         options: Further :class:`RpcOptions`.
 
     Without a job token (``RpcOptions.token``, ``RPCDIST_TOKEN``) the job
-    still authenticates its links with a secret rank 0 makes at rendezvous,
-    and its workers listen on loopback only (docs/failure-model.md).
+    still authenticates its store and links with a secret rank 0 makes and
+    shares through a file only its user can read: such a job runs on one host,
+    as one user, on loopback (docs/threat-model.md).
 
     Raises:
         ConfigError: bad arguments, duplicate names, already initialised, or
-            listening beyond loopback without a token or TLS.
+            listening or meeting beyond loopback without a token or TLS.
         ConnectError: the rendezvous store could not be reached in time, or
-            a rank's job token was refused (on every rank, naming it).
+            this rank's job token was refused.
+        RpcTimeoutError: a rank did not arrive within ``init_timeout`` (the
+            message counts the calls the store refused meanwhile, and from where).
     """
     with _init_lock:
         existing = default_agent()
@@ -124,16 +128,12 @@ def start_agent_for(
         agent = default_agent()
         if agent is None or agent.closed:
             opts = dataclasses.replace(options or RpcOptions(), init_timeout=timeout)
-            spec_rank = rank if rank is not None else None
+            # The rank may come from the environment or init_method: resolve it
+            # first, so that the transport and the store see the final name.
+            spec = parse_init_method(init_method, rank, world_size)
             agent = Agent(
-                f"rank{spec_rank}" if spec_rank is not None else "rank",
-                rank,
-                world_size,
-                init_method=init_method,
-                options=opts,
+                f"rank{spec.rank}", rank, world_size, init_method=init_method, options=opts
             )
-            if spec_rank is None:  # the rank came from the environment
-                agent.name = f"rank{agent.rank}"
             agent.start()
             set_default_agent(agent)
         agent.roles.add(role)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._deadline import current_deadline
 from .._errors import (
+    CallPolicyError,
     ClosedError,
     NotInitializedError,
     RpcdistError,
@@ -88,6 +89,15 @@ class Calls:
         """``(peer, label, started, deadline)`` of each pending call (any thread)."""
         with self._lock:
             return [(p.dst, p.label, p.started, p.deadline) for p in self._pending.values()]
+
+    def describe(self, fut: Future[Any]) -> str | None:
+        """The pending call whose reply ``fut`` gets, as ``'label' on 'worker'``
+        (any thread; a scan, for warnings); None if none."""
+        with self._lock:
+            found = next((p for p in self._pending.values() if p.fut is fut), None)
+        if found is None:
+            return None
+        return f"{found.label!r} on {self._agent.workers[found.dst].name!r}"
 
     def busy(self) -> bool:
         """Whether user calls are pending or queued for the loop (any thread; a hint)."""
@@ -280,7 +290,7 @@ class Calls:
             return
         try:
             value = decode(m.header, m.buffers, allow_pickle=pickle, context=wire)
-        except SerializationError as e:
+        except (SerializationError, CallPolicyError) as e:  # (a refused function in it)
             self.finish(m.id, exc=e, link=link)
             return
         if m.kind == REPLY:

@@ -8,24 +8,88 @@ thread stops as soon as more threads are runnable on this host than it has
 cores (``/proc/loadavg``'s fourth field counts them, the poller included)
 for :data:`CROWDED_FOR`: a thread that runs for a moment (a timer, another
 process's loop) does not count.
+
+"Its cores" are the CPUs this process may use (:func:`cpu_allowance`), not
+the host's: a container limited to 2 CPUs on a 64-core host is crowded by
+its third runnable thread.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
-__all__ = ["CROWDED_FOR", "crowded"]
+__all__ = ["CROWDED_FOR", "allowance", "cpu_allowance", "crowded"]
 
 #: How long (seconds) the host must stay crowded before a poller gives way.
 CROWDED_FOR = 50e-6
 
 _FD: int | None = None
-_CORES = os.cpu_count() or 1
+_CORES: int | None = None
+
+
+def allowance(
+    affinity: int,
+    cpu_max: str | None = None,
+    cfs_quota_us: str | None = None,
+    cfs_period_us: str | None = None,
+) -> int:
+    """CPUs a process may use: the fewest of its ``affinity`` (CPUs it may
+    run on) and its cgroup's quota, rounded up (1.5 CPUs let 2 threads run).
+
+    ``cpu_max`` is cgroup v2's ``cpu.max`` ("quota period", quota "max" for
+    none); ``cfs_quota_us`` and ``cfs_period_us`` are cgroup v1's files (a
+    quota of -1 for none), read where there is no ``cpu.max``. Each is the
+    file's text, or None where it could not be read; text that does not
+    parse counts as no quota.
+    """
+    cpus = max(1, affinity)
+    quota: str | None = None
+    period: str | None = None
+    if cpu_max is not None:
+        fields = cpu_max.split()
+        if len(fields) == 2:
+            quota, period = fields
+    elif cfs_quota_us is not None and cfs_period_us is not None:
+        quota, period = cfs_quota_us.strip(), cfs_period_us.strip()
+    try:
+        q, p = int(quota or "-1"), int(period or "0")
+    except ValueError:
+        return cpus
+    if q > 0 and p > 0:
+        cpus = min(cpus, max(1, math.ceil(q / p)))
+    return cpus
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_allowance() -> int:
+    """This process's CPU allowance (:func:`allowance` of its affinity and
+    cgroup files), read once and kept."""
+    global _CORES
+    if _CORES is None:
+        try:
+            affinity = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            affinity = os.cpu_count() or 1
+        _CORES = allowance(
+            affinity,
+            _read("/sys/fs/cgroup/cpu.max"),
+            _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+            _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+        )
+    return _CORES
 
 
 def crowded() -> bool:
-    """More threads are runnable on this host now than it has cores (False
-    where that cannot be read)."""
+    """More threads are runnable on this host now than this process has
+    CPUs (:func:`cpu_allowance`); False where that cannot be read."""
     global _FD
     if _FD is None:
         try:
@@ -38,4 +102,4 @@ def crowded() -> bool:
         running = int(os.pread(_FD, 64, 0).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return False
-    return running > _CORES
+    return running > (_CORES or cpu_allowance())

@@ -24,6 +24,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._agent import Agent
 
 __all__ = [
+    "blocked_handler",
     "call_user",
     "call_wire",
     "decode_call",
@@ -115,6 +117,38 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         except ValueError:  # no signature available (some builtins)
             pass
         raise e
+
+
+def blocked_handler(agent: Agent, ident: int, waits_on: object) -> tuple[str, str]:
+    """What blocked thread ``ident``'s handler runs and what it waits on,
+    for the handler pool's warnings (its ``describe`` hook; any thread, only
+    when a warning or snapshot is made): the function of the innermost
+    :func:`call` on that thread's stack, and the call whose reply
+    ``waits_on`` is (a ``Started`` call, the Future of a pending call, or
+    that of an ``Agent.rpc_sync`` on the stack not sent yet)."""
+    running, sent_by = "a task", None
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        code = frame.f_code
+        if code is call.__code__:
+            running = repr(frame.f_locals.get("name"))
+            break
+        if sent_by is None and code.co_qualname == "Agent.rpc_sync":
+            sent_by = frame.f_locals
+        frame = frame.f_back
+    del frame
+    if isinstance(waits_on, Future):
+        what = agent.calls.describe(waits_on)
+        if what is None and sent_by is not None:
+            msg, peer = sent_by.get("msg"), sent_by.get("peer")
+            what = f"{getattr(msg, 'label', '') or getattr(msg, 'method', '?')!r} on "
+            what += repr(getattr(peer, "name", "?"))
+        what = what or "a Future (its call not sent yet, or other work)"
+    elif hasattr(waits_on, "chan") and hasattr(waits_on, "label"):  # a ``Started`` call
+        what = f"{waits_on.label!r} on {agent.workers[waits_on.chan.link.peer_rank].name!r}"
+    else:
+        what = str(waits_on)
+    return running, what
 
 
 async def call_user(

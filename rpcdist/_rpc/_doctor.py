@@ -58,6 +58,7 @@ def snapshot(agent: Agent) -> dict[str, Any]:
         "pending_calls": pending,
         "blocking_calls": blocking,
         "handlers_running": agent.activity.inflight,
+        "handler_pool": agent.executor.debug_info(),
         "calls_sent": agent.activity.sent,
         "calls_handled": agent.activity.handled,
         "lost_workers": {name(r): why for r, why in sorted(agent.liveness.lost.items())},
@@ -76,6 +77,14 @@ def snapshot(agent: Agent) -> dict[str, Any]:
 def summary(info: dict[str, Any]) -> str:
     """One line from a :func:`snapshot`: what was outstanding."""
     parts: list[str] = []
+    pool = info.get("handler_pool", {})
+    if pool.get("exhausted"):
+        parts.append(pool["exhausted"])
+    elif pool.get("blocked"):
+        parts.append(
+            f"handlers blocked in nested calls: {len(pool['blocked'])} "
+            f"({pool['threads']} pool threads, {pool['queued']} calls queued)"
+        )
     calls = []
     for peer, entry in info.get("pending_calls", {}).items():
         oldest = entry["oldest"][0] if entry["oldest"] else None

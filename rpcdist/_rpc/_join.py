@@ -1,24 +1,25 @@
 """Joining a job: the store, the job secret, and every worker publishing
 itself in the store and reading the others.
 
-**The job secret.** Every job authenticates its links, even when the user
-set no token: rank 0 then makes a random secret at rendezvous and the other
-ranks read it from the store, so a process of another job (or any process
-that does not speak to this job's store) cannot call in. Without a user
-token the listeners stay on loopback (``RpcOptions.validated``), so the
-store is reachable only from this host. A user token (``RPCDIST_TOKEN``; the
-launcher always sets one) guards the store too.
+**The job secret.** Every job authenticates its store calls and its links.
+A user token (``RPCDIST_TOKEN``; the launcher always sets one) does both.
+Without one, the job must meet on a loopback address: rank 0 makes a random
+secret, guards the store with it and writes it to a file only its user can
+read, where the other ranks (same host, same user) find it
+(:mod:`rpcdist._store._private`); the store never hands it out. Across hosts
+a job needs a token (or ``allow_insecure``, which then runs without any).
 
-**Refusals are reported on both sides.** A rank whose token the store
-refuses is told so at once (``ConnectError``), and the store publishes the
-refusal (naming the rank), which every rank waiting at rendezvous watches,
-so rank 0 fails within milliseconds instead of timing out.
+**A refusal stops only the refused.** A caller whose token the store refuses
+is told so at once (``ConnectError``); the ranks that were let in keep
+waiting, so a stray call cannot abort a starting job. If their rendezvous
+then times out, the error says how many calls were refused and from where.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import contextlib
+import os
 import socket
 import sys
 from collections.abc import Awaitable
@@ -26,9 +27,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-from .._errors import ConfigError, ConnectError
+from .._errors import ConfigError, RpcdistError, RpcTimeoutError
+from .._options import is_loopback
 from .._store import GrpcTls, open_store
 from .._store._common import REFUSED_KEY
+from .._store._private import open_private_store
+from . import _procview
 
 if TYPE_CHECKING:
     from .._store import RendezvousSpec, StoreClient, StoreServer
@@ -39,14 +43,14 @@ __all__ = [
     "barrier",
     "check",
     "host_id",
-    "job_secret",
     "join",
     "open_job_store",
     "watching_refusals",
 ]
 
 T = TypeVar("T")
-_SECRET_KEY = "rpc/secret"
+#: How long a rank whose rendezvous timed out waits for the store's refusals.
+_REFUSALS_WAIT = 2.0
 #: What rpcdist's messages mean, bumped whenever that changes: every worker of
 #: a job must agree (checked as they join). 2: an RRef passed back to its
 #: owner in a call is confirmed in the call's reply (reply field ``rca``),
@@ -62,55 +66,45 @@ async def open_job_store(
     agent: Agent, spec: RendezvousSpec
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to (rank 0: serve) the job's store, over TLS when the job has
-    certificates.
+    certificates, guarded by the user's token or, without one, by a secret
+    kept in a per-user file (then also set as the links' token).
 
     Raises:
         ConnectError: unreachable in time, or this rank's token was refused.
+        ConfigError: no token and a store beyond loopback (without
+            ``allow_insecure``), or the secret file is not private.
     """
     opts = agent.options
     tls = GrpcTls.of(opts)
+    if opts.token is None and is_loopback(spec.host):
+        store, server, secret = await open_private_store(spec, timeout=opts.init_timeout, tls=tls)
+        agent.links.transport.set_token(secret)
+        return store, server
+    opts.check_store_host(spec.host, spec.rank)  # (the agent checked it first)
     return await open_store(spec, token=opts.token, timeout=opts.init_timeout, tls=tls)
 
 
 async def watching_refusals(agent: Agent, step: Awaitable[T]) -> T:
-    """Await ``step``, failing at once if the store refuses some rank's token.
+    """Await ``step``; if it times out, say how many calls the store refused
+    and from where (a rank with a wrong token, another user's process...).
 
     Raises:
-        ConnectError: a rank was refused (the message names it).
+        RpcTimeoutError: ``step`` timed out (with the store's refusals, if any).
     """
-    store = agent.store
-    work = asyncio.ensure_future(step)
-    watch = asyncio.ensure_future(store.get(REFUSED_KEY, agent.options.init_timeout))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() and watch.done() and not watch.cancelled() and not watch.exception():
-            raise ConnectError(
-                f"{agent.name!r} (rank {agent.rank}) cannot join the job: "
-                f"{watch.result().decode(errors='replace')}"
-            )
-        return await work
-    finally:
-        for t in (work, watch):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
-
-
-async def job_secret(agent: Agent) -> str:
-    """The job's secret when the user set no token: made by rank 0, read by
-    the others from the store (collective)."""
-    store = agent.store
-    if agent.rank == 0:
-        secret = secrets.token_hex(16)
-        await store.set(_SECRET_KEY, secret.encode())
-        return secret
-    got = await watching_refusals(agent, store.get(_SECRET_KEY, agent.options.init_timeout))
-    return bytes(got).decode()
+        return await step
+    except RpcTimeoutError as exc:
+        got = b""
+        with contextlib.suppress(RpcdistError):
+            got = await agent.store.get(REFUSED_KEY, _REFUSALS_WAIT)
+        if not got:
+            raise
+        raise RpcTimeoutError(f"{exc}; meanwhile {got.decode(errors='replace')}") from exc
 
 
 async def barrier(agent: Agent, name: str) -> None:
-    """A store barrier of every worker, bounded by ``init_timeout``, failing
-    at once if the store refuses a rank."""
+    """A store barrier of every worker, bounded by ``init_timeout`` (a
+    timeout names the calls the store refused)."""
     store, n = agent.store, agent.world_size
     await watching_refusals(agent, store.barrier(name, n, agent.options.init_timeout))
 
@@ -138,6 +132,8 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
         "name": agent.name,
         "rank": agent.rank,
         "host": host_id(),
+        "pid": os.getpid(),
+        "seat": _procview.seat(),
         "transport": agent.links.transport.name,
         "link": published,
         "wire": WIRE_PROTOCOL,

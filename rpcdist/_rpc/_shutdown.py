@@ -20,9 +20,12 @@ meanwhile. A worker lost to one survivor is lost to all: reports carry the
 lost workers, and a report still missing after a short wait makes the
 survivor probe its writer (a ping that cannot be sent or is not answered
 within ``peer_timeout`` declares it lost). So survivors finish within about a
-second of the death being detected. If rank 0, which serves the store, is
-lost, the survivors cannot coordinate: each waits (briefly) to be locally
-idle and closes. Either way :func:`shutdown` returns the workers it went on
+second of the death being detected. Rank 0, which serves the store, is a peer like
+any other: every store operation of the shutdown is raced against its
+verdict (:func:`on_store`, which keeps a link to it watched), so a store
+host that hangs (SIGSTOP) ends the rounds within the detector's window
+instead of each store call's own deadline. If it is lost, the survivors
+cannot coordinate: each waits (briefly) to be locally idle and closes. Either way :func:`shutdown` returns the workers it went on
 without and logs a warning naming them.
 
 Rank 0 serves the store and stops it only after every other live rank has
@@ -36,8 +39,8 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
@@ -48,9 +51,10 @@ from . import _doctor
 if TYPE_CHECKING:
     from ._agent import Agent
 
-__all__ = ["barrier_live", "close", "gather_live", "log", "shutdown"]
+__all__ = ["barrier_live", "close", "gather_live", "log", "on_store", "shutdown"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long a round waits for a report before watching its writer.
 _SUSPECT_AFTER = 0.25
@@ -157,7 +161,7 @@ async def _store_host_lost(agent: Agent) -> bool:
         return False
     liveness.probe(0, "the store it serves failed")
     loop = asyncio.get_running_loop()
-    end = loop.time() + (liveness.timeout or 0.0) + liveness.interval
+    end = loop.time() + (liveness.window(0) if liveness.timeout else 0.0) + liveness.interval
     while not liveness.is_lost(0) and loop.time() < end:
         changed = liveness.changed()
         await asyncio.wait({changed}, timeout=end - loop.time())
@@ -173,8 +177,39 @@ async def barrier_live(agent: Agent, name: str, limit: float | None) -> None:
         RpcTimeoutError: a live worker did not arrive within ``limit``.
         TransportError: the store failed.
     """
-    await agent.store.set(f"{name}/{agent.rank}", b"1")
+    await on_store(agent, agent.store.set(f"{name}/{agent.rank}", b"1"))
     await gather_live(agent, lambda r: f"{name}/{r}", limit)
+
+
+async def on_store(agent: Agent, aw: Awaitable[T]) -> T:
+    """Await a store operation, failing it as soon as rank 0, which serves
+    the store, is declared lost (a stopped store host never answers, and
+    its gRPC connection stays open). Rank 0 is watched meanwhile (a link
+    with heartbeats), so a hung store host is judged as any peer is.
+
+    Raises:
+        WorkerLostError: rank 0 was declared lost.
+        TransportError: the store failed.
+    """
+    liveness = agent.liveness
+    if agent.rank == 0:
+        return await aw
+    liveness.watch(0)
+    task = asyncio.ensure_future(aw)
+    try:
+        while not task.done():
+            if liveness.is_lost(0):
+                raise liveness.error(0, "the rendezvous store it serves")
+            changed = liveness.changed()
+            waits: set[asyncio.Future[Any]] = {task, changed}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not changed.done():
+                changed.cancel()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _local_idle(agent: Agent) -> None:
@@ -228,6 +263,8 @@ async def gather_live(
             ]
             if not waiting:
                 return out
+            if agent.rank != 0 and liveness.is_lost(0):  # nobody serves the store
+                raise liveness.error(0, "the rendezvous store it serves")
             wake = [probe_at] if probe_at is not None else []
             wake += [liveness.lost_at[r] + _LOST_GRACE for r in liveness.lost if r in tasks]
             wake = [w for w in wake if w > now]
@@ -276,7 +313,9 @@ async def _quiesce(agent: Agent) -> set[int]:
             int(activity.idle.is_set()),
             sorted(liveness.lost),
         ]
-        await store.set(f"rpc/quiesce/{round_no}/{agent.rank}", msgpack.packb(report))
+        await on_store(
+            agent, store.set(f"rpc/quiesce/{round_no}/{agent.rank}", msgpack.packb(report))
+        )
         got = await gather_live(agent, functools.partial(_report_key, round_no), limit)
         reports = {r: msgpack.unpackb(v) for r, v in got.items()}
         for r, rep in reports.items():
@@ -347,8 +386,8 @@ async def _wait_for_leavers(agent: Agent) -> None:
     """Rank 0 serves the store: before closing, wait until every other live
     rank has said it is leaving (a rank lost meanwhile is not waited for)."""
     server = agent._store_server
-    if server is not None and server.refused is not None:
-        return  # a rank was refused: the job never started, nobody is left to wait for
+    if server is not None and not agent.workers:
+        return  # the job never formed: nobody read the worker table, nobody waits
     await agent.store.set("rpc/left/0", b"1")
     await gather_live(agent, _left_key, _LEAVE_WAIT)
 

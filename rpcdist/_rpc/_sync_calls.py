@@ -44,6 +44,7 @@ from .._errors import (
     RpcTimeoutError,
     WorkerLostError,
 )
+from .._pool import blocking
 from .._serialization import decode, exception_from_wire
 from .._transport import Hooks, Link, LinkFactory
 from .._transport._frames import (
@@ -257,9 +258,12 @@ class SyncCalls:
     def _finish(self, call: Started) -> Any:
         if call.done:
             raise RuntimeError(f"call {call.label!r} was already waited for or abandoned")
+        pool = blocking(call)  # (a handler waiting: its pool may start another thread)
         try:
             reply = self._await(call)
         finally:
+            if pool is not None:
+                pool.unblocked()
             self._ended(call)
         agent = self._agent
         peer = agent.workers[call.chan.link.peer_rank]

@@ -1,4 +1,13 @@
-"""Exceptions on the wire: a small dict, re-created on the receiver when possible."""
+"""Exceptions on the wire: a small dict, re-created on the receiver when possible.
+
+Only :class:`Exception` subclasses are re-created (never ``SystemExit``,
+``KeyboardInterrupt`` or ``GeneratorExit``), and only types under the
+exposure rule: builtin exceptions, rpcdist's own errors and exception
+classes of the program's own modules; anything else arrives as a
+:class:`~rpcdist.RemoteError` naming the remote type. The sender's traceback
+is chained as ``__cause__`` (as :mod:`concurrent.futures` does), so an
+uncaught remote error prints the callee's frames.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,8 @@ import threading
 import traceback
 from typing import Any
 
-from .._errors import RemoteError, SerializationError
+from .._errors import RemoteError, RpcdistError, SerializationError
+from ._exposure import is_program_module
 
 __all__ = ["exception_from_wire", "exception_to_wire"]
 
@@ -61,7 +71,9 @@ def exception_to_wire(exc: BaseException) -> dict[str, Any]:
     remote_type = getattr(exc, "remote_type", "") if isinstance(exc, RemoteError) else ""
     type_name = remote_type or f"{cls.__module__}:{cls.__qualname__}"
     try:
-        text = "".join(traceback.format_exception(exc))
+        # (a re-raised remote error: its cause is the earlier text, added below)
+        chain = not isinstance(exc.__cause__, _RemoteTraceback)
+        text = "".join(traceback.format_exception(exc, chain=chain))
     except Exception:
         text = f"{cls.__qualname__}: {_text(exc)}\n"
     earlier = getattr(exc, "remote_traceback", None)
@@ -75,8 +87,29 @@ def exception_to_wire(exc: BaseException) -> dict[str, Any]:
     }
 
 
+class _RemoteTraceback(Exception):
+    """The callee's formatted traceback, chained as a rebuilt error's ``__cause__``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text.rstrip()}\n"""'
+
+
+def _admitted(cls: type[BaseException], module: str) -> bool:
+    """Whether a reply may rebuild errors of ``cls`` (found as ``module``)."""
+    if not issubclass(cls, Exception):
+        return False  # (SystemExit, KeyboardInterrupt, GeneratorExit: never)
+    if module == "builtins" or is_program_module(module):
+        return True
+    return issubclass(cls, RpcdistError) and module.partition(".")[0] == "rpcdist"
+
+
 def _local_type(name: str) -> type[BaseException] | None:
-    """Find an exception class among modules already imported (imports nothing)."""
+    """Find an exception class among modules already imported (imports nothing),
+    if the exposure rule admits it."""
     module_name, _, qualname = name.partition(":")
     target: object = sys.modules.get(module_name)
     if target is None or not qualname:
@@ -87,17 +120,19 @@ def _local_type(name: str) -> type[BaseException] | None:
         except TypeError:
             return None
     if isinstance(target, type) and issubclass(target, BaseException):
-        return target
+        return target if _admitted(target, module_name) else None
     return None
 
 
 def exception_from_wire(d: object) -> BaseException:
     """Re-create an exception described by :func:`exception_to_wire`.
 
-    The original type is used when it is already imported here and can be built
-    from its args (or from its message alone); otherwise the result is a
-    :class:`~rpcdist.RemoteError` carrying ``remote_type``. Either way the
-    result's ``remote_traceback`` holds the sender's traceback text.
+    The original type is used when it is already imported here, is an
+    ``Exception`` the exposure rule admits (see the module docstring) and can
+    be built from its args (or from its message alone); otherwise the result
+    is a :class:`~rpcdist.RemoteError` carrying ``remote_type``. Either way
+    the result's ``remote_traceback`` holds the sender's traceback text, also
+    chained as its ``__cause__``.
 
     Args:
         d: The wire description (anything else raises SerializationError).
@@ -138,4 +173,5 @@ def exception_from_wire(d: object) -> BaseException:
             exc = None
     if exc is None:
         exc = RemoteError(message, remote_type=name, remote_traceback=text)
+    exc.__cause__ = _RemoteTraceback(text)
     return exc

@@ -2,16 +2,16 @@
 under a :class:`CallablePolicy`.
 
 Not pickling code keeps arbitrary code off the wire, but any importable
-function can still be named: ``os:system`` would run a shell command. So
-every resolution passes a policy. The default (``"denylist"``) refuses what
-runs programs or code, loads code or native libraries, unpickles, or reaches
-files, processes and the network (:data:`DENIED_MODULES`,
-:data:`DENIED_NAMES`), judged on the module the name gives, every module
-the name's path walks through, and the module the resolved object says it
-comes from (so ``mymodule:os.system`` and a re-export are refused too).
-``"allowlist"`` accepts only the application's entries (and rpcdist's own
-functions, which its protocols call); ``"any"`` turns the check off. An
-explicit entry in ``allowed`` overrides the deny list.
+function could still be named: ``os:system`` would run a shell command. So
+every resolution passes a policy, and the default (``"exposed"``) admits
+only what the program exposes, by construction (see :mod:`._exposure`):
+its own functions and classes, what it exposes explicitly, a curated set of
+pure numerical functions and rpcdist's protocol entry points, judged on
+the object the name resolves to (so ``mymodule:os.system`` and a
+re-export are refused). A peer's call never imports a module the program
+has not (but for explicit entries, which the program named).
+``"allowlist"`` admits only explicit entries and the protocol entry points;
+``"any"`` turns the check off, for fully trusted clusters.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import CallPolicyError, SerializationError
+from . import _exposure
 
 __all__ = [
     "DEFAULT_POLICY",
-    "DENIED_MODULES",
-    "DENIED_NAMES",
-    "PRIVATE_DENIED",
+    "POLICY_MODES",
     "CallablePolicy",
     "check_method",
     "function_name",
@@ -41,78 +40,8 @@ __all__ = [
     "resolve_function",
 ]
 
-#: Modules (and their submodules) whose callables peers may not call by
-#: default: they run programs or code, load code or native libraries,
-#: unpickle, or reach files, processes, signals and the network.
-DENIED_MODULES = frozenset(
-    {
-        # processes, the OS, signals, threads
-        "os", "posix", "nt", "subprocess", "_posixsubprocess", "pty", "signal", "_signal",
-        "multiprocessing", "_multiprocessing", "concurrent", "threading", "_thread", "sys",
-        "resource", "atexit", "faulthandler", "gc",
-        # code: import, compile, evaluate, native libraries, serialised objects
-        "importlib", "_imp", "imp", "zipimport", "pkgutil", "runpy", "code", "codeop",
-        "ctypes", "_ctypes", "cffi", "pickle", "_pickle", "cPickle", "copyreg", "marshal",
-        "shelve", "dill", "cloudpickle", "joblib", "types", "inspect", "pdb", "bdb",
-        "cProfile", "profile", "timeit", "trace", "doctest", "pydoc", "unittest",
-        "ensurepip", "pip", "venv", "setuptools", "distutils", "site", "sysconfig",
-        # files and the network
-        "io", "_io", "pathlib", "shutil", "tempfile", "fileinput", "glob", "zipfile",
-        "tarfile", "socket", "_socket", "ssl", "select", "selectors", "asyncio",
-        "socketserver", "http", "urllib", "ftplib", "smtplib", "poplib", "imaplib",
-        "telnetlib", "xmlrpc", "webbrowser", "sqlite3", "dbm", "mmap", "logging.config",
-        # modules whose import alone acts (opens a browser, a window, prints)
-        "antigravity", "this", "turtle", "turtledemo", "idlelib", "tkinter",
-        # rpcdist's own process launchers
-        "rpcdist.launch", "rpcdist.testing",
-        # NumPy's native-code and build helpers
-        "numpy.ctypeslib", "numpy.f2py", "numpy.distutils", "numpy.testing",
-        # PyTorch's loaders of code, native libraries and pickles, its code
-        # generators (they write and run Python files), statement timers and
-        # launchers, and the helpers that write logs or run commands
-        "torch.hub", "torch.utils.cpp_extension", "torch.package", "torch.serialization",
-        "torch.jit._serialization", "torch._inductor", "torch._dynamo", "torch._C._dynamo",
-        "torch.utils.benchmark", "torch.multiprocessing", "torch.distributed.elastic",
-        "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
-        "torch.utils.tensorboard", "torch.utils.bottleneck", "torch.utils.collect_env",
-        "torch.testing",
-    }
-)  # fmt: skip
-#: Callables refused by default: ``(module, name)``. Each refuses every
-#: callable called ``name`` (the last part of its qualified name: a method
-#: such as ``numpy:ndarray.tofile`` too) in ``module`` or its submodules,
-#: matched against the name on the wire and against the resolved object's own
-#: module and name (``torch:load`` is ``torch.serialization``'s).
-DENIED_NAMES = frozenset(
-    {
-        *(("builtins", n) for n in (
-            "eval", "exec", "compile", "__import__", "open", "breakpoint", "input", "getattr",
-            "setattr", "delattr", "globals", "locals", "vars", "exit", "quit", "help",
-            "memoryview", "__build_class__",
-        )),
-        *(("numpy", n) for n in (
-            "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt", "genfromtxt",
-            "fromfile", "fromregex", "memmap", "DataSource", "tofile", "dump",
-        )),
-        # unpickling, files, native libraries (``torch.ops.load_library``),
-        # TorchScript source and archives, compilers that start processes
-        *(("torch", n) for n in (
-            "load", "save", "from_file", "load_library", "CompilationUnit", "import_ir_module",
-            "import_ir_module_from_buffer", "PyTorchFileReader", "PyTorchFileWriter", "compile",
-        )),
-    }
-)  # fmt: skip
-#: Modules whose private callables (a part of the name on the wire with one
-#: leading underscore) are refused by default: torch's include loaders of
-#: pickles and files (``torch._C._pickle_load_obj``) under many names.
-PRIVATE_DENIED = frozenset({"torch"})
-#: :data:`DENIED_NAMES` by name: the modules each name is refused in.
-_DENIED_BY_NAME: dict[str, frozenset[str]] = {
-    n: frozenset(m for m, n2 in DENIED_NAMES if n2 == n) for _, n in DENIED_NAMES
-}
-#: Modules every policy accepts unless denied: rpcdist's own protocols call them.
-_OWN = "rpcdist"
-POLICY_MODES = ("denylist", "allowlist", "any")
+#: ``CallablePolicy.mode`` values; ``"denylist"`` is a deprecated alias of ``"exposed"``.
+POLICY_MODES = ("exposed", "allowlist", "any", "denylist")
 
 
 def _under(module: str, prefixes: frozenset[str]) -> bool:
@@ -125,15 +54,20 @@ class CallablePolicy:
     """What a worker lets peers call by name (see the module docstring).
 
     Attributes:
-        mode: ``"denylist"``, ``"allowlist"`` or ``"any"``.
+        mode: ``"exposed"``, ``"allowlist"`` or ``"any"`` (``"denylist"``,
+            deprecated, means ``"exposed"``).
         allowed: Entries ``"module"`` (its functions and its submodules') or
             ``"module:qualname"`` (one function or class, and its methods).
 
     Compared and hashed by identity (it keys a cache of resolutions).
     """
 
-    mode: str = "denylist"
+    mode: str = "exposed"
     allowed: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.mode == "denylist":  # (deprecated; RpcOptions warns)
+            object.__setattr__(self, "mode", "exposed")
 
     def _allowed(self, module: str, qualname: str) -> bool:
         if not self.allowed:
@@ -145,74 +79,66 @@ class CallablePolicy:
             f"{module}:{'.'.join(parts[:i])}" in self.allowed for i in range(1, len(parts) + 1)
         )
 
-    def refusal(self, name: str, target: object, modules: list[str]) -> str | None:
-        """Why calling ``target`` (resolved from ``name``, walking through
-        ``modules``) is refused, or ``None`` if it is not (pure)."""
+    def may_import(self, module: str, qualname: str) -> bool:
+        """Whether a peer's call of ``module:qualname`` may import ``module``
+        (not imported yet): only when the program or rpcdist named it."""
+        return (
+            self.mode == "any"
+            or (self._allowed(module, qualname) and not _under(module, _exposure.NEVER))
+            or _exposure.is_protocol(module, qualname)
+            or (self.mode != "allowlist" and module in _exposure.IMPORTABLE)
+        )
+
+    def refusal(self, name: str, target: object, walked: list[object]) -> str | None:
+        """Why calling ``target`` (resolved from ``name``, through the
+        objects ``walked``) is refused, or ``None`` if it is exposed."""
         if self.mode == "any":
             return None
         module, _, qualname = name.partition(":")
-        if self._allowed(module, qualname):
+        if _under(module, _exposure.NEVER):
+            return "rpcdist's launcher and test helpers are never called by peers"
+        if (
+            self._allowed(module, qualname)
+            or any(_exposure.is_exposed(o) for o in walked)
+            or _exposure.is_protocol(module, qualname)
+        ):
             return None
-        why = self._denied(module, qualname, target, modules)
-        if why is None and self.mode == "allowlist" and not _under(module, frozenset({_OWN})):
+        if self.mode == "allowlist":
             return "this worker accepts only the functions it allows (callable_policy='allowlist')"
-        return why
+        if _exposure.curated(module, qualname, target) or _exposure.is_program_object(target):
+            return None
+        return (
+            "it is not one of this program's own functions, nor exposed by it, nor a "
+            "curated pure numerical function"
+        )
 
     def method_refusal(self, value: object, name: str, method: object) -> str | None:
-        """Why calling method ``name`` (``method``) of ``value``, an owned
-        value reached through an RRef proxy, is refused, or ``None``: the deny
-        checks, on ``module:Type.name`` of the value's type and on where
-        ``method`` says it comes from (``numpy:ndarray.tofile`` writes a
-        file). An allowlist does not limit methods: the value came from a
-        call it allowed."""
+        """Why calling method ``name`` (``method``, as found without running
+        a getter) of ``value``, an owned value reached through an RRef proxy,
+        is refused, or ``None``: admitted are the methods of types exposed or
+        allowed and of rpcdist's protocol types, the program's own methods
+        (of its own types; not ``os.system`` stored on one), and the curated
+        pure methods (NumPy's and torch's array math; not ``ndarray.tofile``)."""
         if self.mode == "any":
             return None
         cls = type(value)
         module, qualname = cls.__module__, f"{cls.__qualname__}.{name}"
-        if self._allowed(module, qualname):
-            return None
-        return self._denied(module, qualname, method, [])
-
-    def _denied(self, module: str, qualname: str, target: object,
-                modules: list[str]) -> str | None:  # fmt: skip
-        """The deny lists' reason to refuse ``module:qualname`` (resolved to
-        ``target`` through ``modules``), or ``None``."""
-        origins = _origins(target)
-        for m in [module, *modules, *(o[0] for o in origins)]:
-            if _under(m, DENIED_MODULES):
-                return f"functions of module {m!r} run programs or code or reach the system"
-        if _under(module, PRIVATE_DENIED) and any(
-            p.startswith("_") and not p.startswith("__") for p in qualname.split(".")
+        if (
+            self._allowed(module, qualname)
+            or _exposure.is_exposed(cls)
+            or _exposure.is_protocol(module, qualname)
+            or _exposure.curated_method(cls, name)
+            or (_exposure.is_program_object(cls) and _exposure.own_method(cls, name, method))
         ):
-            top = module.partition(".")[0]
-            return f"private functions of {top!r} are refused (they include loaders of files)"
-        for m, q in [(module, qualname), *origins]:
-            denied_in = _DENIED_BY_NAME.get(q.rpartition(".")[2])
-            if denied_in is not None and _under(m, denied_in):
-                return f"'{m}.{q}' can run code or reach files"
-        return None
+            return None
+        return (
+            f"{cls.__qualname__} is not one of this program's types, and {name!r} is not "
+            "one of its curated pure methods"
+        )
 
 
-#: The policy where none is given: refuse the deny lists.
+#: The policy where none is given: only what the program exposes.
 DEFAULT_POLICY = CallablePolicy()
-
-
-def _origins(target: object, depth: int = 0) -> list[tuple[str, str]]:
-    """``(module, name)`` pairs a callable says it comes from (through partials)."""
-    out: list[tuple[str, str]] = []
-    module = getattr(target, "__module__", None)
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
-    if isinstance(module, str):
-        out.append((module, name if isinstance(name, str) else ""))
-    owner = getattr(target, "__objclass__", None)  # a method of a builtin type
-    if isinstance(owner, type) and isinstance(name, str):
-        out.append((owner.__module__, name))
-    self_ = getattr(target, "__self__", None)  # builtin methods: their module object
-    if isinstance(self_, types.ModuleType):
-        out.append((self_.__name__, name if isinstance(name, str) else ""))
-    if isinstance(target, functools.partial) and depth < 8:
-        out.extend(_origins(target.func, depth + 1))
-    return out
 
 
 def _label(fn: object) -> str:
@@ -315,14 +241,16 @@ def policy_of(context: object) -> CallablePolicy:
 
 
 def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Callable[..., Any]:
-    """Find the function called ``name`` (``"module:qualname"``), importing its
-    module, and check it against ``policy``.
+    """Find the function called ``name`` (``"module:qualname"``) and check it
+    against ``policy``.
 
-    A module the policy refuses by name is not even imported.
+    A module not imported yet is imported only where ``policy`` lets the
+    name import it (:meth:`CallablePolicy.may_import`); otherwise the name
+    is refused without importing anything.
 
     Args:
         name: A name made by :func:`function_name`.
-        policy: What may be called (default: the deny lists).
+        policy: What may be called (default: what the program exposes).
 
     Returns:
         The callable.
@@ -338,24 +266,26 @@ def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Call
         raise SerializationError(f"{prefix}: expected 'module:qualname'")
     if not all(p.isidentifier() for p in (*module_name.split("."), *qualname.split("."))):
         raise SerializationError(f"{prefix}: not a dotted Python name")
-    early = policy.refusal(name, None, [])
-    if early is not None:
-        raise _refused(name, early)
-    # Always through the import system, even when the module is in sys.modules:
+    if module_name not in sys.modules and not policy.may_import(module_name, qualname):
+        raise _refused(
+            name,
+            f"its module {module_name!r} is not imported on this worker, and a peer's call "
+            "never imports one",
+        )
+    # Through the import system even when the module is in sys.modules:
     # another thread may be importing it still (two first calls at once), and
     # only import_module waits for that to finish.
     try:
         target: object = importlib.import_module(module_name)
     except Exception as exc:
         raise SerializationError(f"{prefix}: cannot import module '{module_name}': {exc}") from exc
-    walked: list[str] = []
+    walked: list[object] = []
     for part in qualname.split("."):
-        if isinstance(target, types.ModuleType):
-            walked.append(target.__name__)
         try:
             target = getattr(target, part)
         except AttributeError as exc:
             raise SerializationError(f"{prefix}: {exc}") from exc
+        walked.append(target)
     if not callable(target):
         raise SerializationError(f"{prefix}: {type(target).__qualname__} object is not callable")
     why = policy.refusal(name, target, walked)
@@ -414,5 +344,6 @@ def check_method(policy: CallablePolicy, value: object, name: str) -> None:
 def _refused(name: str, why: str) -> CallPolicyError:
     return CallPolicyError(
         f"this worker refuses to call '{name}': {why}; allow it with "
-        f"RpcOptions(allowed_callables=('{name}',)) if it is meant to be called"
+        f"RpcOptions(allowed_callables=('{name}',)) or @rpcdist.expose, or "
+        "callable_policy='any' on a fully trusted cluster"
     )

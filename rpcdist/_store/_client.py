@@ -106,6 +106,8 @@ class StoreClient:
     ) -> None:
         self._address = address
         self._tls = tls
+        #: The token this client presents (``None``: none).
+        self.token = token
         metadata: list[tuple[str, str]] = []
         if token is not None:
             metadata.append((TOKEN_METADATA_KEY, token))

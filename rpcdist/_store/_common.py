@@ -12,6 +12,7 @@ __all__ = [
     "MESSAGE_OPTIONS",
     "RANK_METADATA_KEY",
     "REFUSED_KEY",
+    "SECRET_FILE_REFUSAL",
     "SERVICE",
     "TOKEN_METADATA_KEY",
     "GrpcTls",
@@ -22,9 +23,15 @@ __all__ = [
 TOKEN_METADATA_KEY = "rpcdist-token"
 #: gRPC metadata key naming the caller's rank (for the server's refusal report).
 RANK_METADATA_KEY = "rpcdist-rank"
-#: A key ``get`` can wait on: set to a description of the first caller the
-#: server refused for its token (it is not counted among the keys stored).
+#: A key that is always set: how many callers the server refused for their
+#: token and from where, ``b""`` if none (it is not counted among the keys stored).
 REFUSED_KEY = "rpcdist/refused"
+#: What a store guarded by a per-user secret file says to a caller it refuses
+#: (a rank that has no token looks for it to tell a job with ``RPCDIST_TOKEN``,
+#: which it cannot join, from one whose secret file it may yet find).
+SECRET_FILE_REFUSAL = (
+    "this job has no RPCDIST_TOKEN: its secret is in a file only its user can read"
+)
 
 SERVICE = "rpcdist.v1.Store"
 BARRIER_PREFIX = "rpcdist/barrier/"

@@ -40,17 +40,25 @@ if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs 
     from ._client import StoreClient
     from ._server import StoreServer
 
-__all__ = ["RendezvousSpec", "open_store", "parse_init_method", "rendezvous_file"]
+__all__ = [
+    "Polling",
+    "RendezvousSpec",
+    "join_file",
+    "open_store",
+    "parse_init_method",
+    "rendezvous_file",
+]
 
 logger = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"[0-9]+")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-#: How long one attempt to reach the address read from a rendezvous file lasts
-#: before the file is read again (it may have been replaced meanwhile).
-_FILE_ATTEMPT_TIMEOUT = 0.5
-_FILE_POLL_FIRST = 0.01
-_FILE_POLL_MAX = 0.25
+#: How long one attempt to reach the address read from a rendezvous (or
+#: secret) file lasts before the file is read again (it may have been
+#: replaced meanwhile), and the pauses between readings.
+_ATTEMPT_TIMEOUT = 0.5
+_POLL_FIRST = 0.01
+_POLL_MAX = 0.25
 
 
 @dataclass(frozen=True)
@@ -222,13 +230,20 @@ def parse_init_method(
 
 
 async def open_store(
-    spec: RendezvousSpec, *, token: str | None, timeout: float, tls: GrpcTls | None = None
+    spec: RendezvousSpec,
+    *,
+    token: str | None,
+    timeout: float,
+    tls: GrpcTls | None = None,
+    secret_file: str | None = None,
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to the store ``spec`` names; rank 0 serves it first.
 
     Returns the client and, on rank 0, the server (the caller stops it after
     closing the client). ``timeout`` bounds the whole rendezvous. With
-    ``tls``, the store is served and reached over TLS.
+    ``tls``, the store is served and reached over TLS. With ``secret_file``
+    (rank 0 of a job without a user token, :mod:`._private`), ``token`` is
+    the job's secret, written there once the store listens.
 
     Raises:
         ConnectError: The store was not reached in time, rank 0 could not
@@ -241,21 +256,23 @@ async def open_store(
             raise ConfigError(f"file:// rendezvous without a path: {spec!r}")
         path = rendezvous_file(spec.path)
         if spec.rank == 0:
-            return await _serve_file(spec, path, token, timeout, tls)
-        return await _join_file(path, token, timeout, spec.rank, tls), None
+            return await _serve_file(spec, path, token, timeout, tls, secret_file)
+        return await join_file(path, token, timeout, spec.rank, tls), None
     from ._client import StoreClient
     from ._server import StoreServer
 
     server = None
     address = spec.address
     if spec.rank == 0:
-        server = StoreServer(token=token, tls=tls)
+        server = StoreServer(token=token, tls=tls, secret_file=secret_file)
         port = await server.start(spec.host, spec.port)
         address = format_address(_WILDCARDS.get(spec.host, spec.host), port)
     elif spec.port == 0:
         raise ConfigError(f"rank {spec.rank} cannot find a store on port 0 ({spec!r})")
     store = StoreClient(address, token=token, timeout=timeout, rank=spec.rank, tls=tls)
     try:
+        if server is not None:
+            _publish_secret(server, token)
         await store.connect()
     except BaseException:
         await store.close()
@@ -271,17 +288,54 @@ def rendezvous_file(path: str) -> str:
     return path + ".rpcdist"
 
 
+def _publish_secret(server: StoreServer, token: str | None) -> None:
+    """Write the job's secret to the server's secret file, if it has one
+    (after the server bound its port: the address is then ours)."""
+    if server.secret_file is not None and token is not None:
+        from ._secret_file import write_secret
+
+        server.files.append(server.secret_file)
+        write_secret(server.secret_file, token, server.server_id)
+
+
+class Polling:
+    """Rounds of reading a file rank 0 writes, until ``timeout`` (``None``/0: none)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._deadline = deadline_for(timeout, None)
+        self._delay = _POLL_FIRST
+
+    def attempt(self) -> float:
+        """How long one attempt to reach a store may last now."""
+        left = remaining(self._deadline)
+        return _ATTEMPT_TIMEOUT if left is None else min(left, _ATTEMPT_TIMEOUT)
+
+    async def pause(self) -> bool:
+        """Wait before the next round; ``False`` (at once) if time is up."""
+        left = remaining(self._deadline)
+        if left is not None and left <= 0:
+            return False
+        await asyncio.sleep(self._delay if left is None else min(self._delay, left))
+        self._delay = min(2 * self._delay, _POLL_MAX)
+        return True
+
+
 def _file_contents(address: str, server_id: str) -> str:
     return f"{address}\n{server_id}\n"
 
 
 async def _serve_file(
-    spec: RendezvousSpec, path: str, token: str | None, timeout: float, tls: GrpcTls | None
+    spec: RendezvousSpec,
+    path: str,
+    token: str | None,
+    timeout: float,
+    tls: GrpcTls | None,
+    secret_file: str | None,
 ) -> tuple[StoreClient, StoreServer]:
     from ._client import StoreClient
     from ._server import FileStoreServer
 
-    server = FileStoreServer(token=token, path=path, tls=tls)
+    server = FileStoreServer(token=token, path=path, tls=tls, secret_file=secret_file)
     port = await server.start(spec.host, 0)
     advertised = socket.gethostname() if spec.host in _WILDCARDS else spec.host
     store = StoreClient(
@@ -292,6 +346,7 @@ async def _serve_file(
         tls=tls,
     )
     try:
+        _publish_secret(server, token)  # before the rendezvous file names the store
         temporary = f"{path}.{server.server_id}.tmp"
         try:
             with open(temporary, "w", encoding="utf-8") as file:
@@ -327,7 +382,7 @@ def _read_file(path: str) -> tuple[str, str] | str:
     return lines[0], lines[1]
 
 
-async def _join_file(
+async def join_file(
     path: str,
     token: str | None,
     timeout: float,
@@ -342,8 +397,7 @@ async def _join_file(
     """
     from ._client import StoreClient
 
-    deadline = deadline_for(timeout, None)
-    delay = _FILE_POLL_FIRST
+    polling = Polling(timeout)
     problem = "the file does not exist yet"
     while True:
         found = _read_file(path)
@@ -352,12 +406,8 @@ async def _join_file(
         else:
             address, server_id = found
             store = StoreClient(address, token=token, timeout=timeout, rank=rank, tls=tls)
-            left = remaining(deadline)
             try:
-                attempt = (
-                    _FILE_ATTEMPT_TIMEOUT if left is None else min(left, _FILE_ATTEMPT_TIMEOUT)
-                )
-                await store.connect(timeout=attempt)
+                await store.connect(timeout=polling.attempt())
             except ConnectError as exc:
                 if f"[store {server_id}]" in str(exc):  # the file's own store refused us
                     await store.close()
@@ -371,10 +421,7 @@ async def _join_file(
                     return store
                 problem = f"the file names {address}, which is another store than the file's"
             await store.close()
-        left = remaining(deadline)
-        if left is not None and left <= 0:
+        if not await polling.pause():
             raise ConnectError(
                 f"no store found through the rendezvous file {path!r} within {timeout}s: {problem}"
             )
-        await asyncio.sleep(delay if left is None else min(delay, left))
-        delay = min(2 * delay, _FILE_POLL_MAX)

@@ -3,10 +3,15 @@
 Waiting reads (``get``, ``wait``, barriers) wait on the server, not by
 polling; every request must carry the job token when one is set, and none
 may carry one when none is set (a rank started with a token while rank 0
-has none is as misconfigured as one with a wrong token). A refused caller
-is told so at once; the first refusal is also logged and published under
-:data:`~._common.REFUSED_KEY`, naming the caller's rank, so that the ranks
-waiting at rendezvous learn of it within milliseconds instead of timing out.
+has none is as misconfigured as one with a wrong token). The token is the
+user's (``RPCDIST_TOKEN``) or, for a job without one, the secret rank 0 keeps
+in a per-user file (:mod:`._secret_file`); the store never hands it out.
+
+A refused caller is told so at once, and nothing else happens: the ranks that
+were let in keep waiting, so a stray call to the port cannot abort a starting
+job. Refusals are counted with the callers' addresses; :data:`~._common.REFUSED_KEY`
+reads as a summary of them (empty when there were none), which a rank whose
+rendezvous timed out adds to its error.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from .._errors import (
 from .._proto import store_pb2 as pb
 from ._common import INT64 as _INT64
 from ._common import MESSAGE_OPTIONS as _MESSAGE_OPTIONS
-from ._common import RANK_METADATA_KEY, REFUSED_KEY, TOKEN_METADATA_KEY, GrpcTls, format_address
+from ._common import (
+    RANK_METADATA_KEY,
+    REFUSED_KEY,
+    SECRET_FILE_REFUSAL,
+    TOKEN_METADATA_KEY,
+    GrpcTls,
+    format_address,
+)
 from ._common import SERVICE as _SERVICE
 
 __all__ = ["FileStoreServer", "StoreServer"]
@@ -47,6 +59,10 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+#: Refused callers named in :meth:`StoreServer.refusals`, kept, and logged.
+_REFUSALS_SHOWN = 5
+_REFUSALS_KEPT = 100
+_REFUSALS_LOGGED = 10
 
 
 def _bind_failure_reason(host: str, port: int) -> str:
@@ -78,16 +94,25 @@ class StoreServer:
     awaits between reading and writing the table.
     """
 
-    def __init__(self, *, token: str | None, tls: GrpcTls | None = None) -> None:
+    def __init__(
+        self, *, token: str | None, tls: GrpcTls | None = None, secret_file: str | None = None
+    ) -> None:
         self._token = None if token is None else token.encode()
         self._tls = tls
+        #: Files of this job removed at :meth:`stop` if they still name this
+        #: server: the per-user secret file, the ``file://`` rendezvous file.
+        self.files: list[str] = []
+        #: Set when ``token`` is a secret kept in this per-user file.
+        self.secret_file = secret_file
         self._data: dict[str, bytes] = {}
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._server: Any = None
         self._closing = False
         self._changed = asyncio.Event()
-        #: What the first refused caller was told (published as REFUSED_KEY).
-        self.refused: bytes | None = None
+        #: How many calls were refused for their token.
+        self.refused = 0
+        #: The addresses refused calls came from (and the rank each claimed), oldest first.
+        self.refused_from: list[str] = []
         #: Random per instance; clients learn it from Ping, rendezvous files record it.
         self.server_id = secrets.token_hex(16)
 
@@ -128,6 +153,10 @@ class StoreServer:
             self._wake(key)
         if self._server is not None:
             await self._server.stop(grace)
+        for path in self.files:
+            if _holds_file(path, self.server_id):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         logger.debug("store server %s stopped", self.server_id)
 
     def statistics(self) -> dict[str, int]:
@@ -136,6 +165,17 @@ class StoreServer:
             "keys": len(self._data),
             "waiters": sum(len(waiters) for waiters in self._waiters.values()),
         }
+
+    def refusals(self) -> str:
+        """How many calls were refused and from where, or ``""`` if none were."""
+        if not self.refused:
+            return ""
+        shown = list(dict.fromkeys(self.refused_from))
+        more = f" and {len(shown) - _REFUSALS_SHOWN} more" if len(shown) > _REFUSALS_SHOWN else ""
+        return (
+            f"{self.refused} call(s) to the rendezvous store were refused for their token, "
+            f"from {', '.join(shown[:_REFUSALS_SHOWN])}{more}"
+        )
 
     async def _wait_statistics(self, predicate: Callable[[dict[str, int]], bool]) -> None:
         """Wait until ``predicate(self.statistics())`` holds (a hook for tests)."""
@@ -178,31 +218,37 @@ class StoreServer:
             return None
         if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self._token):
             what = "no" if offered is None else "a wrong"
+            if self.secret_file is not None:
+                return (
+                    f"the caller presented {what} job token ({TOKEN_METADATA_KEY!r} metadata): "
+                    f"{SECRET_FILE_REFUSAL}; its other ranks must run as the same user on "
+                    "this host with no RPCDIST_TOKEN either"
+                )
             return (
                 f"the caller presented {what} job token ({TOKEN_METADATA_KEY!r} metadata): "
                 "every rank must use the same RPCDIST_TOKEN"
             )
         return None
 
-    def _refuse(self, metadata: dict[str, Any], why: str) -> None:
-        if self.refused is not None:
-            return
+    def _refuse(self, metadata: dict[str, Any], peer: str, why: str) -> None:
         rank = metadata.get(RANK_METADATA_KEY)
-        who = f"rank {rank}" if isinstance(rank, str) and rank.isdigit() else "a process"
-        text = f"{who} was refused by the rendezvous store: {why}"
-        logger.warning("%s", text)
-        self.refused = text.encode()
-        self._wake(REFUSED_KEY)
+        named = isinstance(rank, str) and rank.isdigit() and len(rank) <= 9  # (the caller's word)
+        claim = f" (claiming rank {rank})" if named else ""
+        self.refused += 1
+        if len(self.refused_from) < _REFUSALS_KEPT:
+            self.refused_from.append(f"{peer}{claim}")
+        if self.refused <= _REFUSALS_LOGGED:
+            logger.warning("refused a call to the rendezvous store from %s%s: %s", peer, claim, why)
+        self._changed.set()
 
     def _guarded(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         async def guarded(request: Any, context: Any) -> Any:
             metadata = dict(context.invocation_metadata() or ())
             why = self._refusal(metadata)
             if why is not None:
-                # One text for the refused caller and (through REFUSED_KEY)
-                # for the ranks that were let in, whichever reports first.
+                # Only the caller hears of it: a stranger cannot abort the job.
                 why = f"{why} [store {self.server_id}]"
-                self._refuse(metadata, why)
+                self._refuse(metadata, str(context.peer()), why)
                 await _abort(context, grpc.StatusCode.UNAUTHENTICATED, why)
             if self._closing:
                 await _abort(context, grpc.StatusCode.UNAVAILABLE, "store server is shutting down")
@@ -221,7 +267,7 @@ class StoreServer:
         self._changed.set()
 
     def _has(self, key: str) -> bool:
-        return key in self._data or (key == REFUSED_KEY and self.refused is not None)
+        return key in self._data or key == REFUSED_KEY
 
     async def _until_set(self, key: str, context: Any) -> None:
         """Wait until ``key`` is stored; abort the call if the server stops first."""
@@ -254,7 +300,7 @@ class StoreServer:
     async def _get(self, request: pb.GetRequest, context: Any) -> pb.GetResponse:
         await self._until_set(request.key, context)
         value = self._data.get(request.key)
-        return pb.GetResponse(value=(self.refused or b"") if value is None else value)
+        return pb.GetResponse(value=self.refusals().encode() if value is None else value)
 
     async def _wait(self, request: pb.WaitRequest, context: Any) -> pb.WaitResponse:
         while missing := [key for key in request.keys if not self._has(key)]:
@@ -308,13 +354,14 @@ def _holds_file(path: str, server_id: str) -> bool:
 class FileStoreServer(StoreServer):
     """A store server that removes its rendezvous file (``file://``) when it stops."""
 
-    def __init__(self, *, token: str | None, path: str, tls: GrpcTls | None = None) -> None:
-        super().__init__(token=token, tls=tls)
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        path: str,
+        tls: GrpcTls | None = None,
+        secret_file: str | None = None,
+    ) -> None:
+        super().__init__(token=token, tls=tls, secret_file=secret_file)
         self.path = path
-
-    async def stop(self, grace: float | None = 0.5) -> None:
-        await super().stop(grace)
-        # A newer job may own the file by now; only our own is removed.
-        if _holds_file(self.path, self.server_id):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
+        self.files.append(path)  # removed at stop while it names this server

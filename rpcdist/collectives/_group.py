@@ -16,6 +16,12 @@ an error on:
 * the group's timeout (``RpcTimeoutError``);
 * a same-host peer process that died (``CollectiveError``, found through
   ``/proc`` within ``CHECK_PERIOD`` seconds);
+* a member the failure detector declared lost (``CollectiveError`` naming
+  it): an op waiting longer than ``CHECK_PERIOD`` makes the detector watch
+  every member (it keeps a link to each, heartbeats flow on it), so a hung
+  or stopped member is found by the same detector, with the same window, as
+  in every other layer and on every backend (shared memory has no links of
+  its own, and the ring's sockets stay open to a stopped process);
 * an abort sent by a peer that failed (``CollectiveError``).
 
 A failed collective leaves messages or shared-memory state half-way, so the
@@ -276,6 +282,7 @@ class ProcessGroup:
         if not full:
             return
         dead = self._state.dead_peers(self.ranks)
+        self._state.watch(self.ranks)  # a blocked op: the detector watches every member
         if dead:
             raise CollectiveError(f"{where}: rank(s) {dead} died during the collective")
         if self._deadline is not None and time.monotonic() >= self._deadline:

@@ -127,6 +127,17 @@ class NcclEngine:
         self._cupy = cupy
         self.size = size
         self.rank = rank
+        self._running = False
+
+    def interrupt(self) -> None:
+        """A member was lost or the group broke (any thread): abort the
+        communicator if a collective waits on it (its kernels would wait
+        for the lost member forever)."""
+        if self._running:
+            try:
+                self.comm.abort()
+            except Exception as e:  # already torn down
+                _log.debug("aborting the NCCL communicator: %s", e)
 
     def close(self) -> None:
         """Destroy the communicator."""
@@ -199,7 +210,11 @@ class NcclEngine:
             raise
         except Exception as e:
             raise CollectiveError(f"{what}: NCCL call failed: {e}") from e
-        await self._wait(stream, timeout, what)
+        self._running = True
+        try:
+            await self._wait(stream, timeout, what)
+        finally:
+            self._running = False
 
 
 async def setup_nccl(

@@ -64,6 +64,8 @@ SLOT_BYTES = int(os.environ.get("RPCDIST_SHM_SLOT_BYTES", 4 << 20))
 #: rounds, 4.1 with 4 MiB; p=4: 1.2 with 1 MiB, 2.7 with 4 MiB).
 ROUND_BYTES = 1 << 20
 _CTRL = 16384
+#: Bytes of the control block holding its owner's setup nonce (the probe's).
+_NONCE = slice(8, 16)
 _META = 4096  # two metadata slots at 4096 and 8192
 _SHM_DIR = "/dev/shm"
 #: Seconds between ``check`` calls while waiting for peers.
@@ -323,6 +325,88 @@ async def _exchange(
     return [msgpack.unpackb(g) for g in got]
 
 
+def _ring_bell(sock: socket.socket, address: bytes, payload: bytes) -> None:
+    """Send one datagram to a doorbell (how the setup probe reaches a peer)."""
+    sock.sendto(payload, address)
+
+
+async def _probe(
+    store: Any,
+    key: str,
+    sock: socket.socket,
+    names: Sequence[str],
+    nonces: Sequence[bytes],
+    ranks: Sequence[int],
+    rank: int,
+    timeout: float,
+) -> str:
+    """Prove that every member's doorbell is reachable from here (collective).
+
+    A shared ``/dev/shm`` says nothing about the doorbells: ranks in
+    different network namespaces of one host map each other's segments but
+    cannot reach each other's abstract sockets. So each member rings every
+    peer's doorbell with the nonce its own segment holds; the peer checks
+    that what came matches the nonce in the segment it mapped. The results
+    go through the store, so every member returns the same reason ("" when
+    every doorbell answered).
+    """
+    loop = asyncio.get_running_loop()
+    me, n = ranks[rank], len(names)
+    heard: dict[int, bytes] = {}
+
+    def drain() -> None:
+        while True:
+            try:
+                data = sock.recv(64)
+            except OSError:  # BlockingIOError: nothing (more) queued
+                return
+            if len(data) == 13 and data[:1] == b"P":
+                heard[int.from_bytes(data[1:5], "little")] = data[5:]
+
+    payload = b"P" + rank.to_bytes(4, "little") + nonces[rank]
+    pending, failed = [q for q in range(n) if q != rank], []
+    deadline = loop.time() + timeout
+    # Peers' probes can fill our queue while we probe: drain it meanwhile.
+    loop.add_reader(sock.fileno(), drain)
+    try:
+        while pending:
+            full = []
+            for q in pending:
+                try:
+                    _ring_bell(sock, _address(names[q]), payload)
+                except (BlockingIOError, InterruptedError):
+                    full.append(q)  # its queue is full: it drains it as it probes
+                except OSError as e:
+                    failed.append(f"rank {ranks[q]} ({e})")
+            pending = full
+            if pending and loop.time() > deadline:
+                failed += [f"rank {ranks[q]} (its queue stayed full)" for q in pending]
+                break
+            if pending:
+                await asyncio.sleep(0.001)
+        reason = (
+            f"rank {me} cannot reach the shared-memory doorbell of {', '.join(failed)}: "
+            "another network namespace or container"
+            if failed
+            else ""
+        )
+        statuses = await _exchange(store, f"{key}/rang", me, ranks, reason, timeout)
+        reason = next((s for s in statuses if s), "")
+    finally:
+        loop.remove_reader(sock.fileno())
+    if reason:
+        return reason
+    drain()  # every probe was sent before its sender passed the exchange
+    wrong = [ranks[q] for q in range(n) if q != rank and heard.get(q) != nonces[q]]
+    if wrong:
+        reason = (
+            f"rank {me}: the doorbell probe of rank(s) {wrong} did not come, or did not "
+            "match the nonce in their shared-memory segment"
+        )
+    statuses = await _exchange(store, f"{key}/heard", me, ranks, reason, timeout)
+    return next((s for s in statuses if s), "")
+
+
 async def setup_segments(
     store: Any,
     key: str,
@@ -337,7 +421,9 @@ async def setup_segments(
     ``ranks`` are the members' global ranks (store keys), ``rank`` this
     member's group rank; ``name`` is a job-unique prefix. Returns the
     segments, or the reason shared memory cannot be used (the same on every
-    member, which then all fall back or fail alike).
+    member, which then all fall back or fail alike): a segment that cannot be
+    made or mapped, or a peer's doorbell that the probe (:func:`_probe`)
+    cannot reach.
 
     Raises:
         RpcTimeoutError: a member did not take part within ``timeout``.
@@ -351,8 +437,9 @@ async def setup_segments(
     reason = ""
     created = False
     try:
-        maps[rank] = _create(paths[rank], size)
+        maps[rank] = own = _create(paths[rank], size)
         created = True
+        own[_NONCE] = os.urandom(8)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
         sock.bind(_address(names[rank]))
@@ -371,6 +458,9 @@ async def setup_segments(
         reason = next((s for s in statuses if s), "")
     if created:
         _unlink(paths[rank])  # every member mapped it (or gave up): drop the name
+    if not reason and sock is not None:
+        nonces = [bytes(m[_NONCE]) for m in maps if m is not None]
+        reason = await _probe(store, key, sock, names, nonces, ranks, rank, timeout)
     if reason or sock is None:
         if sock is not None:
             sock.close()

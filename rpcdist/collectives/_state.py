@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
+from .._rpc._procview import GONE, process_state
 from .._rpc._registry import BaseExtension
 from ._engine import HostEngine
 from ._group import ProcessGroup
@@ -54,7 +55,9 @@ def cpu_backend(requested: str, hosts: Sequence[str]) -> str:
 
     ``auto`` (and ``nccl``, whose CPU side is ``auto``'s) picks shared memory
     when every member is on one host, the message ring (over the agent's
-    links: sockets or gRPC streams) otherwise.
+    links: sockets or gRPC streams) otherwise. Shared memory is only the
+    candidate here: the members then probe each other's doorbells
+    (``setup_segments``) and fall back to the ring together if that fails.
 
     Raises:
         ConfigError: ``shm`` asked for a group that spans hosts, or an
@@ -70,21 +73,7 @@ def cpu_backend(requested: str, hosts: Sequence[str]) -> str:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X", b"x")
+    return process_state(pid) != GONE
 
 
 class CollectiveState(BaseExtension):
@@ -184,6 +173,13 @@ class CollectiveState(BaseExtension):
             and q in self.pids
             and not _alive(self.pids[q])
         ]
+
+    def watch(self, ranks: Sequence[int]) -> None:
+        """Make the failure detector watch these members (any thread)."""
+        liveness = self.agent.liveness
+        for q in ranks:
+            if q != self.agent.rank and not liveness.is_lost(q):
+                liveness.watch_threadsafe(q)
 
     def peer_lost(self, rank: int) -> None:
         """Worker ``rank`` was declared lost: fail the groups it belongs to (on the loop)."""

@@ -8,8 +8,8 @@ from .._errors import ConfigError
 from .._futures import Future
 from .._rpc._api import rpc_sync
 from .._rpc._context import current_agent
+from .._rpc._dispatch import resolve
 from .._rref._rref import RRef
-from .._serialization import resolve_function
 from .._worker import WorkerInfo
 from ._module import Module
 
@@ -19,7 +19,7 @@ M = TypeVar("M", bound=Module)
 
 
 def _make(cls_name: str, args: list[Any], kwargs: dict[str, Any]) -> RRef[Module]:
-    module = resolve_function(cls_name)(*args, **kwargs)
+    module = resolve(cls_name)(*args, **kwargs)
     if not isinstance(module, Module):
         raise ConfigError(
             f"RemoteModule: {cls_name} made a {type(module).__name__}, not an rpcdist.nn.Module"

@@ -23,8 +23,8 @@ from .._deadline import UNSET
 from .._errors import AutogradError, ConfigError
 from .._rpc._api import rpc_async
 from .._rpc._context import current_agent
+from .._rpc._dispatch import resolve
 from .._rref._rref import RRef
-from .._serialization import resolve_function
 from .._worker import WorkerInfo
 from ..autograd import get_gradients
 from ..tensor import Tensor
@@ -75,7 +75,7 @@ def _new_local(cls_name: str, rrefs: list[RRef[Tensor]], defaults: dict[str, Any
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise ConfigError(f"DistributedOptimizer: params_rref[{i}] names a {type(p).__name__}")
-    optimizer = resolve_function(cls_name)(params, **defaults)
+    optimizer = resolve(cls_name)(params, **defaults)
     return RRef(_Local(optimizer, params))
 
 

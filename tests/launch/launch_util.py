@@ -113,14 +113,20 @@ class Launchers:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(
-        self, *args: str, separate: bool = False, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        separate: bool = False,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
     ) -> subprocess.Popen[str]:
         """Start ``python -m rpcdist.launch ARGS``, its stdout and stderr captured
-        together (or apart, with ``separate``); ``env``: more variables."""
+        together (or apart, with ``separate``); ``env``: more variables;
+        ``netns``: in that network namespace (``ip netns exec``, which execs it)."""
         env = {**clean_env(), **(env or {})}
         env[TAG] = self.tag
+        where = ["ip", "netns", "exec", netns] if netns is not None else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rpcdist.launch", *args],
+            [*where, sys.executable, "-m", "rpcdist.launch", *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if separate else subprocess.STDOUT,

@@ -33,6 +33,7 @@ _PRELOAD = [
     "grpc",
     "rel_funcs",
     "rel_workers",
+    "live_workers",
     "netlab",
 ]
 _ctx: Any = None

@@ -2,7 +2,8 @@
 
 "No pickle" keeps code off the wire, but any importable function can still be
 named; the default policy refuses the ones that run programs or code or reach
-the system, however they are reached, and the allowlist mode accepts only
+the system, however they are reached (tests/reliability/test_exposure.py
+holds the exposure model's own tests), and the allowlist mode accepts only
 what the application allows.
 """
 
@@ -44,6 +45,7 @@ INPROC = rpcdist.RpcOptions(token=None, transport="inproc")
     ],
 )
 def test_default_policy_refuses_what_runs_code_or_reaches_the_system(name):
+
     with pytest.raises(rpcdist.CallPolicyError, match="refuses to call") as info:
         resolve_function(name)
     assert isinstance(info.value, PermissionError)
@@ -64,8 +66,8 @@ def test_a_refused_module_is_not_even_imported():
     assert "webbrowser" not in sys.modules
 
 
-def test_allowed_entries_override_the_deny_list_and_allowlist_mode_is_exclusive():
-    pol = CallablePolicy("denylist", frozenset({"os:getpid"}))
+def test_allowed_entries_admit_more_and_allowlist_mode_is_exclusive():
+    pol = CallablePolicy("exposed", frozenset({"os:getpid"}))
     assert resolve_function("os:getpid", pol) is os.getpid
     with pytest.raises(rpcdist.CallPolicyError):
         resolve_function("os:system", pol)
@@ -74,9 +76,18 @@ def test_allowed_entries_override_the_deny_list_and_allowlist_mode_is_exclusive(
     assert callable(resolve_function("math:sqrt", only))
     with pytest.raises(rpcdist.CallPolicyError, match="allowlist"):
         resolve_function("operator:add", only)
-    assert callable(resolve_function("rpcdist._rpc._api:debug_info", only))  # its own protocols
+    with pytest.raises(rpcdist.CallPolicyError, match="refuses"):  # not every rpcdist function
+        resolve_function("rpcdist._rpc._api:debug_info", only)
+    assert callable(resolve_function("rpcdist._rref._rref:value_type", only))  # its protocols
     assert callable(resolve_function("os:system", CallablePolicy("any")))
-    assert DEFAULT_POLICY.mode == "denylist"
+    assert DEFAULT_POLICY.mode == "exposed"
+
+
+def test_the_old_denylist_mode_is_a_deprecated_alias_of_the_default():
+    with pytest.warns(DeprecationWarning, match="denylist"):
+        got = rpcdist.RpcOptions(callable_policy="denylist").validated()
+    assert got.callable_policy == "exposed"
+    assert CallablePolicy("denylist").mode == "exposed"
 
 
 def test_peer_cannot_run_a_shell_command_through_any_call_path(tmp_path):
@@ -126,7 +137,7 @@ def test_policy_options_are_checked():
 
 
 @pytest.mark.parametrize("path", ["rpc_sync", "rpc_async", "remote"])
-def test_rref_proxy_methods_pass_the_deny_list_too(tmp_path, path):
+def test_rref_proxy_methods_pass_the_policy_too(tmp_path, path):
     # An RRef to an array let any peer write files on its owner through
     # ``ndarray.tofile`` or ``dump``: methods are named by their type.
     import numpy as np
@@ -163,8 +174,8 @@ def test_allowed_entries_and_allowlist_mode_for_rref_proxy_methods(tmp_path):
         del rref
     with local_agents(2, options=only) as (a, _), as_current(a):
         rref = rpcdist.remote(1, np.zeros, args=(3,))
-        # an allowlist limits what may be called by name, not the methods of
-        # the values those calls made; the deny list still applies to them
+        # methods of values follow the same rule in every mode but "any":
+        # the curated pure ones run, file writers never
         assert rref.rpc_sync().sum() == 0.0
         with pytest.raises(rpcdist.CallPolicyError):
             rref.rpc_sync().dump(str(tmp_path / "other"))

@@ -26,7 +26,7 @@ from rpcdist._serialization import (
     function_name,
     resolve_function,
 )
-from rpcdist._serialization._functions import name_of, resolve
+from rpcdist._serialization._functions import CallablePolicy, name_of, resolve
 
 from ._helpers import FUNCTIONS, Helpers, module_function, roundtrip
 
@@ -114,9 +114,12 @@ class _Shape(enum.Enum):
     ids=lambda c: c.__qualname__,
 )  # fmt: skip
 def test_classes_travel_by_name_as_functions_do(cls: type) -> None:
-    # (classes of other metaclasses too: abc.ABCMeta, enum.EnumMeta)
-    assert roundtrip({"cls": cls, "in": [cls]}) == {"cls": cls, "in": [cls]}
-    assert roundtrip((cls,))[0] is cls
+    # (classes of other metaclasses too: abc.ABCMeta, enum.EnumMeta; decoded
+    # on a trusted worker: the default policy refuses collections.abc's)
+    trusted = types.SimpleNamespace(agent=types.SimpleNamespace(policy=CallablePolicy("any")))
+    header, buffers = encode({"cls": cls, "in": [cls]})
+    assert decode(header, buffers, context=trusted) == {"cls": cls, "in": [cls]}
+    assert decode(*encode((cls,)), context=trusted)[0] is cls
 
 
 def test_classes_without_a_usable_name_are_refused_as_classes() -> None:
@@ -153,7 +156,6 @@ def test_a_lambda_argument_is_refused_naming_function_and_place() -> None:
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("math:no_such_function", "no_such_function"),
         ("math:pi", "not callable"),
         ("nocolon", "expected 'module:qualname'"),
@@ -165,6 +167,13 @@ def test_unresolvable_names(name: str, why: str) -> None:
     ) as info:
         resolve_function(name)
     assert why in str(info.value)
+
+
+def test_a_module_not_imported_is_refused_unless_named_and_then_reported() -> None:
+    with pytest.raises(CallPolicyError, match="'no_such_module_xyz' is not imported"):
+        resolve_function("no_such_module_xyz:f")
+    with pytest.raises(SerializationError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_function("no_such_module_xyz:f", CallablePolicy("any"))
 
 
 # ------------------------------------------------------------- exceptions
@@ -279,10 +288,11 @@ def test_a_module_being_imported_by_another_thread_is_waited_for(tmp_path, monke
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     results: list[object] = []
+    named = CallablePolicy(allowed=frozenset({"_rpcdist_slow_mod"}))  # (so it may import)
 
     def resolve() -> None:
         try:
-            results.append(resolve_function("_rpcdist_slow_mod:f")())
+            results.append(resolve_function("_rpcdist_slow_mod:f", named)())
         except Exception as e:
             results.append(e)
 
