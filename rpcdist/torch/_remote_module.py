@@ -158,7 +158,10 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
 
     def train(self: _RM, mode: bool = True) -> _RM:
         """Set the module's training mode on its owner (``eval()``: ``train(False)``)."""
-        _api.rpc_sync(self.owner, _train, args=(self.module_rref, bool(mode)))
+        # (through the module's RRef: the module stays there, nothing comes back)
+        done = self.module_rref.remote().train(bool(mode))._confirmed
+        if done is not None:
+            done.wait()
         self.training = bool(mode)
         return self
 
@@ -187,10 +190,6 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
 
 for _name in _NOT_HERE:
     setattr(RemoteModule, _name, _refuse(_name))
-
-
-def _train(module_rref: RRef[torch.nn.Module], mode: bool) -> None:
-    module_rref.local_value().train(mode)
 
 
 def _to_device(module_rref: RRef[torch.nn.Module], device: str) -> torch.nn.Module:
