@@ -188,7 +188,8 @@ def _classify(rc: int, output: str) -> str:
     return "failed"
 
 
-def run_one(name: str, flavor: str, timeout: float) -> dict[str, object]:
+def run_one(name: str, flavor: str, timeout: float,
+            stop_at: float | None = None) -> dict[str, object] | None:  # fmt: skip
     """Run ``name`` in its own process group; kill the group when done or late.
 
     While ``build/torch_suite/PAUSE`` exists, waits before starting (unless
@@ -196,6 +197,8 @@ def run_one(name: str, flavor: str, timeout: float) -> dict[str, object]:
     """
     while (RESULTS / "PAUSE").exists() and os.environ.get("RPCDIST_SUITE_IGNORE_PAUSE") != "1":
         time.sleep(1)
+    if stop_at is not None and time.time() >= stop_at:
+        return None  # (--budget spent: not started)
     cmd = [sys.executable, "-m", "unittest", f"torch_suite_classes.{name}"]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=_env(flavor), cwd=ROOT, stdout=subprocess.PIPE,
@@ -401,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="rewrite docs/compatibility.md")
     ap.add_argument("--no-run", action="store_true", help="only --write from recorded results")
     ap.add_argument("--shuffle", type=int, metavar="SEED", help="run in a seeded random order")
+    ap.add_argument("--budget", type=float, metavar="SECONDS", help="start no test after this")
     args = ap.parse_args(argv)
     flavors = ("rpcdist", "torch") if args.flavor == "both" else (args.flavor,)
     names = list_tests(tuple(args.classes), args.pattern)
@@ -412,9 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         for flavor in flavors:
             with (RESULTS / f"results-{flavor}.jsonl").open("a") as log, \
                     concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # fmt: skip
-                jobs = [pool.submit(run_one, n, flavor, args.timeout) for n in names]
+                stop_at = None if args.budget is None else time.time() + args.budget
+                jobs = [pool.submit(run_one, n, flavor, args.timeout, stop_at) for n in names]
                 for job in concurrent.futures.as_completed(jobs):
                     row = job.result()
+                    if row is None:
+                        continue
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     v = verdict(row, flavor)

@@ -37,4 +37,5 @@ SUBSET = (
 @pytest.mark.parametrize("name", SUBSET)
 def test_pytorch_rpc_test_passes_on_rpcdist(name: str) -> None:
     row = run_suite.run_one(name, "rpcdist", timeout=420)
+    assert row is not None
     assert row["status"] == "passed", row["tail"]
