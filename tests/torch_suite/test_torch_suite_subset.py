@@ -2,9 +2,9 @@
 in every ``make test`` (the whole suite: ``make test-torch-suite``).
 
 Each test is one of PyTorch's, unchanged, in its own processes with a hard
-timeout (``run_suite.run_one``); one of each kind: plain calls, futures,
-RRefs, distributed autograd (argument checks, sparse tensors), an example
-with the optimizer. Each passed in a suite run (docs/compatibility.md).
+timeout (``run_suite.run_one``); one of each kind: plain calls, futures
+and their callbacks, distributed autograd (argument checks, sparse
+tensors), an example with RRefs and the optimizer, RemoteModule. Each passed in a suite run (docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch, pytest.mark.timeout(9
 SUBSET = (
     "RpcTest.test_self_add",
     "RpcTest.test_callback_none",
-    "RpcTest.test_rref_proxy_non_exist",
+    "RpcTest.test_callback_chain",
     "DistAutogradTest.test_backward_invalid_args",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
     "ParameterServerTest.test_batch_updating_parameter_server",
+    "RemoteModuleTest.test_train_eval",
 )
 
 
