@@ -309,7 +309,7 @@ def _cell(row: dict[str, object] | None, flavor: str) -> str:
     )
 
 
-def write_doc(names: list[str], command: str) -> None:
+def write_doc(names: list[str], command: str, note: str = "") -> None:
     """Rebuild docs/compatibility.md from both flavors' results."""
     ours = load("rpcdist")
     failing = sorted(n for n in names if verdict(ours.get(n), "rpcdist") in ("failed", "hung"))
@@ -334,6 +334,7 @@ def write_doc(names: list[str], command: str) -> None:
         f"Command: `{command}`; results from the commits {', '.join(commits)} "
         "(`+`: with uncommitted changes).",
         "",
+        *([note, ""] if note else []),
         "## Before (issue 39's measurement, all 370 tests)",
         "",
         "| classes | tests | passed | failed | hung | out of scope |",
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true", help="rewrite docs/compatibility.md")
     ap.add_argument("--no-run", action="store_true", help="only --write from recorded results")
     ap.add_argument("--shuffle", type=int, metavar="SEED", help="run in a seeded random order")
+    ap.add_argument("--note", default="", help="a paragraph for the page (how the runs went)")
     ap.add_argument("--budget", type=float, metavar="SECONDS", help="start no test after this")
     args = ap.parse_args(argv)
     flavors = ("rpcdist", "torch") if args.flavor == "both" else (args.flavor,)
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                     bad += flavor == "rpcdist" and v in ("failed", "hung")
                     print(f"{flavor:8} {v:12} {row['seconds']:6}s {row['test']}", flush=True)
     if args.write:
-        write_doc(list_tests(tuple(CLASSES), None), " ".join(["python", *sys.argv]))
+        write_doc(list_tests(tuple(CLASSES), None), " ".join(["python", *sys.argv]), args.note)
     return 1 if bad else 0
 
 
