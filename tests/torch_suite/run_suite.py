@@ -433,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
                     bad += flavor == "rpcdist" and v in ("failed", "hung")
                     print(f"{flavor:8} {v:12} {row['seconds']:6}s {row['test']}", flush=True)
     if args.write:
-        write_doc(list_tests(tuple(CLASSES), None), " ".join(["python", *sys.argv]), args.note)
+        write_doc(
+            list_tests(tuple(CLASSES), None),
+            " ".join(["python", *(a for a in sys.argv if a != args.note)]),
+            args.note,
+        )
     return 1 if bad else 0
 
 
