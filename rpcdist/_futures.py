@@ -75,7 +75,9 @@ class Future(Generic[T]):
     def _complete(self, value: Any, exc: BaseException | None) -> None:
         with self._lock:
             if self._state == _DONE:
-                raise RuntimeError("Future is already complete")
+                raise RuntimeError(
+                    "Future can only be marked completed once: it is already complete"
+                )
             self._value, self._exc, self._state = value, exc, _DONE
             callbacks, self._callbacks = self._callbacks, []
         self._gate.release()
