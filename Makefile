@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rpcdist/v1/*.proto)
 
-.PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv docs docs-serve
+.PHONY: test demo bench lint fmt proto proto-check test-gpu test-fast clean venv docs docs-serve test-torch-suite
 
 # pip's own output goes to $(PIP_LOG); it is shown only when pip fails.
 PIP_LOG := $(VENV)/pip-install.log
@@ -38,14 +38,15 @@ $(EXAMPLES_STAMP): $(STAMP)
 	@touch $(EXAMPLES_STAMP)
 
 # PyTorch (the CPU build), for the tests that check rpcdist against PyTorch and the
-# rpcdist.torch interop tests; installed on first use of `make test`. Without it
+# rpcdist.torch interop tests; installed on first use of `make test` (with expecttest, which
+# PyTorch's own RPC tests in tests/torch_suite import). Without it
 # (`make test TORCH=`, or no wheel to be had) those tests skip, saying why.
 TORCH ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.installed-torch
 
 $(TORCH_STAMP): $(STAMP)
 	@echo "Installing $(TORCH) into $(VENV) for the PyTorch comparison tests (first run only)..."
-	@if $(PIP) '$(TORCH)' >$(PIP_LOG) 2>&1; then touch $(TORCH_STAMP); else \
+	@if $(PIP) '$(TORCH)' expecttest >$(PIP_LOG) 2>&1; then touch $(TORCH_STAMP); else \
 	  echo "could not install $(TORCH) (log: $(PIP_LOG)): the PyTorch tests will skip"; fi
 
 # The site, built with warnings as errors (mkdocs.yml sets strict), into build/site.
@@ -124,3 +125,12 @@ proto-check: $(STAMP)
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# PyTorch's own RPC test suite (the nine classes of tests/torch_suite) run unchanged
+# against rpcdist.torch and against PyTorch, one test at a time with a hard timeout;
+# rewrites docs/compatibility.md. Hours on a small machine; JOBS=4 where cores allow.
+JOBS ?= 1
+test-torch-suite: $(STAMP) $(TORCH_STAMP)
+	@$(BIN)/python -c "import expecttest" 2>/dev/null || $(PIP) expecttest $(QUIET_PIP)
+	@$(PYC)
+	$(BIN)/python tests/torch_suite/run_suite.py --flavor both --jobs $(JOBS) --write

@@ -75,7 +75,9 @@ class Future(Generic[T]):
     def _complete(self, value: Any, exc: BaseException | None) -> None:
         with self._lock:
             if self._state == _DONE:
-                raise RuntimeError("Future is already complete")
+                raise RuntimeError(
+                    "Future can only be marked completed once: it is already complete"
+                )
             self._value, self._exc, self._state = value, exc, _DONE
             callbacks, self._callbacks = self._callbacks, []
         self._gate.release()
@@ -150,7 +152,12 @@ class Future(Generic[T]):
         self._run_callback(callback)
 
     def then(self, callback: Callable[[Future[T]], U]) -> Future[U]:
-        """A new Future completed with ``callback(self)``, or with what it raised."""
+        """A new Future completed with ``callback(self)``, or with what it raised.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        check_callback(callback)
         out: Future[U] = Future()
 
         box = [out]  # (taken out on completion: see value())
@@ -206,6 +213,14 @@ class Future(Generic[T]):
         if self._exc is not None:
             return f"<rpcdist.Future exception={self._exc!r}>"
         return f"<rpcdist.Future result={self._value!r}>"
+
+
+def check_callback(callback: object) -> None:
+    """Raises: TypeError: ``callback`` is not callable (torch's text first)."""
+    if not callable(callback):
+        raise TypeError(
+            f"then(): incompatible function arguments: callback must be callable, got {callback!r}"
+        )
 
 
 def collect_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:

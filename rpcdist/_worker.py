@@ -21,16 +21,26 @@ class WorkerInfo:
 
     __module__ = "rpcdist"
 
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
+
 
 def check_worker_name(name: object) -> str:
     """Return ``name`` if it is a valid worker name.
 
     Raises:
-        ConfigError: ``name`` is not 1-127 letters, digits, ``_``, ``-`` or ``:``.
+        ConfigError: ``name`` is not 1-127 letters, digits, ``_``, ``-`` or ``:``
+            (worded first as torch's ``WorkerInfo`` words it).
     """
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        if name == "":
+            first = "Worker name must be non-empty"
+        elif isinstance(name, str) and len(name) > 127:
+            first = "Worker name must be shorter than 128 characters"
+        else:
+            first = "Worker name must match ^[A-Za-z0-9-_:]*$"
         raise ConfigError(
-            f"invalid worker name {name!r}: expected 1-127 characters from "
+            f"{first}: invalid worker name {name!r}: expected 1-127 characters from "
             "letters, digits, '_', '-' and ':'"
         )
     return name

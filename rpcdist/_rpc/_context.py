@@ -41,7 +41,8 @@ def current_agent() -> Agent:
     agent = _current.get() or _default[0]
     if agent is None or agent.closed:
         raise NotInitializedError(
-            "rpcdist is not initialised in this process: call rpcdist.init_rpc() first"
+            "RPC has not been initialized: rpcdist is not initialised in this process: "
+            "call rpcdist.init_rpc() first"
             + (" (the agent has shut down)" if agent is not None else "")
         )
     return agent

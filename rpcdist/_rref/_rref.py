@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._deadline import UNSET, Unset, deadline_for
 from .._errors import (
+    AutogradError,
     ClosedError,
+    ConfigError,
     RpcTimeoutError,
     RRefError,
     SerializationError,
@@ -250,23 +252,44 @@ class RRef(Generic[T]):
         waited = self._ctx.bounded(rec.ready, deadline, f"to_here() on {self!r}")
         return waited.then(lambda f: (f.value(), rec.get())[1])
 
-    def backward(self, context_id: int, retain_graph: bool = False) -> None:
+    def backward(self, context_id: int = -1, retain_graph: bool = False) -> None:
         """Run ``rpcdist.autograd.backward(context_id, [value])`` on the owner,
         for an RRef to a scalar loss computed in that context (blocking); a
         torch loss takes ``rpcdist.torch.autograd.backward``.
 
+        Without ``context_id`` (``-1``, as in torch) the owner's own RRef runs
+        a local pass, ``value.backward(retain_graph=...)``, into ``.grad``;
+        another worker's RRef needs the context id.
+
         Raises:
-            AutogradError: the owner has no such context, or the pass failed.
+            AutogradError: the owner has no such context, the pass failed, or
+                no context id for another worker's RRef.
             ConfigError: the value is not a scalar tensor that requires grad.
             OwnerLostError: the owner is gone.
             WrongThreadError: called on the agent's loop thread.
         """
+        if context_id == -1:
+            self._local_backward(retain_graph)
+            return
         self._check("backward()")
         agent = self._ctx.agent
         agent.check_not_loop_thread("RRef.backward()")
         deadline = deadline_for(UNSET, agent.rpc_timeout)
         payload = [self, context_id, retain_graph]
         call_owner(self, _RREF_BACKWARD, payload, deadline, "backward()").wait()
+
+    def _local_backward(self, retain_graph: bool) -> None:
+        if not self.is_owner():
+            raise AutogradError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified (this RRef's value "
+                f"is on {self.owner().name!r}: pass the distributed autograd context id)"
+            )
+        value: Any = self.local_value()
+        if not callable(getattr(value, "backward", None)):
+            raise ConfigError(
+                f"RRef should contain a tensor for .backward(), got a {type(value).__name__}"
+            )
+        value.backward(retain_graph=retain_graph)
 
     def _get_type(self, timeout: float | Unset | None = UNSET, blocking: bool = True) -> Any:
         """The value's class (torch's ``RRef._get_type``), asked of the owner

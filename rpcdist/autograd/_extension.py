@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import AutogradError, RpcdistError
+from .._errors import AutogradError, ConfigError, RpcdistError
 from .._rpc._context import bind_agent, reset_agent
 from .._rpc._outbox import ControlOutbox
 from .._rpc._registry import BaseExtension, CallInfo
@@ -129,8 +129,8 @@ class AutogradExtension(BaseExtension):
         ctx = self._contexts.get(context_id)
         if ctx is None:
             raise AutogradError(
-                f"{what}: distributed autograd context {context_id} does not exist on worker "
-                f"{self.agent.name!r} (never made here, or already released)"
+                f"Could not find autograd context with id: {context_id} ({what}: it does not "
+                f"exist on worker {self.agent.name!r}: never made here, or already released)"
             )
         return ctx
 
@@ -327,9 +327,19 @@ async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:
     return True
 
 
+def _check_loss(loss: Any) -> None:
+    """Raises: ConfigError: ``loss`` is not a tensor (torch's text first)."""
+    if not callable(getattr(loss, "backward", None)):
+        raise ConfigError(
+            "RRef should contain a tensor for .backward(), got a "
+            f"{type(loss).__name__} (RRef.backward runs a pass from the tensor it holds)"
+        )
+
+
 async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -> None:
     rref, context_id, retain_graph = payload
     loss = rref.local_value()
+    _check_loss(loss)
     for hook in LOSS_BACKWARDS:
         run = hook(loss)
         if run is not None:  # a loss of another library's: its own pass

@@ -24,14 +24,16 @@ released: a tensor sent twice gets a gradient message per copy.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._deadline import UNSET, current_deadline, deadline_for
-from .._errors import AutogradError, ConfigError
+from .._errors import AutogradError, ConfigError, RpcTimeoutError, WorkerLostError
 from .._rpc._context import current_agent
 from ..autograd._context import CURRENT
 from ..autograd._extension import LOSS_BACKWARDS, ext
@@ -101,26 +103,88 @@ def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, 
     """What a receive function calls with its gradient: send it home and wait."""
 
     def deliver(index: int, grad: torch.Tensor) -> None:
-        payload: Any = ((context_id, recv.message_id, index, grad.contiguous()), {})
-        agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None,
-                             label="rpcdist.torch autograd gradients").wait()  # fmt: skip
+        grad = grad if grad.is_sparse else grad.contiguous()
+        payload: Any = ((context_id, recv.message_id, index, grad), {})
+        call = agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent),
+                                    meta=None, label="rpcdist.torch autograd gradients")  # fmt: skip
+        with _node_errors(recv.peer):
+            call.wait()
 
     return deliver
 
 
-def _check_roots(roots: Any) -> list[torch.Tensor]:
-    if not isinstance(roots, list | tuple) or not roots:
-        raise ConfigError(f"backward(): roots must be a non-empty list of tensors, got {roots!r}")
+class _ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a ``TypeError`` too, as torch's binding raises)."""
+
+
+def _check_roots(context_id: Any, roots: Any) -> list[torch.Tensor]:
+    # The texts begin as torch's do (programs match them), rpcdist's detail after.
+    if not isinstance(context_id, int) or not isinstance(roots, list | tuple):
+        raise _ArgumentTypeError(
+            "backward(): incompatible function arguments: expected (context_id: int, "
+            f"roots: list of tensors), got ({type(context_id).__name__}, {type(roots).__name__})"
+        )
+    if not roots:
+        raise ConfigError(
+            "No tensors provided for gradient computation (backward(): roots must be a "
+            "non-empty list of tensors)"
+        )
     for i, t in enumerate(roots):
         if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"backward(): roots[{i}] is a {type(t).__name__}, not a torch.Tensor")
+            raise _ArgumentTypeError(
+                f"backward(): incompatible function arguments: roots[{i}] is a "
+                f"{type(t).__name__}, not a torch.Tensor"
+            )
         if not t.requires_grad:
-            raise ConfigError(f"backward(): roots[{i}] does not require grad")
+            raise ConfigError(f"requires_grad not set on roots[{i}]: it does not require grad")
         if t.numel() != 1:
             raise ConfigError(
-                f"backward(): roots[{i}] has shape {tuple(t.shape)}; roots must be scalars"
+                f"roots[{i}] is not a scalar, all roots need to be scalar (shape "
+                f"{tuple(t.shape)}; roots must be scalars)"
+            )
+        if t.grad_fn is None:
+            raise ConfigError(
+                f"roots[{i}] does not have a valid gradient function (a leaf tensor: "
+                "nothing to differentiate)"
             )
     return list(roots)
+
+
+def _on_node(rank: int, exc: BaseException) -> AutogradError:
+    """``exc``, raised by worker ``rank``'s part of a pass, as torch words it:
+    "Error on Node N: <message>" (the deepest worker's, where it already is).
+
+    The error is an :class:`AutogradError` (a ``RuntimeError``, as torch's)
+    and, where the type allows, also of ``exc``'s own type, so that code
+    catching that type still does."""
+    text = str(exc)
+    message = text if text.startswith("Error on Node ") else f"Error on Node {rank}: {text}"
+    kind = type(exc)
+    if not isinstance(exc, AutogradError) and kind is not Exception:
+        try:
+            return _both(kind)(message)  # type: ignore[arg-type]  # classes hash
+        except TypeError:  # a layout or a constructor that does not mix
+            pass
+    return AutogradError(message)
+
+
+@contextlib.contextmanager
+def _node_errors(rank: int) -> Iterator[None]:
+    """Errors of worker ``rank``'s part of a pass as :func:`_on_node` words
+    them (timeouts and lost workers as they are)."""
+    try:
+        yield
+    except (RpcTimeoutError, WorkerLostError):
+        raise
+    except Exception as e:
+        if isinstance(e, AutogradError) and str(e).startswith("Error on Node "):
+            raise
+        raise _on_node(rank, e) from e
+
+
+@functools.cache
+def _both(kind: type[BaseException]) -> type[AutogradError]:
+    return type(kind.__name__, (AutogradError, kind), {"__module__": kind.__module__})
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -136,16 +200,19 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         retain_graph: Keep this worker's graph for another backward pass.
 
     Raises:
-        ConfigError: a root is not a scalar tensor that requires grad.
-        AutogradError: unknown context, or a failure on another worker.
+        ConfigError: a root is not a scalar tensor that requires grad and has a
+            gradient function (also a ``TypeError`` where an argument has the
+            wrong type).
+        AutogradError: unknown context, or the pass failed on a worker:
+            "Error on Node N: <the error>", as torch words it.
         RpcTimeoutError: a worker did not answer within the agent's timeout.
         WorkerLostError: a worker died before or during the pass.
         WrongThreadError: called on the agent's event-loop thread.
     """
     agent = current_agent()
     agent.check_not_loop_thread("rpcdist.torch.autograd.backward()")
+    roots = _check_roots(context_id, roots)
     ctx = ext(agent).get(context_id, "backward()")
-    roots = _check_roots(roots)
     st = state(ctx)
     leaves = leaves_of(roots)
     if not leaves:
@@ -157,7 +224,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             for leaf in leaves:
                 leaf.grad = None
             try:
-                _run_root(roots, leaves, retain_graph)
+                with _node_errors(agent.rank):
+                    _run_root(roots, leaves, retain_graph)
                 for leaf in leaves:
                     g = leaf.grad
                     if g is not None and not _is_anchor(leaf):

@@ -105,7 +105,7 @@ class RecvFunction(torch.autograd.Function):  # type: ignore[misc]  # Any withou
                 index: int) -> torch.Tensor:  # fmt: skip
         ctx.deliver = deliver
         ctx.index = index
-        return data.view_as(data)
+        return data.clone() if data.is_sparse else data.view_as(data)  # (no sparse views)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:

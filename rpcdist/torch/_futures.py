@@ -10,17 +10,71 @@ torch's, unchanged.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .._futures import Future
+from .._futures import Future, check_callback
 from .._futures import collect_all as _collect_all
-from .._futures import wait_all as _wait_all
 
-__all__ = ["as_future", "collect_all", "install", "wait_all"]
+__all__ = ["TorchFuture", "adopt", "as_future", "collect_all", "install", "wait_all"]
+
+
+class TorchFuture(Future[Any]):
+    """rpcdist's Future as ``rpcdist.torch.rpc.rpc_async`` returns it, whose
+    :meth:`then` callbacks may block as torch's may (wait for another call
+    they make: ``rpc_async(...).wait()``).
+
+    rpcdist runs a Future's callbacks on the thread that completes it, for
+    a reply the agent's event-loop thread, where a callback that waits for
+    another reply would stop the loop that is to deliver it. A ``then``
+    callback that would run on an event loop runs on a thread of its own
+    instead (elsewhere, inline as before).
+    """
+
+    __slots__ = ()
+
+    def then(self, callback: Callable[[Future[Any]], Any]) -> Future[Any]:
+        """A new Future completed with ``callback(self)``, or with what it raised.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        check_callback(callback)
+        out = TorchFuture()
+        caller = contextvars.copy_context()  # (the agent current where then() was called)
+
+        def chain(f: Future[Any]) -> None:
+            if asyncio._get_running_loop() is None:
+                _settle(out, callback, f)
+            else:  # (on an event loop: the loop goes on while it waits)
+                threading.Thread(target=caller.run, args=(_settle, out, callback, f),
+                                 name="torch-future-then", daemon=True).start()  # fmt: skip
+
+        self.add_done_callback(chain)
+        return out
+
+
+def _settle(out: Future[Any], callback: Callable[[Future[Any]], Any], f: Future[Any]) -> None:
+    try:
+        value = callback(f)
+    except BaseException as e:
+        out.set_exception(e)
+    else:
+        out.set_result(value)
+
+
+def adopt(fut: Future[Any]) -> Future[Any]:
+    """``fut`` as a :class:`TorchFuture` (the same object: its class changes
+    to the subclass, which adds no state)."""
+    if type(fut) is Future:
+        fut.__class__ = TorchFuture
+    return fut
 
 
 def as_future(fut: Any) -> Any:
@@ -50,15 +104,40 @@ def collect_all(futures: Iterable[Any]) -> Future[list[Future[Any]]]:
 
 
 def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
-    """Wait for every future and return their values (raising the first error).
+    """Wait for every future and return their values, as ``torch.futures.wait_all``:
+    the first error raises as soon as it arrives, without waiting for the
+    futures still pending (rpcdist's own ``rpcdist.futures.wait_all`` waits
+    for all first).
 
     Accepts rpcdist Futures and ``torch.futures.Future`` objects.
 
     Raises:
-        Exception: the first error among the futures.
+        Exception: the first error among the futures, in completion order.
         RpcTimeoutError: ``timeout`` seconds passed first.
     """
-    return _wait_all([as_future(f) for f in futures], timeout)
+    futs = [as_future(f) for f in futures]
+    first_error_or_all: Future[None] = Future()
+    lock = threading.Lock()
+    pending = len(futs)
+
+    def one_done(f: Future[Any]) -> None:
+        nonlocal pending
+        with lock:
+            pending -= 1
+            exc = f.exception()
+            if first_error_or_all.done() or (exc is None and pending):
+                return
+            if exc is not None:
+                first_error_or_all.set_exception(exc)
+            else:
+                first_error_or_all.set_result(None)
+
+    if not futs:
+        return []
+    for f in futs:
+        f.add_done_callback(one_done)
+    first_error_or_all.wait(timeout)
+    return [f.value() for f in futs]
 
 
 def _also_ours(theirs: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .._errors import AutogradError
 from .._rpc._context import current_agent
 from ..autograd._api import context as _context
+from ..autograd._context import CURRENT
 from ..autograd._extension import ext
 from ._edges import state
 
@@ -21,9 +23,20 @@ class context(_context):
 
     Raises:
         NotInitializedError: ``init_rpc`` was not called in this process.
+        AutogradError: a context is open already in this thread (or in the
+            call this runs in): they do not nest, as in torch.
     """
 
     __module__ = "rpcdist.torch.autograd"
+
+    def __enter__(self) -> int:
+        open_here = CURRENT.get()
+        if open_here is not None:  # torch's contexts do not nest
+            raise AutogradError(
+                "Already have an autograd context id for this thread (context "
+                f"{open_here} is open here; torch.distributed.autograd contexts do not nest)"
+            )
+        return super().__enter__()
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

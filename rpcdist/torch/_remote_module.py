@@ -7,7 +7,7 @@ to each trainer): it travels as its owner and an RRef to the module
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from .._serialization import register_extension
 from .._worker import WorkerInfo
 
 __all__ = ["REMOTE_MODULE_CODE", "RemoteModule", "install"]
+
+_RM = TypeVar("_RM", bound="RemoteModule")
 
 #: Codec extension code of RemoteModules.
 REMOTE_MODULE_CODE = 35
@@ -45,18 +47,21 @@ def _owner_of(remote_device: str) -> tuple[str | int, str]:
 #: ``nn.Module`` methods that would act on the local stand-in, not on the
 #: module: refused, as torch's RemoteModule refuses them.
 _NOT_HERE = (
-    "add_module", "apply", "bfloat16", "buffers", "cpu", "cuda", "double", "float", "half",
-    "ipu", "load_state_dict", "named_buffers", "named_parameters", "register_backward_hook",
-    "register_buffer", "register_forward_hook", "register_forward_pre_hook",
-    "register_parameter", "requires_grad_", "share_memory", "state_dict", "to", "type", "xpu",
-    "zero_grad",
+    "add_module", "apply", "bfloat16", "buffers", "children", "cpu", "cuda", "double",
+    "extra_repr", "float", "half", "ipu", "load_state_dict", "named_buffers", "named_children",
+    "named_parameters", "parameters", "register_backward_hook", "register_buffer",
+    "register_forward_hook", "register_forward_pre_hook", "register_parameter",
+    "requires_grad_", "share_memory", "state_dict", "to", "type", "xpu", "zero_grad",
 )  # fmt: skip
 
 
 def _refuse(name: str) -> Any:
+    # (torch's text, which programs match, then rpcdist's detail)
+    hint = " Please use ``remote_parameters`` instead." if name == "parameters" else ""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(
-            f"Method ``{name}`` not supported for RemoteModule: it would act on this "
+            f"Method ``{name}`` not supported for RemoteModule.{hint} It would act on this "
             f"worker's stand-in, not on the module on {self.owner.name!r} (call it there "
             "through get_module_rref().rpc_sync())"
         )
@@ -94,6 +99,12 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
     def __init__(self, remote_device: str, module_cls: type[torch.nn.Module],
                  args: Any = None, kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
         super().__init__()
+        if isinstance(module_cls, type) and not issubclass(module_cls, torch.nn.Module):
+            raise ConfigError(
+                "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+                f"but it returns an instance of {module_cls!r} (RemoteModule makes torch "
+                "modules only)"
+            )
         worker, device = _owner_of(remote_device)
         self.device = device
         self.module_rref: RRef[torch.nn.Module] = remote(
@@ -109,21 +120,19 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
         """A RemoteModule over a module that already lives in ``module_rref``
         (made there by ``rpc.remote``, or another RemoteModule's), sharing it.
 
+        As in torch, the module stays where it lives: calls go to
+        ``module_rref``'s owner, whichever worker ``remote_device`` names
+        (torch's tests make one on a worker that is not the owner).
+
         Raises:
-            ConfigError: ``remote_device`` names another worker than the
-                module's owner, or ``module_rref`` is not an RRef.
+            ConfigError: a malformed ``remote_device``, or ``module_rref`` is
+                not an RRef.
         """
-        worker, device = _owner_of(remote_device)
+        _, device = _owner_of(remote_device)
         if not isinstance(module_rref, RRef):
             raise ConfigError(f"init_from_module_rref: expected an RRef to a module, got "
                               f"{type(module_rref).__name__}")  # fmt: skip
-        owner = module_rref.owner()
-        if worker != (owner.id if isinstance(worker, int) else owner.name):
-            raise ConfigError(
-                f"init_from_module_rref: remote_device {remote_device!r} is not the module's "
-                f"owner {owner.name!r}"
-            )
-        return _make(owner, module_rref, device)
+        return _make(module_rref.owner(), module_rref, device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result (blocking)."""
@@ -146,6 +155,34 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
     def get_module_rref(self) -> RRef[torch.nn.Module]:
         """The RRef to the module itself."""
         return self.module_rref
+
+    def train(self: _RM, mode: bool = True) -> _RM:
+        """Set the module's training mode on its owner (``eval()``: ``train(False)``)."""
+        # (through the module's RRef: the module stays there, nothing comes back)
+        done = self.module_rref.remote().train(bool(mode))._confirmed
+        if done is not None:
+            done.wait()
+        self.training = bool(mode)
+        return self
+
+    def named_modules(
+        self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
+        """Refused when called on the RemoteModule itself, as torch's; a model
+        holding one still lists its modules (that call passes ``memo``)."""
+        if memo is None:
+            _refuse("named_modules")(self)
+        return super().named_modules(memo, prefix, remove_duplicate)
+
+    def modules(self, remove_duplicate: bool = True) -> Any:
+        """Refused, as torch's (see :meth:`named_modules`)."""
+        _refuse("modules")(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+            "when using RPC (rpcdist sends it as its owner and module RRef, never by pickle)"
+        )
 
     def __repr__(self) -> str:
         return f"RemoteModule(on {self.owner.name!r}, {self.module_rref!r})"

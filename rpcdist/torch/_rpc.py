@@ -32,6 +32,7 @@ from ._constants import (
     DEFAULT_RPC_TIMEOUT_SEC,
     UNSET_RPC_TIMEOUT,
 )
+from ._futures import adopt
 from ._install import install
 from ._profile import enabled, profiled
 
@@ -70,6 +71,10 @@ def _index(device: Any) -> Any:
     return "cuda:0" if text == "cuda" else text
 
 
+class _ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a ``TypeError`` too, as torch raises)."""
+
+
 class RpcBackendOptions:
     """torch's base class of backend options: a default call timeout and a
     rendezvous method (``init_rpc`` takes it as it takes the subclass)."""
@@ -78,6 +83,11 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = DEFAULT_INIT_METHOD) -> None:  # fmt: skip
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, int | float):
+            raise _ArgumentTypeError(
+                "incompatible constructor arguments: rpc_timeout must be seconds (a float), "
+                f"got {rpc_timeout!r}"
+            )
         self.rpc_timeout = rpc_timeout
         self.init_method = init_method
         self.num_worker_threads = DEFAULT_NUM_WORKER_THREADS
@@ -204,6 +214,34 @@ def _rendezvous(init_method: str, rank: int | None, world_size: int | None) -> s
     return got.decode()
 
 
+def _check_init_args(backend: Any, opts: Any) -> RpcBackendOptions:
+    """``init_rpc``'s backend and options, checked as torch checks them
+    (texts begin as torch's): the base options class is taken as the
+    TensorPipe one; another backend's options class is refused."""
+    if backend is not None and not isinstance(backend, BackendType):
+        raise _ArgumentTypeError(
+            f"Argument backend must be a member of BackendType, got {backend!r}"
+        )
+    if opts is None:
+        return TensorPipeRpcBackendOptions()
+    if not isinstance(opts, RpcBackendOptions):
+        raise _ArgumentTypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions "
+            f"(TensorPipeRpcBackendOptions), got {type(opts).__name__}"
+        )
+    if type(opts) is not RpcBackendOptions and not isinstance(opts, TensorPipeRpcBackendOptions):
+        if backend is None:
+            raise _ArgumentTypeError(
+                f"Could not infer backend for options {opts!r}: rpcdist takes "
+                "TensorPipeRpcBackendOptions"
+            )
+        raise _ArgumentTypeError(
+            "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`, got "
+            f"{type(opts).__name__}"
+        )
+    return opts
+
+
 def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
              world_size: int | None = None,
              rpc_backend_options: TensorPipeRpcBackendOptions | None = None) -> None:  # fmt: skip
@@ -222,15 +260,11 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         rpc_backend_options: A :class:`TensorPipeRpcBackendOptions`.
 
     Raises:
-        ConfigError: bad arguments or already initialised.
+        ConfigError: bad arguments or already initialised (a ``TypeError``
+            too where an argument has the wrong type, as in torch).
         ConnectError: the rendezvous did not complete in time.
     """
-    opts = rpc_backend_options or TensorPipeRpcBackendOptions()
-    if not isinstance(opts, RpcBackendOptions):
-        raise ConfigError(
-            f"init_rpc({name!r}): rpc_backend_options must be TensorPipeRpcBackendOptions, "
-            f"got {type(opts).__name__}"
-        )
+    opts = _check_init_args(backend, rpc_backend_options)
     install()
     r = None if rank is None or rank < 0 else rank
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
@@ -263,7 +297,8 @@ def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: A
     """
     call = functools.partial(_api.rpc_async, to, func, args=_args(args), kwargs=kwargs,
                              timeout=_timeout(timeout))  # fmt: skip
-    return profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
+    fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
+    return adopt(fut)  # (then() callbacks may block, as torch's)
 
 
 def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,

@@ -4,7 +4,8 @@
 named tuples torch's operators return (``torch.max(x, dim=0)``: a
 ``torch.return_types.max`` of values and indices), and sparse COO tensors
 (an embedding's sparse gradient): their indices and values travel as dense
-tensors, and the receiver rebuilds the tensor with torch's own invariant
+tensors (inside a distributed autograd context, with a send and receive edge
+as a dense tensor's), and the receiver rebuilds the tensor with torch's own invariant
 checks (indices within the shape), so a peer cannot hand it a tensor that
 reads out of bounds.
 
@@ -22,7 +23,7 @@ import torch
 from .._errors import SerializationError
 from .._rpc._context import WireContext
 from .._serialization import register_extension, register_type
-from .._serialization._arrays import TENSOR_LAYOUTS
+from .._serialization._arrays import TENSOR_GRAD_HOOKS, TENSOR_LAYOUTS
 from .._serialization._plugins import register_family, register_variant
 
 __all__ = ["install"]
@@ -99,25 +100,25 @@ def _decode_return(payload: Any, wire: Any) -> tuple[Any, ...]:
 
 
 def _encode_sparse(t: torch.Tensor, wire: Any) -> list[Any]:
-    if t.requires_grad and isinstance(wire, WireContext) and wire.meta and "ad" in wire.meta:
-        raise SerializationError(
-            "a sparse tensor that requires grad cannot cross workers inside a distributed "
-            "autograd context (its gradient would not come back): send it dense "
-            "(.to_dense()) or detached"
-        )
+    # Inside a distributed autograd context a sparse tensor that requires grad
+    # records its send edge as a dense one does (index >= 0; -1: none).
+    index = -1
+    if t.requires_grad and TENSOR_GRAD_HOOKS and isinstance(wire, WireContext):
+        index = TENSOR_GRAD_HOOKS[0].record(wire, t)
     d = t.detach()
-    return [d._indices(), d._values(), list(d.shape), d.is_coalesced(), t.requires_grad]
+    return [d._indices(), d._values(), list(d.shape), d.is_coalesced(), t.requires_grad, index]
 
 
 def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
-    if not (isinstance(payload, list) and len(payload) == 5):
+    if not (isinstance(payload, list) and len(payload) == 6):
         raise SerializationError("malformed sparse tensor payload")
-    indices, values, shape, coalesced, requires_grad = payload
+    indices, values, shape, coalesced, requires_grad, index = payload
     if not (
         isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)
         and indices.dtype == torch.int64 and indices.dim() == 2
         and isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
         and type(coalesced) is bool and type(requires_grad) is bool
+        and type(index) is int and (index < 0 or (requires_grad and TENSOR_GRAD_HOOKS))
     ):  # fmt: skip
         raise SerializationError("malformed sparse tensor payload")
     try:
@@ -125,6 +126,8 @@ def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
                                       check_invariants=True)  # fmt: skip
     except RuntimeError as e:
         raise SerializationError(f"received an invalid sparse tensor: {e}") from e
+    if index >= 0:  # the receive edge of a tensor sent inside an autograd context
+        return TENSOR_GRAD_HOOKS[0].attach(wire, out, index)  # type: ignore[no-any-return]
     return out.requires_grad_(requires_grad)
 
 

@@ -138,7 +138,9 @@ leaves = (
     | st.complex_numbers()
     | arrays()
     | numpy_scalars
-    | st.builds(WorkerInfo, st.text(max_size=8), st.integers(0, 2**31))
+    | st.builds(
+        WorkerInfo, st.from_regex(r"[A-Za-z0-9_:-]{1,8}", fullmatch=True), st.integers(0, 2**31)
+    )
     | st.sampled_from(FUNCTIONS)
     | st.builds(ValueError, st.text(max_size=8))
     | st.builds(KeyError, st.integers())

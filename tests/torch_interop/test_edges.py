@@ -4,6 +4,8 @@ left alone, failures reach the root, and contexts are freed everywhere."""
 
 from __future__ import annotations
 
+import collections
+import pickle
 import subprocess
 import sys
 import threading
@@ -117,8 +119,11 @@ def test_a_failure_on_another_worker_fails_the_backward_at_the_root(agents):
         x = tf.param(1, (2, 3))
         with dist_autograd.context() as cid:
             y = rpc.rpc_sync("worker1", tf.explode, args=(x,))
-            with pytest.raises(ValueError, match="exploded on purpose"):
+            with pytest.raises(ValueError, match="exploded on purpose") as caught:
                 dist_autograd.backward(cid, [y.sum()])
+    # torch's wording (a RuntimeError naming the node), the callee's type kept too
+    assert isinstance(caught.value, RuntimeError)
+    assert str(caught.value).startswith("Error on Node 1: backward exploded on purpose")
 
 
 @pytest.mark.parametrize("when", ["before the backward", "during its part"])
@@ -175,6 +180,19 @@ def test_roots_are_checked(agents):
             dist_autograd.backward(cid, [torch.zeros(())])
         with pytest.raises(ValueError, match="scalars"):
             dist_autograd.backward(cid, [tf.param(0, (2,)) * 2])
+        # torch's texts, which programs match
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(cid, None)
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(None, [tf.param(0).sum()])
+        with pytest.raises(RuntimeError, match="No tensors provided for gradient computation"):
+            dist_autograd.backward(cid, [])
+        with pytest.raises(RuntimeError, match="requires_grad not set on"):
+            dist_autograd.backward(cid, [torch.zeros(())])
+        with pytest.raises(RuntimeError, match="is not a scalar, all roots need to be scalar"):
+            dist_autograd.backward(cid, [tf.param(0, (2,)) * 2])
+        with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+            dist_autograd.backward(cid, [torch.zeros((), requires_grad=True)])
 
 
 def test_an_unknown_context_is_refused(agents):
@@ -299,8 +317,9 @@ def test_a_remote_module_over_a_module_already_in_an_rref(agents):
         # made on the owner and sent back, as torch's docs show
         there = rpc.rpc_sync("worker1", RemoteModule.init_from_module_rref, args=("worker1", rref))
         torch.testing.assert_close(there.forward_async(x).wait(), local(x))
-        with pytest.raises(ConfigError, match="not the module's owner 'worker1'"):
-            RemoteModule.init_from_module_rref("worker2", rref)
+        # as torch's: calls go to the module's owner whatever remote_device names
+        elsewhere = RemoteModule.init_from_module_rref("worker2", rref)
+        assert elsewhere.owner.name == "worker1"
         with pytest.raises(ConfigError, match="expected an RRef"):
             RemoteModule.init_from_module_rref("worker1", local)
 
@@ -320,9 +339,28 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         assert [p.shape for p in model.parameters()] == [(1, 2), (1,)]
         model.train(False)
         assert model(x).shape == (4, 1)
-        for refused in ("to", "parameters", "state_dict", "zero_grad", "cuda"):
+        refusals = ("to", "parameters", "state_dict", "zero_grad", "cuda", "modules",
+                    "named_modules", "children", "extra_repr")  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"not supported for RemoteModule\. Please use ``remote_parameters``"
+        ):
+            rm.parameters()
+        for refused in refusals:
             with pytest.raises(ValueError, match=f"{refused}`` not supported for RemoteModule"):
                 list(getattr(rm, refused)() or ())  # (parameters() is lazy)
+        assert len(list(model.modules())) == 4  # a model's own walk still passes it
+        # training mode is the module's, on its owner (model.train(False) above reached it)
+        owner_mode = rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        assert owner_mode is False and not rm.training
+        rm.train()
+        assert rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        assert rm.training
+        rm.eval()
+        assert not rpc.rpc_sync("worker1", tf.training_mode, args=(rm.get_module_rref(),))
+        with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+            pickle.dumps(rm)
+        with pytest.raises(ValueError, match=r"returns an instance of <class nn.Module>"):
+            RemoteModule("worker1", collections.OrderedDict)
         # sent to another worker, it is one there too
         back = rpc.rpc_sync("worker2", tf.echo_kind, args=(rm,))
         assert back == "RemoteModule is an nn.Module"
@@ -364,3 +402,26 @@ def test_torchs_profiler_records_each_call_as_pytorch_rpc_names_it(agents):
     }
     # the asynchronous call's range ends when its Future completes, not when it returns
     assert ranges["rpc_async#time.sleep(worker0 -> worker2)"] >= 40_000  # (us)
+
+
+def _sparse(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    i = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    v = torch.randn(3, generator=g, dtype=torch.float64)
+    return torch.sparse_coo_tensor(i, v, (3, 3)).coalesce().requires_grad_()
+
+
+def test_sparse_tensors_that_require_grad_cross_workers_with_their_edges(agents):
+    # (an embedding's sparse weights or gradients: PyTorch records their edges too)
+    with as_current(agents[0]):
+        t1, t2 = _sparse(1), _sparse(2)
+        with dist_autograd.context() as cid:
+            ret = rpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+            assert ret.is_sparse and ret.requires_grad
+            loss = torch.sparse.sum(torch.mul(ret, ret))
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+        a, b = _sparse(1), _sparse(2)
+        torch.sparse.sum(torch.mul(a + b, a + b)).backward()
+        assert torch.equal(grads[t1].to_dense(), a.grad.to_dense())
+        assert torch.equal(grads[t2].to_dense(), b.grad.to_dense())

@@ -57,3 +57,36 @@ def test_lists_of_torch_futures_still_take_torchs_own_path():
     assert isinstance(combined, torch._C.Future) and not isinstance(combined, Future)
     assert combined.wait()[0].wait() == 3
     assert torch.futures.wait_all.__wrapped__ is torch.futures.wait_all._rpcdist_wraps
+
+
+def test_torch_wait_all_raises_the_first_error_without_waiting_for_the_rest(agent):
+    # As torch's: a future still pending does not hold back an error that arrived.
+    pending: Future[int] = Future()
+    failed = rpc.rpc_async("worker1", tf.fail_with, args=("first",))
+    with pytest.raises(ValueError, match="first"):
+        torch.futures.wait_all([pending, failed], timeout=30)
+    assert not pending.done()
+    pending.set_result(1)
+    assert torch.futures.wait_all([pending, rpc.rpc_async("worker1", torch.add, args=(1, 1))]) == [
+        1,
+        2,
+    ]
+    assert torch.futures.wait_all([pending]) == [1]
+
+
+def test_a_then_callback_may_wait_for_another_call_it_makes(agent):
+    # torch's tests do this (test_callback_with_ret); rpcdist runs a reply's
+    # callbacks on the agent's loop, which the wait would have stopped
+    def callback(first):
+        second = rpc.rpc_async("worker1", torch.add, args=(first.wait(), 1))
+        return second.then(lambda f: f.wait() + 1).wait(timeout=30)
+
+    fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1)).then(callback)
+    assert fut.wait(timeout=60).tolist() == [4.0, 4.0]
+    chained = rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1))
+    for _ in range(5):
+        chained = chained.then(lambda f: f.wait() + 1)
+    assert chained.wait(timeout=60).item() == 7.0
+    failing = rpc.rpc_async("worker1", tf.fail_with, args=("boom",)).then(lambda f: f.wait())
+    with pytest.raises(ValueError, match="boom"):
+        failing.wait(timeout=60)

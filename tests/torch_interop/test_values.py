@@ -161,31 +161,40 @@ def test_sparse_tensors_cross_as_they_are(transport):
         assert torch.equal(g._indices(), t._indices()) and torch.equal(g._values(), t._values())
 
 
-def test_a_sparse_tensor_that_requires_grad_is_refused_inside_a_context():
+def test_a_sparse_tensor_that_requires_grad_crosses_inside_a_context():
+    # (with its autograd edge, as a dense one: tests/torch_interop/test_edges.py)
     import rpcdist.torch.autograd as dist_autograd
 
     t = _sparse_cases()["requires grad"]
     with local_agents(2, options=RpcOptions(token=None, transport="inproc")) as agents:
         with as_current(agents[0]), dist_autograd.context():
-            with pytest.raises(
-                rpcdist.SerializationError, match="sparse tensor that requires grad"
-            ):
-                rpc.rpc_sync("worker1", collections.OrderedDict, args=([("t", t)],))
+            got = rpc.rpc_sync("worker1", collections.OrderedDict, args=([("t", t)],))["t"]
             plain = rpc.rpc_sync("worker1", torch.Tensor.to_dense, args=(t.detach(),))
+    assert got.is_sparse and got.requires_grad and got.grad_fn is not None
+    assert torch.equal(got.detach().to_dense(), t.detach().to_dense())
     assert torch.equal(plain, t.detach().to_dense())
 
 
 @pytest.mark.parametrize(
     ("payload", "why"),
     [
-        ([torch.tensor([[0, 9]]), torch.tensor([1.0, 2.0]), [3], False, False], "index 9"),
-        ([torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), [3], True, False], "uncoalesced"),
-        ([torch.tensor([[0.5]]), torch.tensor([1.0]), [3], False, False], "malformed"),
-        ([torch.tensor([[0]]), torch.tensor([1.0]), [-3], False, False], "malformed"),
-        ([torch.tensor([[0]]), torch.tensor([1.0]), [3], 1, False], "malformed"),
+        ([torch.tensor([[0, 9]]), torch.tensor([1.0, 2.0]), [3], False, False, -1], "index 9"),
+        ([torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), [3], True, False, -1], "uncoalesced"),
+        ([torch.tensor([[0.5]]), torch.tensor([1.0]), [3], False, False, -1], "malformed"),
+        ([torch.tensor([[0]]), torch.tensor([1.0]), [-3], False, False, -1], "malformed"),
+        ([torch.tensor([[0]]), torch.tensor([1.0]), [3], 1, False, -1], "malformed"),
+        ([torch.tensor([[0]]), torch.tensor([1.0]), [3], False, False, 0], "malformed"),
         ([torch.tensor([[0]])], "malformed"),
     ],
-    ids=["out of bounds", "falsely coalesced", "float indices", "negative size", "flag", "short"],
+    ids=[
+        "out of bounds",
+        "falsely coalesced",
+        "float indices",
+        "negative size",
+        "flag",
+        "an edge without grad",
+        "short",
+    ],
 )
 def test_a_sparse_tensor_a_peer_makes_up_is_refused(payload, why):
     # torch's own invariant checks: indices a peer sends never reach memory unchecked

@@ -122,3 +122,7 @@ def bump(p: Plain) -> Plain:
 def echo_kind(m: Any) -> str:
     ok = isinstance(m, torch.nn.Module) and type(m).__name__ == "RemoteModule"
     return "RemoteModule is an nn.Module" if ok else f"got {type(m).__name__}"
+
+
+def training_mode(module_rref: Any) -> bool:
+    return bool(module_rref.local_value().training)

@@ -1,0 +1,454 @@
+"""Run PyTorch's own RPC test suite against rpcdist.torch (and PyTorch).
+
+Each test of the nine classes in ``torch_suite_classes`` runs in its own
+``python -m unittest`` process group with a hard timeout (past it: "hung",
+and the whole group is killed). Results go to
+``build/torch_suite/results-<flavor>.jsonl`` (one line per test, the last
+line for a test wins), so a run can be resumed or narrowed with ``-k`` and
+``--classes``; ``--write`` rebuilds ``docs/compatibility.md`` from both
+flavors' results::
+
+    python tests/torch_suite/run_suite.py --flavor both --write
+    python tests/torch_suite/run_suite.py -k test_wait_all --classes RpcTest
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RESULTS = ROOT / "build" / "torch_suite"
+DOC = ROOT / "docs" / "compatibility.md"
+CLASSES = (
+    "RpcTest",
+    "TensorPipeAgentRpcTest",
+    "DistAutogradTest",
+    "TensorPipeAgentDistAutogradTest",
+    "DistOptimizerTest",
+    "ParameterServerTest",
+    "ReinforcementLearningRpcTest",
+    "RemoteModuleTest",
+    "ThreeWorkersRemoteModuleTest",
+)
+STATUSES = ("passed", "failed", "hung", "skipped", "out of scope", "deviation")
+
+_JIT = "TorchScript (torch.jit): rpcdist runs Python callables only"
+_DEBUG = "torch-private introspection of the agent's RRef/context tables (_get_debug_info)"
+_WAIT_ALL = "torch-private api._wait_all / _thread_local_var context manager"
+_CTX = "torch-private autograd-context internals ({})"
+
+_GRAPH = (
+    "inspects the autograd graph's send/recv functions through torch-private "
+    "_current_context()/_retrieve_context() (rpcdist's edges are not torch's C++ nodes)"
+)
+_CLEANUP = (
+    "observes a context's release on the other workers only through torch-private "
+    "_retrieve_context() (rpcdist releases them too; tests/autograd checks it)"
+)
+_LEAK = "torch-private api._delete_all_user_and_unforked_owner_rrefs / _ignore_rref_leak"
+
+#: Tests outside the drop-in claim: test -> reason. Found by reading each
+#: test (a scan for torch.jit and the stubbed private names, then checked).
+OUT_OF_SCOPE: dict[str, str] = {
+    "DistAutogradTest.test_context_cleanup_nested_rpc": _CLEANUP,
+    "DistAutogradTest.test_context_cleanup_no_tensors": _CLEANUP,
+    "DistAutogradTest.test_context_cleanup_tensor_no_grad": _CLEANUP,
+    "DistAutogradTest.test_context_cleanup_tensor_with_grad": _CLEANUP,
+    "DistAutogradTest.test_graph_for_builtin_call": _GRAPH,
+    "DistAutogradTest.test_graph_for_builtin_remote_call": _GRAPH,
+    "DistAutogradTest.test_graph_for_py_nested_call": _GRAPH,
+    "DistAutogradTest.test_graph_for_py_nested_call_itself": _GRAPH,
+    "DistAutogradTest.test_graph_for_py_nested_remote_call": _GRAPH,
+    "DistAutogradTest.test_graph_for_py_nested_remote_call_itself": _GRAPH,
+    "DistAutogradTest.test_graph_for_python_call": _GRAPH,
+    "DistAutogradTest.test_graph_for_python_remote_call": _GRAPH,
+    "DistAutogradTest.test_no_graph_with_tensors_not_require_grad": _GRAPH,
+    "DistAutogradTest.test_no_graph_with_tensors_not_require_grad_remote": _GRAPH,
+    "DistAutogradTest.test_remote_complex_args": _GRAPH,
+    "DistAutogradTest.test_rpc_complex_args": _GRAPH,
+    "RpcTest.test_ignore_rref_leak": _LEAK,
+    "RpcTest.test_rref_leak": _LEAK,
+    "TensorPipeAgentDistAutogradTest.test_context_cleanup_nested_rpc_sparse": _CLEANUP,
+    "TensorPipeAgentDistAutogradTest.test_context_cleanup_tensor_no_grad_sparse": _CLEANUP,
+    "TensorPipeAgentDistAutogradTest.test_context_cleanup_tensor_with_grad_sparse": _CLEANUP,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_builtin_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_builtin_remote_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_py_nested_call_itself_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_py_nested_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_py_nested_remote_call_itself_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_py_nested_remote_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_python_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_graph_for_python_remote_call_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_no_graph_with_tensors_not_require_grad_remote_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_no_graph_with_tensors_not_require_grad_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_remote_complex_args_sparse": _GRAPH,
+    "TensorPipeAgentDistAutogradTest.test_rpc_complex_args_sparse": _GRAPH,
+    "RpcTest.test_profiler_with_script_async_rpc": _JIT,
+    "RpcTest.test_profiler_with_script_async_rpc_single_threaded": _JIT,
+    "RpcTest.test_profiler_with_script_remote_rpc": _JIT,
+    "RpcTest.test_profiler_with_script_remote_rpc_single_threaded": _JIT,
+    "RpcTest.test_profiler_with_script_sync_rpc": _JIT,
+    "RpcTest.test_profiler_with_script_sync_rpc_single_threaded": _JIT,
+    "DistAutogradTest.test_backward_simple_script_call": _JIT,
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse": _JIT,
+    "ThreeWorkersRemoteModuleTest.test_send_remote_module_over_the_wire_script_not_supported": _JIT,
+    # found by reading the tests themselves:
+    "DistAutogradTest.test_autograd_context": _CTX.format("_retrieve_context, _get_max_id"),
+    "DistAutogradTest.test_clean_context_during_backward": _CTX.format("_new_context"),
+    "DistAutogradTest.test_debug_info": _CTX.format("_get_debug_info, _retrieve_context"),
+    "DistAutogradTest.test_trainer_ps_torchscript_functions": _JIT,
+    "DistAutogradTest.test_worker_ids_recorded": _CTX.format("_current_context"),
+    "RemoteModuleTest.test_forward_async_script": _JIT,
+    "RemoteModuleTest.test_forward_sync_script": _JIT,
+    "RemoteModuleTest.test_remote_module_py_pickle_not_supported_script": _JIT,
+    "RpcTest.test_async_record_function_cbs_jit_call": _JIT,
+    "RpcTest.test_debug_info": _DEBUG,
+    "RpcTest.test_disable_gil_profiling": "torch-private enable_gil_profiling (TensorPipe agent metric)",
+    "RpcTest.test_duplicate_name": "torch-private _init_rpc_backend",
+    "RpcTest.test_register_rpc_backend_and_set_and_start_rpc_backend": (
+        "torch-private backend_registry (registering a third-party agent)"
+    ),
+    "RpcTest.test_rref_context_debug_info": _DEBUG,
+    "RpcTest.test_rref_get_future": _JIT,
+    "RpcTest.test_rref_timeout": _DEBUG,
+    "RpcTest.test_server_process_global_profiler": "torch-private _server_process_global_profile",
+    "RpcTest.test_shutdown_errors": (
+        "torch-private _broadcast_to_followers / _delete_all_user_and_unforked_owner_rrefs"
+    ),
+    "RpcTest.test_stress_heavy_rpc_torchscript": _JIT,
+    "RpcTest.test_use_rpc_pickler": "torch-private api._use_rpc_pickler (torch's pickler)",
+    "RpcTest.test_wait_all": _WAIT_ALL,
+    "RpcTest.test_wait_all_exit_early_script_function": _JIT,
+    "RpcTest.test_wait_all_multiple_call": _WAIT_ALL,
+    "RpcTest.test_wait_all_raise_in_body": _WAIT_ALL,
+    "RpcTest.test_wait_all_raise_in_user_func": _WAIT_ALL,
+    "RpcTest.test_wait_all_timeout": _WAIT_ALL,
+    "TensorPipeAgentRpcTest.test_infer_backend_from_options": (
+        "torch-private TensorPipeAgent class (the agent object's type)"
+    ),
+}
+
+#: Causes of failures known and not yet fixed (issue 39's count of tests each
+#: broke, before this work), for the page.
+KNOWN_GAPS = (
+    "RPC profiling (21): remote events and their counts under torch's profiler "
+    "(`RRef._get_profiling_future`, events recorded on the callee) are not reproduced.",
+    "Custom classes and bound methods as arguments (9): PyTorch pickles them; rpcdist "
+    "sends functions and classes by name and never unpickles unless "
+    "`RpcOptions(allow_pickle=True)`; the fixture does not set it.",
+    "Dynamic membership (3): `init_rpc` without `world_size` (ranks joining and "
+    "leaving a running group) is not implemented.",
+    "Under the exposure model (the default callable policy), a method a value lacks, "
+    "called through an RRef proxy (`rref.rpc_sync().non_exist()`), is refused with "
+    "CallPolicyError where PyTorch raises AttributeError (`RpcTest.test_rref_proxy_non_exist`).",
+    "Non-contiguous views (1): a tensor view arrives contiguous (same values, not "
+    "the same strides).",
+)
+
+#: Where rpcdist keeps a behaviour that differs from PyTorch's on purpose:
+#: test -> reason (counted apart from failures).
+_PICKLE = (
+    "the test fetches an instance of a plain Python class (MyClass) by value, which "
+    "PyTorch pickles; rpcdist never unpickles what a peer sends unless "
+    "RpcOptions(allow_pickle=True) is set (a pickle runs the sender's code on the "
+    "receiver); register the class with rpcdist.register_type, or allow pickle on a "
+    "trusted cluster. The part under test (the timeout) behaves as PyTorch's."
+)
+
+DEVIATIONS: dict[str, str] = {
+    "TensorPipeAgentRpcTest.test_rref_get_type_timeout_blocking": _PICKLE,
+    "TensorPipeAgentRpcTest.test_rref_get_type_timeout_non_blocking": _PICKLE,
+}
+
+
+def _env(flavor: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["RPCDIST_TORCH_SUITE_FLAVOR"] = flavor
+    return env
+
+
+def list_tests(classes: tuple[str, ...], pattern: str | None) -> list[str]:
+    """``Class.test`` names (the listing itself runs in a child: the swap
+    stays out of this process)."""
+    code = (
+        "import json, torch_suite_classes as t;"
+        f"print(json.dumps({{c: t.test_names(c) for c in {list(classes)!r}}}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_env("torch"), check=True,
+                         capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    names = [f"{c}.{t}" for c, ts in json.loads(out.splitlines()[-1]).items() for t in ts]
+    return [n for n in names if pattern is None or re.search(pattern, n)]
+
+
+def _classify(rc: int, output: str) -> str:
+    tail = output[-3000:]
+    if rc == 0:
+        return "skipped" if re.search(r"OK \(skipped=\d+\)", tail) else "passed"
+    return "failed"
+
+
+def run_one(name: str, flavor: str, timeout: float,
+            stop_at: float | None = None) -> dict[str, object] | None:  # fmt: skip
+    """Run ``name`` in its own process group; kill the group when done or late.
+
+    While ``build/torch_suite/PAUSE`` exists, waits before starting (unless
+    ``RPCDIST_SUITE_IGNORE_PAUSE=1``: a check run between a long run's tests).
+    """
+    while (RESULTS / "PAUSE").exists() and os.environ.get("RPCDIST_SUITE_IGNORE_PAUSE") != "1":
+        time.sleep(1)
+    if stop_at is not None and time.time() >= stop_at:
+        return None  # (--budget spent: not started)
+    cmd = [sys.executable, "-m", "unittest", f"torch_suite_classes.{name}"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=_env(flavor), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        status = _classify(proc.returncode, output)
+    except subprocess.TimeoutExpired:
+        status = "hung"
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the test left behind
+        except ProcessLookupError:
+            pass
+    private = re.search(r"TorchPrivate: (torch-private helper \S+)", output)
+    return {
+        "test": name,
+        "flavor": flavor,
+        "commit": _commit(),
+        "timeout": timeout,
+        "status": status,
+        "seconds": round(time.monotonic() - start, 1),
+        "private": private.group(1) if private else None,
+        "tail": output[-4000:] if status != "passed" else "",
+    }
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+`` when the tree has changes beyond it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "rpcdist"], cwd=ROOT,
+                           check=False).returncode  # fmt: skip
+    return head + ("+" if dirty else "")
+
+
+def load(flavor: str) -> dict[str, dict[str, object]]:
+    """The latest result of each test of ``flavor``."""
+    path = RESULTS / f"results-{flavor}.jsonl"
+    if not path.exists():
+        return {}
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {str(r["test"]): r for r in rows}
+
+
+def verdict(row: dict[str, object] | None, flavor: str) -> str | None:
+    """The table's status for one result (``None``: not run)."""
+    if row is None:
+        return None
+    name = str(row["test"])
+    if name in OUT_OF_SCOPE:
+        return "out of scope"
+    if flavor == "rpcdist" and name in DEVIATIONS:
+        return "deviation"
+    return str(row["status"])
+
+
+#: Issue 39's measurement before this runner's fixes (all 370 tests, this
+#: machine, per-test timeouts; rendezvous hang #1 not yet fixed): class group ->
+#: (tests, passed, failed, hung, out of scope).
+BEFORE = {
+    "RpcTest": (215, 120, 56, 13, 25),
+    "TensorPipeAgentRpcTest": (39, 24, 13, 0, 1),
+    "DistAutogradTest": (63, 26, 9, 22, 6),
+    "TensorPipeAgentDistAutogradTest": (31, 1, 15, 14, 1),
+    "DistOptimizerTest, examples": (6, 6, 0, 0, 0),
+    "RemoteModule classes": (16, 4, 5, 0, 7),
+}
+
+
+def _reason(row: dict[str, object]) -> str:
+    """The last error line of a failed test's output (or what timed out)."""
+    if row["status"] == "hung":
+        return f"no result within {row.get('timeout', '?')} s"
+    lines = re.findall(r"^\w*(?:Error|Exception|Failure)\w*: .*$", str(row["tail"]), re.M)
+    return lines[-1][:200].replace("|", "\\|") if lines else "see the test's output"
+
+
+def _table(names: list[str], flavor: str) -> list[str]:
+    results = load(flavor)
+    lines = [
+        "| class | tests | " + " | ".join(STATUSES) + " | not run |",
+        "|---|" + "---|" * (len(STATUSES) + 2),
+    ]
+    totals = [0] * (len(STATUSES) + 2)
+    for cls in CLASSES:
+        mine = [n for n in names if n.startswith(cls + ".")]
+        counts = [len(mine)] + [0] * (len(STATUSES) + 1)
+        for n in mine:
+            v = verdict(results.get(n), flavor)
+            counts[1 + (STATUSES.index(v) if v else len(STATUSES))] += 1
+        totals = [a + b for a, b in zip(totals, counts, strict=True)]
+        lines.append(f"| {cls} | " + " | ".join(map(str, counts)) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{t}**" for t in totals) + " |")
+    return lines
+
+
+def _cell(row: dict[str, object] | None, flavor: str) -> str:
+    if row is None:
+        return "not run"
+    return (
+        f"{verdict(row, flavor)} ({row['seconds']} s, at {row.get('commit', 'an earlier commit')})"
+    )
+
+
+def write_doc(names: list[str], command: str, note: str = "") -> None:
+    """Rebuild docs/compatibility.md from both flavors' results."""
+    ours = load("rpcdist")
+    failing = sorted(n for n in names if verdict(ours.get(n), "rpcdist") in ("failed", "hung"))
+    commits = sorted(
+        {str(r.get("commit", "earlier")) for f in ("rpcdist", "torch") for r in load(f).values()}
+    )
+    detected = sorted(n for n in names if ours.get(n, {}).get("private") and n not in OUT_OF_SCOPE)
+    doc = [
+        "# Compatibility: PyTorch's own RPC tests on rpcdist.torch",
+        "",
+        "PyTorch's RPC test classes (shipped in the torch wheel under",
+        "`torch/testing/_internal/distributed/`), run unchanged with",
+        "`torch.distributed.rpc`, `torch.distributed.autograd`,",
+        "`DistributedOptimizer` and `RemoteModule` resolving to `rpcdist.torch`",
+        "(`tests/torch_suite/swap.py`). The fixture supplies only the agent's",
+        'timeout text and rpcdist\'s `allowed_callables=("torch.testing._internal",)`.',
+        "Each test runs in its own processes with a hard timeout; past it the",
+        "test counts as hung and its processes are killed.",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, {_torch_version()}.",
+        f"Command: `{command}`; results from the commits {', '.join(commits)} "
+        "(`+`: with uncommitted changes).",
+        "",
+        *([note, ""] if note else []),
+        "## Before (issue 39's measurement, all 370 tests)",
+        "",
+        "| classes | tests | passed | failed | hung | out of scope |",
+        "|---|---|---|---|---|---|",
+        *[f"| {k} | " + " | ".join(map(str, v)) + " |" for k, v in BEFORE.items()],
+        "",
+        "## rpcdist.torch",
+        "",
+        f"{sum(n in ours for n in names)} of the {len(names)} tests have a recorded result "
+        'here; the rest ("not run") wait for a full run (`make test-torch-suite`: each '
+        "test starts four workers that import torch, so a full run of both flavors takes "
+        "hours on a 2-CPU machine).",
+        "",
+        *_table(names, "rpcdist"),
+        "",
+        "## PyTorch itself (same tests, same machine)",
+        "",
+        *_table(names, "torch"),
+        "",
+        '"not run": no result recorded for that test in this table\'s run.',
+        "",
+        "## Out of scope",
+        "",
+        "Tests that reach TorchScript or torch-private helpers with no public",
+        "meaning (the tests import them; rpcdist.torch has stubs that raise).",
+        'CUDA tests skip themselves on a machine without a GPU ("skipped").',
+        "",
+        *[f"- `{n}`: {r}" for n, r in sorted(OUT_OF_SCOPE.items())],
+        "",
+        "## Known causes not yet fixed",
+        "",
+        *[f"- {g}" for g in KNOWN_GAPS],
+        "",
+        "## Documented deviations",
+        "",
+        *([f"- `{n}`: {r}" for n, r in sorted(DEVIATIONS.items())] or ["None yet."]),
+        "",
+        "## Failing or hung on rpcdist.torch",
+        "",
+        *([f"- `{n}` ({ours[n]['status']}): {_reason(ours[n])}" for n in failing] or ["None."]),
+        "",
+    ]
+    doc += ["## Every recorded result", "", "| test | rpcdist.torch | PyTorch |", "|---|---|---|"]
+    theirs = load("torch")
+    for n in names:
+        if n in ours or n in theirs:
+            cells = [_cell(ours.get(n), "rpcdist"), _cell(theirs.get(n), "torch")]
+            doc.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    doc.append("")
+    if detected:
+        doc += ["Of these, used a torch-private stub at run time (not yet classified):", ""]
+        doc += [f"- `{n}`: {ours[n]['private']}" for n in detected] + [""]
+    DOC.write_text("\n".join(doc))
+
+
+def _torch_version() -> str:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    return f"torch {out.stdout.strip() or '?'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flavor", choices=("rpcdist", "torch", "both"), default="rpcdist")
+    ap.add_argument("--classes", nargs="+", choices=CLASSES, default=list(CLASSES))
+    ap.add_argument("-k", dest="pattern", help="regex over Class.test names")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="tests run at once (each spawns 2-4 workers)"
+    )
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test (then: hung)")
+    ap.add_argument("--write", action="store_true", help="rewrite docs/compatibility.md")
+    ap.add_argument("--no-run", action="store_true", help="only --write from recorded results")
+    ap.add_argument("--shuffle", type=int, metavar="SEED", help="run in a seeded random order")
+    ap.add_argument("--note", default="", help="a paragraph for the page (how the runs went)")
+    ap.add_argument("--budget", type=float, metavar="SECONDS", help="start no test after this")
+    args = ap.parse_args(argv)
+    flavors = ("rpcdist", "torch") if args.flavor == "both" else (args.flavor,)
+    names = list_tests(tuple(args.classes), args.pattern)
+    if args.shuffle is not None:
+        random.Random(args.shuffle).shuffle(names)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    bad = 0
+    if not args.no_run:
+        for flavor in flavors:
+            with (RESULTS / f"results-{flavor}.jsonl").open("a") as log, \
+                    concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # fmt: skip
+                stop_at = None if args.budget is None else time.time() + args.budget
+                jobs = [pool.submit(run_one, n, flavor, args.timeout, stop_at) for n in names]
+                for job in concurrent.futures.as_completed(jobs):
+                    row = job.result()
+                    if row is None:
+                        continue
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    v = verdict(row, flavor)
+                    bad += flavor == "rpcdist" and v in ("failed", "hung")
+                    print(f"{flavor:8} {v:12} {row['seconds']:6}s {row['test']}", flush=True)
+    if args.write:
+        write_doc(
+            list_tests(tuple(CLASSES), None),
+            " ".join(["python", *(a for a in sys.argv if a != args.note)]),
+            args.note,
+        )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

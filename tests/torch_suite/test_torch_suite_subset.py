@@ -1,0 +1,42 @@
+"""A fixed part of PyTorch's own RPC test suite, run against rpcdist.torch
+in every ``make test`` (the whole suite: ``make test-torch-suite``).
+
+Each test is one of PyTorch's, unchanged, in its own processes with a hard
+timeout (``run_suite.run_one``); one of each kind: plain calls, futures
+and their callbacks, distributed autograd (argument checks, sparse
+tensors), an example with RRefs and the optimizer, RemoteModule. Each passed in a suite run (docs/compatibility.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("expecttest", reason="PyTorch's test helpers need expecttest")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_suite
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch, pytest.mark.timeout(900)]
+
+SUBSET = (
+    "RpcTest.test_self_add",
+    "RpcTest.test_callback_none",
+    "RpcTest.test_callback_chain",
+    "DistAutogradTest.test_backward_invalid_args",
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
+    "ParameterServerTest.test_batch_updating_parameter_server",
+    "RemoteModuleTest.test_train_eval",
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+@pytest.mark.parametrize("name", SUBSET)
+def test_pytorch_rpc_test_passes_on_rpcdist(name: str) -> None:
+    row = run_suite.run_one(name, "rpcdist", timeout=420)
+    assert row is not None
+    assert row["status"] == "passed", row["tail"]
