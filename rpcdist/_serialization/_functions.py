@@ -319,11 +319,16 @@ def name_of(fn: Callable[..., Any]) -> str:
 _METHODS_OK: dict[tuple[CallablePolicy, type, str], bool] = {}
 
 
+_MISSING = object()
+
+
 def check_method(policy: CallablePolicy, value: object, name: str) -> None:
     """Raise unless ``policy`` lets peers call method ``name`` of ``value``
     (see :meth:`CallablePolicy.method_refusal`), without running a getter.
 
     Raises:
+        AttributeError: ``value`` has no such attribute (and its type no
+            ``__getattr__`` that could make one): as a local call would.
         CallPolicyError: refused.
     """
     cls = type(value)
@@ -332,7 +337,12 @@ def check_method(policy: CallablePolicy, value: object, name: str) -> None:
     of_type = not isinstance(own, dict) or name not in own
     if of_type and key in _METHODS_OK:
         return
-    why = policy.method_refusal(value, name, inspect.getattr_static(value, name, None))
+    method = inspect.getattr_static(value, name, _MISSING)
+    if method is _MISSING:
+        if inspect.getattr_static(cls, "__getattr__", None) is None:
+            raise AttributeError(f"'{cls.__qualname__}' object has no attribute '{name}'")
+        method = None
+    why = policy.method_refusal(value, name, method)
     if why is not None:
         raise _refused(f"{cls.__module__}:{cls.__qualname__}.{name}", why)
     if of_type:

@@ -153,6 +153,18 @@ def test_a_file_object_from_codecs_open_cannot_be_written_through_a_proxy(tmp_pa
     assert not marker.exists()
 
 
+def test_a_method_a_value_lacks_is_an_attribute_error_through_a_proxy():
+    # As a local call (and PyTorch) would say: the name does not exist, so
+    # there is nothing to refuse; a method that exists is judged as before.
+    with local_agents(2, options=INPROC) as (a, _), as_current(a):
+        rref = rpcdist.remote(1, rf.ones, args=(4,))
+        with pytest.raises(AttributeError, match="'ndarray' object has no attribute 'nope'"):
+            rref.rpc_sync().nope()
+        with pytest.raises(rpcdist.CallPolicyError, match="tofile"):
+            rref.rpc_sync().tofile("/tmp/never")
+        del rref
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", sorted(READING))
 def test_a_reading_gadget_is_refused(by_raw_name, name, path):

@@ -150,9 +150,6 @@ KNOWN_GAPS = (
     "`RpcOptions(allow_pickle=True)`; the fixture does not set it.",
     "Dynamic membership (3): `init_rpc` without `world_size` (ranks joining and "
     "leaving a running group) is not implemented.",
-    "Under the exposure model (the default callable policy), a method a value lacks, "
-    "called through an RRef proxy (`rref.rpc_sync().non_exist()`), is refused with "
-    "CallPolicyError where PyTorch raises AttributeError (`RpcTest.test_rref_proxy_non_exist`).",
     "Non-contiguous views (1): a tensor view arrives contiguous (same values, not "
     "the same strides).",
 )

@@ -27,6 +27,7 @@ SUBSET = (
     "RpcTest.test_self_add",
     "RpcTest.test_callback_none",
     "RpcTest.test_callback_chain",
+    "RpcTest.test_rref_proxy_non_exist",
     "DistAutogradTest.test_backward_invalid_args",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
     "ParameterServerTest.test_batch_updating_parameter_server",
