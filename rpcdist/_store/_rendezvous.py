@@ -388,8 +388,10 @@ async def join_file(
     timeout: float,
     rank: int | None = None,
     tls: GrpcTls | None = None,
+    probe: bool = False,
 ) -> StoreClient:
-    """Connect to the store whose address rank 0 wrote to ``path``.
+    """Connect to the store whose address rank 0 wrote to ``path``
+    (``probe``: see :class:`StoreClient`).
 
     The file may be stale (left by an earlier run) until rank 0 replaces it,
     so an address that fails, rejects the token or answers with another
@@ -405,7 +407,9 @@ async def join_file(
             problem = found
         else:
             address, server_id = found
-            store = StoreClient(address, token=token, timeout=timeout, rank=rank, tls=tls)
+            store = StoreClient(
+                address, token=token, timeout=timeout, rank=rank, tls=tls, probe=probe
+            )
             try:
                 await store.connect(timeout=polling.attempt())
             except ConnectError as exc:

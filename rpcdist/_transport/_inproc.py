@@ -12,6 +12,7 @@ transport (``RpcOptions(transport="inproc")``); it cannot cross processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import threading
@@ -71,11 +72,16 @@ class InprocLink(Link):
         sizes = [b.nbytes for b in msg.buffers]
         now = time.monotonic()
         timeout_us = 0 if msg.deadline is None else max(1, int((msg.deadline - now) * 1e6))
+        try:
+            peer._loop.call_soon_threadsafe(
+                peer._receive, msg.id, msg.kind, msg.method, msg.header,
+                [bytes(b) for b in msg.buffers], sizes, timeout_us,
+                dict(msg.meta) if msg.meta else None,
+            )  # fmt: skip
+        except RuntimeError:  # the peer's loop is closed: it has gone, as a dead process's socket
+            msg.dropped()
+            return
         self.messages_out += 1
-        peer._loop.call_soon_threadsafe(
-            peer._receive, msg.id, msg.kind, msg.method, msg.header, [bytes(b) for b in msg.buffers],
-            sizes, timeout_us, dict(msg.meta) if msg.meta else None,
-        )  # fmt: skip
         if msg.on_packed is not None:
             msg.on_packed()
 
@@ -110,7 +116,8 @@ class InprocLink(Link):
     def close_write(self) -> None:
         peer = self._peer
         if peer is not None:
-            peer._loop.call_soon_threadsafe(peer._end, None)
+            with contextlib.suppress(RuntimeError):  # (its loop is closed: it has gone)
+                peer._loop.call_soon_threadsafe(peer._end, None)
 
     def abort(self, exc: WorkerLostError) -> None:  # type: ignore[override]
         self._end(exc)
