@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from .._errors import SerializationError
+from .._errors import ConfigError, SerializationError
 from .._worker import WorkerInfo
 from ._exceptions import exception_from_wire, exception_to_wire
 from ._extensions import (
@@ -151,7 +151,10 @@ def _encode_worker(state: EncodeState, obj: WorkerInfo) -> list[Any]:
 def _decode_worker(state: DecodeState, items: list[Any]) -> object:
     if len(items) != 3 or type(items[1]) is not str or type(items[2]) is not int:
         raise _malformed("WorkerInfo")
-    return WorkerInfo(items[1], items[2])
+    try:
+        return WorkerInfo(items[1], items[2])
+    except ConfigError as exc:  # (a peer's bad name is a bad message, not our configuration)
+        raise SerializationError(f"malformed WorkerInfo payload in message header: {exc}") from None
 
 
 def _encode_exception(state: EncodeState, obj: BaseException) -> list[Any]:
