@@ -286,8 +286,12 @@ class WorkerPool(concurrent.futures.Executor):
             _log.warning(
                 "rpcdist handler pool %r grew to %d threads (num_worker_threads=%d, at most %d): "
                 "%s while calls wait to be handled",
-                self._prefix, threads, self._max, self._cap, self._blocked_text(blocked),
-            )  # fmt: skip
+                self._prefix,
+                threads,
+                self._max,
+                self._cap,
+                self._blocked_text(blocked),
+            )
             return
         text = self._exhausted_text(blocked, threads, queued)
         with self._lock:
@@ -338,9 +342,13 @@ class WorkerPool(concurrent.futures.Executor):
         for p in parked:
             running, what = self._describe(p)
             info["blocked"].append(
-                {"thread": p[0], "running": running, "waits_on": what,
-                 "age_s": round(now - p[3], 3)}
-            )  # fmt: skip
+                {
+                    "thread": p[0],
+                    "running": running,
+                    "waits_on": what,
+                    "age_s": round(now - p[3], 3),
+                }
+            )
         if exhausted:
             info["exhausted"] = exhausted
         return info

@@ -229,8 +229,9 @@ class Liveness:
             while True:
                 deadline = time.monotonic() + step
                 try:
-                    await self._agent.call(rank, PING, None, deadline=deadline, meta=None,
-                                           internal=True)  # fmt: skip
+                    await self._agent.call(
+                        rank, PING, None, deadline=deadline, meta=None, internal=True
+                    )
                     return
                 except RpcTimeoutError:
                     quiet = time.monotonic() - started
@@ -268,8 +269,13 @@ class Liveness:
             return None
         if rank not in self.suspected:
             self.suspected.add(rank)
-            log.info("%s: %s is silent for %.1f s (%s)", self._agent.name,
-                     self._describe(rank), quiet, state or "no view of its process")  # fmt: skip
+            log.info(
+                "%s: %s is silent for %.1f s (%s)",
+                self._agent.name,
+                self._describe(rank),
+                quiet,
+                state or "no view of its process",
+            )
         said = f"nothing came from it for {quiet:.1f} s, heartbeats included"
         if state == _procview.STOPPED:
             return f"{said}, and its process (pid {pid}) is stopped"

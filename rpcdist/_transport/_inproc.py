@@ -74,10 +74,16 @@ class InprocLink(Link):
         timeout_us = 0 if msg.deadline is None else max(1, int((msg.deadline - now) * 1e6))
         try:
             peer._loop.call_soon_threadsafe(
-                peer._receive, msg.id, msg.kind, msg.method, msg.header,
-                [bytes(b) for b in msg.buffers], sizes, timeout_us,
+                peer._receive,
+                msg.id,
+                msg.kind,
+                msg.method,
+                msg.header,
+                [bytes(b) for b in msg.buffers],
+                sizes,
+                timeout_us,
                 dict(msg.meta) if msg.meta else None,
-            )  # fmt: skip
+            )
         except RuntimeError:  # the peer's loop is closed: it has gone, as a dead process's socket
             msg.dropped()
             return

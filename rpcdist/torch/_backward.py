@@ -105,8 +105,14 @@ def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, 
     def deliver(index: int, grad: torch.Tensor) -> None:
         grad = grad if grad.is_sparse else grad.contiguous()
         payload: Any = ((context_id, recv.message_id, index, grad), {})
-        call = agent.start_blocking(recv.peer, APPLY, payload, deadline=_deadline(agent),
-                                    meta=None, label="rpcdist.torch autograd gradients")  # fmt: skip
+        call = agent.start_blocking(
+            recv.peer,
+            APPLY,
+            payload,
+            deadline=_deadline(agent),
+            meta=None,
+            label="rpcdist.torch autograd gradients",
+        )
         with _node_errors(recv.peer):
             call.wait()
 

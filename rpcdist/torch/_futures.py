@@ -53,8 +53,12 @@ class TorchFuture(Future[Any]):
             if asyncio._get_running_loop() is None:
                 _settle(out, callback, f)
             else:  # (on an event loop: the loop goes on while it waits)
-                threading.Thread(target=caller.run, args=(_settle, out, callback, f),
-                                 name="torch-future-then", daemon=True).start()  # fmt: skip
+                threading.Thread(
+                    target=caller.run,
+                    args=(_settle, out, callback, f),
+                    name="torch-future-then",
+                    daemon=True,
+                ).start()
 
         self.add_done_callback(chain)
         return out
