@@ -14,12 +14,12 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from ._errors import ConfigError, RpcdistError
+from .launch._hosting import free_port
 
 __all__ = ["ProcessFailedError", "spawn"]
 
@@ -44,13 +44,6 @@ class ProcessFailedError(RpcdistError):
         self.rank = rank
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _child(
@@ -91,7 +84,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = ()) -> No
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port("127.0.0.1")),
         "RPCDIST_TOKEN": os.environ.get("RPCDIST_TOKEN") or secrets.token_hex(16),
     }
     ctx = multiprocessing.get_context("spawn")
