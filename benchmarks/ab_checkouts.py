@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from _report import free_port, table, write_section
@@ -71,15 +72,19 @@ if __name__ == "__main__":
 def _measure(checkout: str, calls: int, seconds: float) -> tuple[float, float]:
     code = _WORKER.replace("CALLS", str(calls)).replace("SECONDS", str(seconds))
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        cwd=os.path.abspath(checkout),
-    ).stdout.split()
+    with tempfile.TemporaryDirectory(prefix="rpcdist-ab-") as tmp:
+        script = os.path.join(tmp, "ab_worker.py")  # (spawned workers import their main)
+        with open(script, "w") as f:
+            f.write(code)
+        out = subprocess.run(
+            [sys.executable, script, str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            cwd=os.path.abspath(checkout),
+        ).stdout.split()
     return float(out[-2]), float(out[-1])
 
 
