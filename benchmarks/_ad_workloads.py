@@ -303,8 +303,13 @@ def rd_worker(rank: int, world: int, init: str, plan: list[tuple[str, int, int]]
     import rpcdist
 
     names = ["trainer", "ps1", "ps2"]
-    rpcdist.init_rpc(names[rank], rank=rank, world_size=world, init_method=init,
-                     options=rpcdist.RpcOptions(token=None))  # fmt: skip
+    rpcdist.init_rpc(
+        names[rank],
+        rank=rank,
+        world_size=world,
+        init_method=init,
+        options=rpcdist.RpcOptions(token=None),
+    )
     if rank == 0:
         out: dict[str, Any] = {}
         for name, iters, warmup in plan:
@@ -334,8 +339,9 @@ def th_worker(rank: int, world: int, port: int, plan: list[tuple[str, int, int]]
 
     torch.set_num_threads(1)
     names = ["trainer", "ps1", "ps2"]
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=8)  # fmt: skip
+    opts = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8
+    )
     rpc.init_rpc(names[rank], rank=rank, world_size=world, rpc_backend_options=opts)
     if rank == 0:
         out = {}

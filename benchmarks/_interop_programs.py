@@ -37,8 +37,9 @@ def use(flavor: str) -> None:
         import rpcdist.torch.autograd as dist_autograd
         import rpcdist.torch.rpc as rpc
         from rpcdist.torch.optim import DistributedOptimizer
-    M = types.SimpleNamespace(rpc=rpc, dist_autograd=dist_autograd,
-                              DistributedOptimizer=DistributedOptimizer)  # fmt: skip
+    M = types.SimpleNamespace(
+        rpc=rpc, dist_autograd=dist_autograd, DistributedOptimizer=DistributedOptimizer
+    )
 
 
 # The examples import their RPC modules at the top, so the launching process
@@ -99,8 +100,11 @@ class RNNModel(nn.Module):
         return _remote_method(Decoder.forward, self.decoder_rref, output), hidden
 
     def parameter_rrefs(self) -> list[Any]:
-        return [*_remote_method(_param_rrefs, self.emb_table_rref), *_param_rrefs(self.rnn),
-                *_remote_method(_param_rrefs, self.decoder_rref)]  # fmt: skip
+        return [
+            *_remote_method(_param_rrefs, self.emb_table_rref),
+            *_param_rrefs(self.rnn),
+            *_remote_method(_param_rrefs, self.decoder_rref),
+        ]
 
 
 def _rnn_trainer() -> None:
@@ -154,8 +158,9 @@ def _ps_worker(rank: int, world_size: int, flavor: str, iters: int, out: str) ->
     if rank == 1:
         M.rpc.init_rpc("trainer", rank=rank, world_size=world_size)
         server = M.rpc.remote("ps", Server)
-        opt = M.DistributedOptimizer(torch.optim.SGD, _remote_method(Server.param_rrefs, server),
-                                     lr=0.05)  # fmt: skip
+        opt = M.DistributedOptimizer(
+            torch.optim.SGD, _remote_method(Server.param_rrefs, server), lr=0.05
+        )
         x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
 
         def step() -> None:

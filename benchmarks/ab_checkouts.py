@@ -101,17 +101,28 @@ def main() -> None:
     for r in range(args.rounds):
         for arm in ("before", "after"):
             got[arm].append(_measure(getattr(args, arm), args.calls, args.seconds))
-            print(f"round {r + 1} {arm}: p50 {got[arm][-1][0]:.1f} µs, "
-                  f"{got[arm][-1][1]:,.0f} calls/s", flush=True)  # fmt: skip
+            print(
+                f"round {r + 1} {arm}: p50 {got[arm][-1][0]:.1f} µs, "
+                f"{got[arm][-1][1]:,.0f} calls/s",
+                flush=True,
+            )
         time.sleep(0.5)  # (lets the last pair's sockets close before the next)
     p50 = {a: statistics.median(x[0] for x in v) for a, v in got.items()}
     rate = {a: statistics.median(x[1] for x in v) for a, v in got.items()}
     rows = [
-        ["rpc_sync no-op p50 (µs)", f"{p50['before']:.0f}", f"{p50['after']:.0f}",
-         f"{p50['after'] / p50['before']:.2f}"],
-        ["rpc_async calls/s (64 in flight)", f"{rate['before']:,.0f}", f"{rate['after']:,.0f}",
-         f"{rate['after'] / rate['before']:.2f}"],
-    ]  # fmt: skip
+        [
+            "rpc_sync no-op p50 (µs)",
+            f"{p50['before']:.0f}",
+            f"{p50['after']:.0f}",
+            f"{p50['after'] / p50['before']:.2f}",
+        ],
+        [
+            "rpc_async calls/s (64 in flight)",
+            f"{rate['before']:,.0f}",
+            f"{rate['after']:,.0f}",
+            f"{rate['after'] / rate['before']:.2f}",
+        ],
+    ]
     text = table(["metric", "before", "after", "after / before"], rows)
     print(text)
     if args.name:

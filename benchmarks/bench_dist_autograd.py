@@ -70,12 +70,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--leak-iters", type=int, default=10_000,
-                    help="ps-tiny iterations of the memory check (0: skip)")  # fmt: skip
+    ap.add_argument(
+        "--leak-iters",
+        type=int,
+        default=10_000,
+        help="ps-tiny iterations of the memory check (0: skip)",
+    )
     a = ap.parse_args()
     wl.single_thread_env()
-    iters = {"ps-tiny": 300, "ps-mlp": 100, "rnn": 20} if not a.quick else {
-        "ps-tiny": 60, "ps-mlp": 20, "rnn": 5}  # fmt: skip
+    iters = (
+        {"ps-tiny": 300, "ps-mlp": 100, "rnn": 20}
+        if not a.quick
+        else {"ps-tiny": 60, "ps-mlp": 20, "rnn": 5}
+    )
     plan = [(n, iters[n], max(3, iters[n] // 10)) for n in wl.WORKLOADS]
     try:
         import torch
@@ -119,13 +126,30 @@ def main() -> int:
         th = median(runs["PyTorch"][name]) * 1e3 if have_torch else float("nan")
         th_alone = median(runs["PyTorch alone"][name]) * 1e3 if have_torch else float("nan")
         ratio = rd / th if have_torch else float("nan")
-        rows.append([
-            name, rd, th, ratio, f"<= {GOALS[name]}", rd_alone, th_alone,
-            (rd - rd_alone) / CROSSINGS[name] * 1e3, (th - th_alone) / CROSSINGS[name] * 1e3,
-        ])  # fmt: skip
-    headers = ["workload", "rpcdist ms/iter", "PyTorch ms/iter", "ratio", "goal",
-               "rpcdist alone", "PyTorch alone", "rpcdist us/crossing",
-               "PyTorch us/crossing"]  # fmt: skip
+        rows.append(
+            [
+                name,
+                rd,
+                th,
+                ratio,
+                f"<= {GOALS[name]}",
+                rd_alone,
+                th_alone,
+                (rd - rd_alone) / CROSSINGS[name] * 1e3,
+                (th - th_alone) / CROSSINGS[name] * 1e3,
+            ]
+        )
+    headers = [
+        "workload",
+        "rpcdist ms/iter",
+        "PyTorch ms/iter",
+        "ratio",
+        "goal",
+        "rpcdist alone",
+        "PyTorch alone",
+        "rpcdist us/crossing",
+        "PyTorch us/crossing",
+    ]
     body = table(headers, rows)
     if leak is not None:
         names = ["trainer", "ps1", "ps2"]

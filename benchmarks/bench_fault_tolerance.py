@@ -50,15 +50,32 @@ def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple
     Returns (checkpointed steps per second over the run, the output)."""
     with tempfile.TemporaryDirectory(prefix="rpcdist-ft-bench-") as work:
         cmd = [
-            sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", str(WORKERS),
-            "--max-restarts", "1000", str(EXAMPLES / "ddp_fault_tolerant.py"), "--mode",
-            "plain", "--workdir", work, "--checkpoint-every", "50", "--steps", str(steps),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "rpcdist.launch",
+            "--nproc-per-node",
+            str(WORKERS),
+            "--max-restarts",
+            "1000",
+            str(EXAMPLES / "ddp_fault_tolerant.py"),
+            "--mode",
+            "plain",
+            "--workdir",
+            work,
+            "--checkpoint-every",
+            "50",
+            "--steps",
+            str(steps),
+        ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         progress = Path(work, "progress")
         try:
             while proc.poll() is None and not progress.exists():
@@ -99,10 +116,22 @@ def main() -> int:
     faulty = ex.run_job(args, argv, 0, kill_every_s=a.kill_every, duration=a.duration)
     plain_steps = 300 if a.quick else 3000
     out = subprocess.run(
-        [sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", str(WORKERS),
-         str(EXAMPLES / "ddp_fault_tolerant.py"), "--mode", "plain", "--steps", str(plain_steps)],
-        capture_output=True, text=True, check=False,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rpcdist.launch",
+            "--nproc-per-node",
+            str(WORKERS),
+            str(EXAMPLES / "ddp_fault_tolerant.py"),
+            "--mode",
+            "plain",
+            "--steps",
+            str(plain_steps),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     m = re.search(r"plain DDP: ([0-9.]+) steps/s", out)
     plain_rate = float(m.group(1)) if m else float("nan")
     ckpt_free, _ = launcher_run(a.duration, 0.0)
@@ -111,13 +140,29 @@ def main() -> int:
     rec = faulty["recoveries"]
     nan = float("nan")
     rows = [
-        ("fault-tolerant mode", free["rate"], faulty["rate"], faulty["rate"] / free["rate"],
-         faulty["sample_rate"] / free["sample_rate"], faulty["kills"], faulty["redone"],
-         median(rec) if rec else nan, max(rec, default=nan)),
-        ("launcher restart + checkpoint", ckpt_free, ckpt_faulty,
-         ckpt_faulty / ckpt_free if ckpt_free else nan, "n/a", f"{restarts} restarts",
-         "since checkpoint", "n/a", "n/a"),
-    ]  # fmt: skip
+        (
+            "fault-tolerant mode",
+            free["rate"],
+            faulty["rate"],
+            faulty["rate"] / free["rate"],
+            faulty["sample_rate"] / free["sample_rate"],
+            faulty["kills"],
+            faulty["redone"],
+            median(rec) if rec else nan,
+            max(rec, default=nan),
+        ),
+        (
+            "launcher restart + checkpoint",
+            ckpt_free,
+            ckpt_faulty,
+            ckpt_faulty / ckpt_free if ckpt_free else nan,
+            "n/a",
+            f"{restarts} restarts",
+            "since checkpoint",
+            "n/a",
+            "n/a",
+        ),
+    ]
     overhead = plain_rate / free["rate"] - 1  # step time over the ordinary DDP's
     coverage = all(
         c and least >= 1 and extra < WORKERS for c, extra, least in faulty["coverage"].values()

@@ -168,8 +168,14 @@ def _tls_worker(rank: int, init: str, kw: dict[str, Any], quick: bool, q: Any) -
 
     import rpcdist
 
-    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120,
-                     options=rpcdist.RpcOptions(token="t", **kw))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        2,
+        init_method=init,
+        rpc_timeout=120,
+        options=rpcdist.RpcOptions(token="t", **kw),
+    )
     try:
         if rank == 0:
             res: dict[str, Any] = {}
@@ -215,8 +221,14 @@ def _latency_worker(rank: int, init: str, transport: str, n: int, q: Any) -> Non
 
     import rpcdist
 
-    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120,
-                     options=rpcdist.RpcOptions(transport=transport))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        2,
+        init_method=init,
+        rpc_timeout=120,
+        options=rpcdist.RpcOptions(transport=transport),
+    )
     try:
         if rank == 0:
             lat = bench_rpc._latency(lambda: rpcdist.rpc_sync("w1", bf.noop), n)
@@ -354,16 +366,24 @@ def main() -> None:
 
     det_rows = [
         ["killed (SIGKILL) inside a call", len(killed), *[x * 1e3 for x in dist(killed)]],
-        ["stopped (SIGSTOP), calls without deadline", len(stopped),
-         *[x * 1e3 for x in dist(stopped)]],
-        ["partitioned (link down; 5-20 ms delay, 1% loss)", len(cut),
-         *[x * 1e3 for x in dist(cut)]],
-    ]  # fmt: skip
+        [
+            "stopped (SIGSTOP), calls without deadline",
+            len(stopped),
+            *[x * 1e3 for x in dist(stopped)],
+        ],
+        [
+            "partitioned (link down; 5-20 ms delay, 1% loss)",
+            len(cut),
+            *[x * 1e3 for x in dist(cut)],
+        ],
+    ]
     sd = trials["shutdown"]
     tls_rows = []
     for path in ("tcp", "unix"):
-        for key, label in (("echo_64", "echo 64 MB, one-way GB/s"),
-                           ("echo_16", "echo 16 MB, one-way GB/s")):  # fmt: skip
+        for key, label in (
+            ("echo_64", "echo 64 MB, one-way GB/s"),
+            ("echo_16", "echo 16 MB, one-way GB/s"),
+        ):
             plain, sec = m(path, key), m(f"{path}+tls", key)
             tls_rows.append([f"{label} ({path})", plain, sec, sec / plain])
         plain, sec = m(path, "p50_us"), m(f"{path}+tls", "p50_us")

@@ -50,8 +50,14 @@ def _run(program: str, flavor: str, *extra: str) -> float:
     env["INTEROP_FLAVOR"] = flavor
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     t = time.perf_counter()
-    subprocess.run([sys.executable, PROGRAM, program, flavor, *extra], env=env, check=True,
-                   timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, PROGRAM, program, flavor, *extra],
+        env=env,
+        check=True,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t
 
 
@@ -83,21 +89,41 @@ def main() -> int:
             for _ in range(2):
                 times = _ps(flavor, a.iters)
                 ps[flavor].append(median(times))
-                print(f"rep {rep} {flavor}: rnn {rnn[flavor][-1]:.2f} s, ps step "
-                      f"{ps[flavor][-1] * 1e3:.2f} ms (p90 {percentile(times, 90) * 1e3:.2f})",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"rep {rep} {flavor}: rnn {rnn[flavor][-1]:.2f} s, ps step "
+                    f"{ps[flavor][-1] * 1e3:.2f} ms (p90 {percentile(times, 90) * 1e3:.2f})",
+                    file=sys.stderr,
+                )
     rows = []
     for name, got, unit, scale in (("rnn program", rnn, "s", 1.0), ("ps iteration", ps, "ms", 1e3)):
         ours, theirs = median(got["rpcdist"]) * scale, median(got["torch"]) * scale
-        rows.append([name, unit, ours, theirs, ours / theirs, f"<= {GOAL}",
-                     "yes" if ours / theirs <= GOAL else "no",
-                     f"{min(got['rpcdist']) * scale:.2f}-{max(got['rpcdist']) * scale:.2f}",
-                     f"{min(got['torch']) * scale:.2f}-{max(got['torch']) * scale:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                name,
+                unit,
+                ours,
+                theirs,
+                ours / theirs,
+                f"<= {GOAL}",
+                "yes" if ours / theirs <= GOAL else "no",
+                f"{min(got['rpcdist']) * scale:.2f}-{max(got['rpcdist']) * scale:.2f}",
+                f"{min(got['torch']) * scale:.2f}-{max(got['torch']) * scale:.2f}",
+            ]
+        )
     body = table(
-        ["workload", "unit", "rpcdist.torch", "PyTorch RPC", "ratio", "goal", "met",
-         "rpcdist range", "PyTorch range"],
+        [
+            "workload",
+            "unit",
+            "rpcdist.torch",
+            "PyTorch RPC",
+            "ratio",
+            "goal",
+            "met",
+            "rpcdist range",
+            "PyTorch range",
+        ],
         rows,
-    )  # fmt: skip
+    )
     body += (
         f"\n\nMedians over {a.repeats} runs of each (the ps iteration: {2 * a.repeats}), "
         "alternating. The RNN program is "
@@ -108,8 +134,12 @@ def main() -> int:
     )
     print(body)
     if not a.no_write:
-        write_section("torch_interop", "PyTorch interop (rpcdist.torch vs PyTorch RPC)", body,
-                      invocation(".venv/bin/python"))  # fmt: skip
+        write_section(
+            "torch_interop",
+            "PyTorch interop (rpcdist.torch vs PyTorch RPC)",
+            body,
+            invocation(".venv/bin/python"),
+        )
     return 0
 
 

@@ -92,8 +92,11 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0:
         parts = [uneven_shard(len(x_train), r, world) for r in range(world)]
         sizes = [int(p.stop - p.start) for p in parts]
-        print(f"{world} ranks, shard sizes {sizes} (uneven: Join evens them out); "
-              f"attempt {restarts + 1}", flush=True)  # fmt: skip
+        print(
+            f"{world} ranks, shard sizes {sizes} (uneven: Join evens them out); "
+            f"attempt {restarts + 1}",
+            flush=True,
+        )
         print(f"{'epoch':>5}  {'loss (rank 0)':>13}  {'test acc':>8}  {'batches per rank'}")
     rng = np.random.default_rng([args.seed, rank, first])
     for epoch in range(first, args.epochs + 1):
@@ -116,8 +119,11 @@ def train(args: argparse.Namespace) -> int:
         dist.all_gather(everyone, counts)
         if rank == 0:
             accuracy = ps_common.accuracy(model.module, x_test, y_test)
-            print(f"{epoch:>5}  {np.mean(losses):>13.4f}  {accuracy:>8.3f}  "
-                  f"{[int(c[0]) for c in everyone]}", flush=True)  # fmt: skip
+            print(
+                f"{epoch:>5}  {np.mean(losses):>13.4f}  {accuracy:>8.3f}  "
+                f"{[int(c[0]) for c in everyone]}",
+                flush=True,
+            )
             state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "epoch": epoch}
             rpcdist.save(state, args.checkpoint)
         dist.barrier()  # nobody starts the next epoch before the checkpoint is written

@@ -275,13 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     rec = faulty["recoveries"]
     print(f"{faulty['kills']} kill(s), {len(rec)} back to full membership before the end")
-    print(f"recoveries (kill -> full membership again): {[round(r, 2) for r in rec]} s"
-          + (f", median {float(np.median(rec)):.2f} s" if rec else ""))  # fmt: skip
+    print(
+        f"recoveries (kill -> full membership again): {[round(r, 2) for r in rec]} s"
+        + (f", median {float(np.median(rec)):.2f} s" if rec else "")
+    )
     for e, (complete, extra, least) in faulty["coverage"].items():
         exact = complete and least >= 1 and extra < args.workers
         ok &= exact
-        print(f"epoch {e}: every sample seen {'exactly once' if exact else 'NOT exactly once'} "
-              f"(padding repeats: {extra})")  # fmt: skip
+        print(
+            f"epoch {e}: every sample seen {'exactly once' if exact else 'NOT exactly once'} "
+            f"(padding repeats: {extra})"
+        )
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

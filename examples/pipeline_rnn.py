@@ -258,16 +258,25 @@ def train(args: argparse.Namespace) -> int:
     split = int(len(ids) * 0.9)
     train_ids, val_ids = ids[:split], ids[split:]
     vocab = len(CHARS)
-    layout = [("embed", (vocab, EMB)), ("lstm", (EMB, HIDDEN)), ("lstm", (HIDDEN, HIDDEN)),
-              ("decoder", (HIDDEN, vocab))]  # fmt: skip
-    stages = [rpcdist.remote(NAMES[i], Stage, args=(kind, sizes, args.seed + i))
-              for i, (kind, sizes) in enumerate(layout)]  # fmt: skip
+    layout = [
+        ("embed", (vocab, EMB)),
+        ("lstm", (EMB, HIDDEN)),
+        ("lstm", (HIDDEN, HIDDEN)),
+        ("decoder", (HIDDEN, vocab)),
+    ]
+    stages = [
+        rpcdist.remote(NAMES[i], Stage, args=(kind, sizes, args.seed + i))
+        for i, (kind, sizes) in enumerate(layout)
+    ]
     params = [p for s in stages for p in s.rpc_sync().parameter_rrefs()]
     opt = optim.DistributedOptimizer(optim.Adam, params, lr=args.lr)
     S, M = len(stages), args.micro_batches
     print(f"text: {len(ids):,} characters of Python's standard library ({', '.join(MODULES)})")
-    print(f"stages: {' -> '.join(NAMES)} (S={S}); batch {args.batch_size} x {args.seq_len} "
-          f"characters in M={M} micro-batches; {args.steps} steps", flush=True)  # fmt: skip
+    print(
+        f"stages: {' -> '.join(NAMES)} (S={S}); batch {args.batch_size} x {args.seq_len} "
+        f"characters in M={M} micro-batches; {args.steps} steps",
+        flush=True,
+    )
     print(f"step 0: validation perplexity {perplexity(stages, val_ids, args):.2f}", flush=True)
     rng = np.random.default_rng(args.seed)
     bubbles, start = [], time.perf_counter()
@@ -280,8 +289,13 @@ def train(args: argparse.Namespace) -> int:
         with dist_autograd.context() as cid:
             t0 = time.perf_counter()
             logits = pipeline_forward(stages, chunks, True)
-            loss = sum((F.cross_entropy(lg, t.reshape(-1)) for lg, t in zip(logits, targets)),
-                       start=rt.tensor(0.0)) / M  # fmt: skip
+            loss = (
+                sum(
+                    (F.cross_entropy(lg, t.reshape(-1)) for lg, t in zip(logits, targets)),
+                    start=rt.tensor(0.0),
+                )
+                / M
+            )
             dist_autograd.backward(cid, [loss])
             elapsed = time.perf_counter() - t0
             opt.clip_grad_norm_(cid, 1.0)
@@ -289,14 +303,19 @@ def train(args: argparse.Namespace) -> int:
         busy = [s.rpc_sync().busy() for s in stages]
         bubbles.append(1.0 - float(np.mean(busy)) / elapsed)
         if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step}: training loss {loss.item():.3f}, "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"step {step}: training loss {loss.item():.3f}, "
+                f"{time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
     ppl = perplexity(stages, val_ids, args)
     measured = float(np.median(bubbles[len(bubbles) // 5 :]))  # past the warm-up
     theory = (S - 1) / (M + S - 1)
     print(f"validation perplexity {ppl:.2f}")
-    print(f"pipeline bubble: measured {measured:.2f} (median over steps), "
-          f"theoretical (S-1)/(M+S-1) = {S - 1}/{M + S - 1} = {theory:.2f}")  # fmt: skip
+    print(
+        f"pipeline bubble: measured {measured:.2f} (median over steps), "
+        f"theoretical (S-1)/(M+S-1) = {S - 1}/{M + S - 1} = {theory:.2f}"
+    )
     print("generated text (temperature 0.7):")
     print("-" * 60)
     print(generate(stages, "def ", args.sample_chars, args.seed))

@@ -380,8 +380,9 @@ class WorkerPool(concurrent.futures.Executor):
                     t.join()
 
 
-def _run_into(fut: concurrent.futures.Future[Any], fn: Callable[..., Any], args: Any,
-              kwargs: Any) -> None:  # fmt: skip
+def _run_into(
+    fut: concurrent.futures.Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any
+) -> None:
     """``fut``'s outcome is ``fn(*args, **kwargs)``."""
     if not fut.set_running_or_notify_cancel():
         return

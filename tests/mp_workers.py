@@ -63,8 +63,14 @@ def busy_polling(rank, world_size, init_method, busy_poll_us):
     """Rank 0 makes 200 quick blocking calls to rank 1, then 5 that each take
     20 ms; it returns its busy-polling counters after the quick calls, the
     callee's, and its own before and after the slow calls."""
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
-                     options=rpcdist.RpcOptions(busy_poll_us=busy_poll_us))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=30,
+        options=rpcdist.RpcOptions(busy_poll_us=busy_poll_us),
+    )
     try:
         if rank != 0:
             return None
@@ -84,8 +90,14 @@ def busy_polling_under_nested_calls(rank, world_size, init_method):
     """Rank 0 makes 20 blocking calls to rank 1 whose handler calls back
     into rank 0, with a polling window far longer than a round trip; rank 0
     returns the results and its polls and yields."""
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
-                     options=rpcdist.RpcOptions(busy_poll_us=500_000))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=30,
+        options=rpcdist.RpcOptions(busy_poll_us=500_000),
+    )
     try:
         if rank != 0:
             return None
@@ -103,8 +115,14 @@ def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     from rpcdist._rpc import _sync_calls
 
     _sync_calls.crowded = lambda: True  # (what the polling loop reads)
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
-                     options=rpcdist.RpcOptions(busy_poll_us=100_000))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=30,
+        options=rpcdist.RpcOptions(busy_poll_us=100_000),
+    )
     try:
         if rank != 0:
             return None
@@ -125,8 +143,14 @@ def busy_polling_alternating(rank, world_size, init_method):
     from rpcdist._rpc import _sync_calls
 
     _sync_calls.crowded = lambda: False
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
-                     options=rpcdist.RpcOptions(busy_poll_us=20_000))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=30,
+        options=rpcdist.RpcOptions(busy_poll_us=20_000),
+    )
     try:
         if rank != 0:
             return None
@@ -158,8 +182,14 @@ def busy_polling_beside_a_handler(rank, world_size, init_method):
     """Rank 1 keeps a handler running on rank 0 while rank 0 makes 50 quick
     blocking calls to rank 1; rank 0 then ends the handler and makes 50 more.
     Rank 0 returns its counters after each batch."""
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30,
-                     options=rpcdist.RpcOptions(busy_poll_us=200))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=30,
+        options=rpcdist.RpcOptions(busy_poll_us=200),
+    )
     try:
         if rank == 1:
             assert rpcdist.rpc_async("w0", rf.held, args=("released",)).wait(60) == "released"

@@ -53,8 +53,9 @@ def ipc_worker(rank: int, world: int, init: str, ipc: bool) -> dict[str, Any] | 
     from rpcdist._rpc import _cuda_ipc
 
     _cuda_ipc.IDLE = 1.0  # type: ignore[misc]  # retire idle blocks within the test
-    rpcdist.init_rpc(f"w{rank}", rank, world, init_method=init, rpc_timeout=60,
-                     options=RpcOptions(cuda_ipc=ipc))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}", rank, world, init_method=init, rpc_timeout=60, options=RpcOptions(cuda_ipc=ipc)
+    )
     try:
         if rank != 0:
             return None

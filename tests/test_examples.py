@@ -85,19 +85,38 @@ def test_parameter_server_modes_learn(mode, tmp_path):
     # after two epochs its accuracy ranged 0.72-0.94 over repeated runs (one CI
     # failure); after four it stayed within 0.958-0.969 over eight.
     out = run_example(
-        "parameter_server.py", "--mode", mode, "--epochs", "4", "--min-accuracy", "0.8",
-        "--out-dir", str(tmp_path),
-    )  # fmt: skip
+        "parameter_server.py",
+        "--mode",
+        mode,
+        "--epochs",
+        "4",
+        "--min-accuracy",
+        "0.8",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert re.search(rf"final test accuracy 0\.[89]\d+ \({mode} mode\)", out), out
     assert json.loads((tmp_path / "summary.json").read_text())["trainers"] == 2
 
 
 def test_pipeline_rnn_trains_and_reports_its_bubble():
     out = run_example(
-        "pipeline_rnn.py", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
-        "--micro-batches", "2", "--text-chars", "20000", "--sample-chars", "20",
-        "--max-perplexity", "200",
-    )  # fmt: skip
+        "pipeline_rnn.py",
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "16",
+        "--micro-batches",
+        "2",
+        "--text-chars",
+        "20000",
+        "--sample-chars",
+        "20",
+        "--max-perplexity",
+        "200",
+    )
     before = float(re.search(r"step 0: validation perplexity ([0-9.]+)", out).group(1))
     after = float(re.search(r"\] validation perplexity ([0-9.]+)", out).group(1))
     assert after < before  # three steps already help
@@ -109,9 +128,16 @@ def test_pipeline_rnn_trains_and_reports_its_bubble():
 def test_ddp_resumes_after_a_crash_with_uneven_shards(tmp_path):
     ckpt = tmp_path / "ckpt.npz"
     out = run_example(
-        "ddp.py", "--epochs", "3", "--crash-at-epoch", "2", "--checkpoint", str(ckpt),
-        "--min-accuracy", "0.5",
-    )  # fmt: skip
+        "ddp.py",
+        "--epochs",
+        "3",
+        "--crash-at-epoch",
+        "2",
+        "--checkpoint",
+        str(ckpt),
+        "--min-accuracy",
+        "0.5",
+    )
     assert "crashing on purpose in epoch 2" in out
     assert "restarting the worker group" in out
     assert f"resumed from {ckpt}: epoch 1 done" in out
@@ -123,9 +149,16 @@ def test_ddp_resumes_after_a_crash_with_uneven_shards(tmp_path):
 
 def test_ddp_fault_tolerant_survives_kills_and_sees_every_sample():
     out = run_example(
-        "ddp_fault_tolerant.py", "--workers", "3", "--steps", "150", "--kill-every", "30",
-        "--no-baseline", timeout=110,
-    )  # fmt: skip
+        "ddp_fault_tolerant.py",
+        "--workers",
+        "3",
+        "--steps",
+        "150",
+        "--kill-every",
+        "30",
+        "--no-baseline",
+        timeout=110,
+    )
     assert re.search(r"kill -9 rank \d at step \d+", out)
     assert re.search(r"rank \d: 150 steps, test accuracy", out)
     epochs = re.findall(r"epoch \d+: every sample seen (exactly once|NOT exactly once)", out)

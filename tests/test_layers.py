@@ -1,9 +1,14 @@
-"""The package's layers: imports flow one way, and no module grows too large.
+"""The package's layers: imports flow one way, packages import each other in no circle.
 
 Run by ``make lint`` too. Each module belongs to the layer of the longest
 prefix below that names it; it may import modules of its own top-level
 package and of lower layers, never of higher ones. Imports under
 ``if TYPE_CHECKING:`` are for the type checker only and do not count.
+
+The line backstop is generous on purpose: a module past ~500 lines is a
+prompt to look for a second responsibility in it, not to cut it at a count.
+The formatter is in charge of layout: ``# fmt: skip`` is for the few places
+where a hand layout carries meaning, each with its reason on the line.
 """
 
 from __future__ import annotations
@@ -43,7 +48,11 @@ LAYERS: list[list[str]] = [
     ["rpcdist.launch", "rpcdist.testing"],
     ["rpcdist"],  # the face: composes everything
 ]
-MAX_LINES = 600
+#: A backstop, not a target (see the module's docstring).
+MAX_LINES = 900
+#: How many ``# fmt: skip`` markers the package, tests, examples and
+#: benchmarks may hold in all.
+MAX_FMT_SKIPS = 9
 
 
 def _layer(module: str) -> tuple[int, str]:
@@ -124,8 +133,55 @@ def test_every_module_is_in_a_layer():
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_module_over_600_lines(path):
+def test_no_module_past_the_line_backstop(path):
     if "_proto" in path.parts:
         pytest.skip("generated code")
     lines = path.read_text().count("\n")
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT.parent)} has {lines} lines"
+
+
+def test_no_import_circle_between_packages():
+    """The packages' import graph (runtime imports) has no cycle."""
+    graph: dict[str, set[str]] = {}
+    modules = _modules()
+    for module, path in modules.items():
+        mine = _top(module)
+        for _, target in _runtime_imports(module, path):
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if _top(target) != mine and target != "rpcdist":
+                graph.setdefault(mine, set()).add(_top(target))
+    seen: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        seen[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if seen.get(nxt) == 1:
+                return [*path, node, nxt]
+            if nxt not in seen and (cycle := visit(nxt, [*path, node])):
+                return cycle
+        seen[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in seen and (cycle := visit(start, [])):
+            raise AssertionError("packages import each other in a circle: " + " -> ".join(cycle))
+
+
+def test_formatter_skips_are_few_and_explained():
+    """At most a few ``# fmt: skip``/``off`` markers, each under a comment saying why."""
+    top = ROOT.parent
+    marker = "# fmt: skip", "# fmt: off"
+    found, unexplained = [], []
+    for folder in ("rpcdist", "tests", "examples", "benchmarks"):
+        for path in (top / folder).rglob("*.py"):
+            if "_proto" in path.parts or path == Path(__file__).resolve():
+                continue
+            lines = path.read_text().splitlines()
+            for i, line in enumerate(lines):
+                if any(m in line for m in marker):
+                    found.append(f"{path.relative_to(top)}:{i + 1}")
+                    if i == 0 or not lines[i - 1].lstrip().startswith("#"):
+                        unexplained.append(found[-1])
+    assert len(found) <= MAX_FMT_SKIPS, f"{len(found)} formatter skips: {found}"
+    assert not unexplained, f"formatter skips without a comment above saying why: {unexplained}"

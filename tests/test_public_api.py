@@ -74,16 +74,25 @@ def test_the_error_tree_is_the_pinned_one_and_every_error_is_a_runtime_error():
     from rpcdist import _errors
 
     tree = {
-        "RpcError": "RpcdistError", "RemoteError": "RpcError", "RpcTimeoutError": "RpcError",
-        "TransportError": "RpcError", "ConnectError": "TransportError",
-        "WorkerLostError": "TransportError", "ProtocolError": "TransportError",
-        "OwnerLostError": "WorkerLostError", "ClosedError": "RpcdistError",
-        "SerializationError": "RpcdistError", "RRefError": "RpcdistError",
-        "RRefCreationError": "RRefError", "AutogradError": "RpcdistError",
-        "CollectiveError": "RpcdistError", "ConfigError": "RpcdistError",
-        "CallPolicyError": "RpcdistError", "NotInitializedError": "RpcdistError",
+        "RpcError": "RpcdistError",
+        "RemoteError": "RpcError",
+        "RpcTimeoutError": "RpcError",
+        "TransportError": "RpcError",
+        "ConnectError": "TransportError",
+        "WorkerLostError": "TransportError",
+        "ProtocolError": "TransportError",
+        "OwnerLostError": "WorkerLostError",
+        "ClosedError": "RpcdistError",
+        "SerializationError": "RpcdistError",
+        "RRefError": "RpcdistError",
+        "RRefCreationError": "RRefError",
+        "AutogradError": "RpcdistError",
+        "CollectiveError": "RpcdistError",
+        "ConfigError": "RpcdistError",
+        "CallPolicyError": "RpcdistError",
+        "NotInitializedError": "RpcdistError",
         "WrongThreadError": "RpcdistError",
-    }  # fmt: skip
+    }
     assert set(tree) | {"RpcdistError"} == set(_errors.__all__)
     for name, parent in tree.items():
         assert issubclass(getattr(rpcdist, name), getattr(rpcdist, parent)), name

@@ -310,8 +310,13 @@ def test_unwritable_rendezvous_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_workers_of_another_wire_protocol_are_refused_naming_them():
     with local_agents(1) as (a,):
-        mine = {"name": "worker0", "rank": 0, "transport": a.links.transport.name,
-                "wire": _join.WIRE_PROTOCOL, "version": rpcdist.__version__}  # fmt: skip
+        mine = {
+            "name": "worker0",
+            "rank": 0,
+            "transport": a.links.transport.name,
+            "wire": _join.WIRE_PROTOCOL,
+            "version": rpcdist.__version__,
+        }
         asyncio.run(_join.check(a, [mine]))  # agreeing: fine
         old = {**mine, "name": "old", "rank": 1}
         del old["wire"], old["version"]  # an rpcdist from before the field existed

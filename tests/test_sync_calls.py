@@ -394,8 +394,7 @@ def test_a_polling_thread_sleeps_when_another_thread_of_its_worker_gets_a_call()
 def test_a_polling_thread_gives_its_core_back_when_the_host_is_crowded():
     import mp_workers
 
-    polls, hits, yields = run_workers(mp_workers.busy_polling_on_a_crowded_host, 2,
-                                      timeout=90)[0]  # fmt: skip
+    polls, hits, yields = run_workers(mp_workers.busy_polling_on_a_crowded_host, 2, timeout=90)[0]
     assert polls > 0
     assert (hits, yields) == (0, polls)  # (hits == polls when the loop ignores the host)
 
@@ -463,8 +462,14 @@ def test_a_process_pinned_to_one_cpu_has_an_allowance_of_one():
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     assert out.stdout.split() == ["1", "1"]
 
 
@@ -486,8 +491,12 @@ def test_a_started_call_leaves_at_once_and_is_read_later(agents2):
 def test_a_started_call_raises_the_remote_error_at_wait(agents2):
     a, _ = agents2
     with as_current(a):
-        call = a.start_blocking("worker1", a.function_name(rf.raise_key_error), (("boom",), {}),
-                                deadline=time.monotonic() + 10)  # fmt: skip
+        call = a.start_blocking(
+            "worker1",
+            a.function_name(rf.raise_key_error),
+            (("boom",), {}),
+            deadline=time.monotonic() + 10,
+        )
         with pytest.raises(KeyError, match="boom"):
             call.wait()
         assert a.statistics()["pending_calls"] == 0
@@ -501,8 +510,9 @@ def test_an_abandoned_call_frees_its_connection_and_its_late_reply_is_dropped(ag
     rf.release.clear()
     try:
         with as_current(a):
-            call = a.start_blocking("worker1", a.function_name(rf.held), (("late",), {}),
-                                    deadline=None)  # fmt: skip
+            call = a.start_blocking(
+                "worker1", a.function_name(rf.held), (("late",), {}), deadline=None
+            )
             _wait_until(lambda: b.statistics()["inflight_handlers"] == 1)
             held = a.sync.connections(1)
             call.abandon()

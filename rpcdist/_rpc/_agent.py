@@ -306,9 +306,16 @@ class Agent:
                 encode(where[1] or {}, allow_pickle=pickle, context=wire, where="kwargs")
             raise
         return OutMessage(
-            INTERNAL if internal else CALL, method, header, buffers, deadline=deadline,
-            meta=wire.meta, label=label, undo=wire.abort, ordered=not control,
-        )  # fmt: skip
+            INTERNAL if internal else CALL,
+            method,
+            header,
+            buffers,
+            deadline=deadline,
+            meta=wire.meta,
+            label=label,
+            undo=wire.abort,
+            ordered=not control,
+        )
 
     def check_size(self, header: bytes, buffers: list[memoryview], what: str) -> None:
         """Raises: SerializationError: the message is larger than ``max_message_bytes``."""
@@ -345,9 +352,17 @@ class Agent:
             NotInitializedError: the agent has shut down.
         """
         peer = self.worker(to)
-        msg = self.request(peer, method, payload, deadline=deadline, meta=meta,
-                           internal=internal, label=label, where=where,
-                           control=control)  # fmt: skip
+        msg = self.request(
+            peer,
+            method,
+            payload,
+            deadline=deadline,
+            meta=meta,
+            internal=internal,
+            label=label,
+            where=where,
+            control=control,
+        )
         return self.calls.submit(peer.id, msg)
 
     def _user_call(
@@ -414,8 +429,16 @@ class Agent:
         """
         self._lt.check_not_loop_thread(f"a blocking call of {method!r}")
         peer = self.worker(to)
-        msg = self.request(peer, method, payload, deadline=deadline, meta=meta,
-                           internal=internal, label=label, where=where)  # fmt: skip
+        msg = self.request(
+            peer,
+            method,
+            payload,
+            deadline=deadline,
+            meta=meta,
+            internal=internal,
+            label=label,
+            where=where,
+        )
         return self._begin(peer, msg)
 
     def _begin(self, peer: WorkerInfo, msg: OutMessage) -> Started | Future[Any]:

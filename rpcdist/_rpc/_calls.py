@@ -214,8 +214,9 @@ class Calls:
         timer = None
         if msg.deadline is not None:
             timer = self._loop.call_at(msg.deadline, self._expire, call_id)
-        p = _Pending(fut, dst, msg.label or msg.method, msg.deadline, timer, time.monotonic(),
-                     msg.ordered)  # fmt: skip
+        p = _Pending(
+            fut, dst, msg.label or msg.method, msg.deadline, timer, time.monotonic(), msg.ordered
+        )
         with self._lock:  # (inlined _add: this is the loop's path of every call)
             self._pending[call_id] = p
             if not p.ordered:
@@ -339,9 +340,14 @@ async def send_control(
             deadline = time.monotonic() + min(interval, max(left, 1e-3))
             try:
                 return await agent.call(
-                    dst, method, payload, deadline=deadline, meta=None, internal=True,
+                    dst,
+                    method,
+                    payload,
+                    deadline=deadline,
+                    meta=None,
+                    internal=True,
                     control=True,  # unordered: it holds no user call off the direct paths
-                )  # fmt: skip
+                )
             except (RpcTimeoutError, TransportError) as e:
                 if time.monotonic() >= end or agent.closed:
                     raise

@@ -292,14 +292,19 @@ class CudaIpc(BaseExtension):
             ok = answer is True
             if not ok:
                 _log.info(
-                    "CuPy arrays from device %d to %s travel through host memory, not CUDA "
-                    "IPC: %s", device, self._name(peer), answer,
-                )  # fmt: skip
+                    "CuPy arrays from device %d to %s travel through host memory, not CUDA IPC: %s",
+                    device,
+                    self._name(peer),
+                    answer,
+                )
         except Exception as e:
             _log.info(
                 "CuPy arrays from device %d to %s travel through host memory: the CUDA IPC "
-                "probe failed: %r", device, self._name(peer), e,
-            )  # fmt: skip
+                "probe failed: %r",
+                device,
+                self._name(peer),
+                e,
+            )
         finally:
             if block is not None:
                 self._put_back(block)

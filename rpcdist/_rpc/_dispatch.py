@@ -372,16 +372,24 @@ def _encode_error(e: BaseException) -> tuple[bytes, list[memoryview]]:
     return encode(exception_to_wire(e), allow_pickle=False, context=None, where="error")
 
 
-def _reply(m: InMessage, wire: WireContext, kind: int, header: bytes,
-           buffers: list[memoryview]) -> OutMessage:  # fmt: skip
+def _reply(
+    m: InMessage, wire: WireContext, kind: int, header: bytes, buffers: list[memoryview]
+) -> OutMessage:
     meta = wire.meta if kind == REPLY else None
     if wire.reply_meta:  # (what extensions send back; ``wire.abort`` takes it back)
         meta = {**meta, **wire.reply_meta} if meta else wire.reply_meta
     return OutMessage(kind, m.method, header, buffers, id=m.id, meta=meta, undo=wire.abort)
 
 
-def _reply_from_thread(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind: int,
-                       header: bytes, buffers: list[memoryview]) -> None:  # fmt: skip
+def _reply_from_thread(
+    agent: Agent,
+    link: Link,
+    m: InMessage,
+    wire: WireContext,
+    kind: int,
+    header: bytes,
+    buffers: list[memoryview],
+) -> None:
     """Account for the finished handler and send its reply, from a thread."""
     reply = _reply(m, wire, kind, header, buffers)
     try:
@@ -411,8 +419,15 @@ def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
         return True
 
 
-def _send_reply(agent: Agent, link: Link, m: InMessage, wire: WireContext, kind: int,
-                header: bytes, buffers: list[memoryview]) -> None:  # fmt: skip
+def _send_reply(
+    agent: Agent,
+    link: Link,
+    m: InMessage,
+    wire: WireContext,
+    kind: int,
+    header: bytes,
+    buffers: list[memoryview],
+) -> None:
     """On the loop: account for the finished handler and send its reply."""
     _send(agent, link, _reply(m, wire, kind, header, buffers))
     _after_reply(wire)

@@ -233,8 +233,7 @@ class Registry:
                 meta = {**meta, name: value} if meta else {name: value}
         return meta
 
-    def on_call(self, agent: Agent, peer: WorkerInfo, meta: Meta | None,
-                wire: WireContext) -> None:  # fmt: skip
+    def on_call(self, agent: Agent, peer: WorkerInfo, meta: Meta | None, wire: WireContext) -> None:
         """A call from ``peer`` arrived with ``meta`` (any thread, before its
         arguments are decoded): hand the riders' fields to their receivers."""
         if meta:

@@ -18,8 +18,9 @@ class Started:
 
     __slots__ = ("_calls", "chan", "done", "label", "msg", "sent", "started")
 
-    def __init__(self, calls: SyncCalls, chan: Any, msg: OutMessage, label: str,
-                 started: float) -> None:  # fmt: skip
+    def __init__(
+        self, calls: SyncCalls, chan: Any, msg: OutMessage, label: str, started: float
+    ) -> None:
         self._calls = calls
         self.chan = chan
         self.msg = msg

@@ -51,9 +51,18 @@ Make = Callable[..., "RRef[Any]"]
 """``make(ctx, rid, fork, owner, record, state)``: the RRef factory."""
 
 
-def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | None, what: str,
-               args: Any = (), kwargs: Any = None, internal: bool = True,
-               meta: Any = AUTO, blocking: bool = False) -> Future[Any]:  # fmt: skip
+def call_owner(
+    rref: RRef[Any],
+    method: str,
+    payload: Any,
+    deadline: float | None,
+    what: str,
+    args: Any = (),
+    kwargs: Any = None,
+    internal: bool = True,
+    meta: Any = AUTO,
+    blocking: bool = False,
+) -> Future[Any]:
     """Send ``method`` (an internal method, or a function for ``internal=False``)
     to the owner of ``rref``, with ``deadline``; a Future of the reply.
     ``meta``: the call's named fields (default: this thread's or task's).
@@ -72,13 +81,21 @@ def call_owner(rref: RRef[Any], method: str, payload: Any, deadline: float | Non
     if blocking and (confirmed is None or confirmed.done()):
         # A failure is raised from here, not kept in the Future: a frame of
         # its traceback (a caller's) would hold that Future, a cycle.
-        value = start_owner_call(rref, method, payload, deadline, what, args, kwargs,
-                                 internal, meta).wait()  # fmt: skip
+        value = start_owner_call(
+            rref, method, payload, deadline, what, args, kwargs, internal, meta
+        ).wait()
         done: Future[Any] = Future()
         done.set_result(value)
         return done
-    reply = agent.call(rref._owner, method, payload, deadline=deadline, internal=internal,
-                       where=(args, kwargs), meta=meta)  # fmt: skip
+    reply = agent.call(
+        rref._owner,
+        method,
+        payload,
+        deadline=deadline,
+        internal=internal,
+        where=(args, kwargs),
+        meta=meta,
+    )
     # The reply's callback holds ``rref`` (so its fork) alive until the reply.
     hold = [rref]
     out = reply.then(
@@ -121,9 +138,17 @@ class OwnerCall:
         self._hold.clear()
 
 
-def start_owner_call(rref: RRef[Any], method: str, payload: Any, deadline: float | None,
-                     what: str, args: Any, kwargs: Any, internal: bool,
-                     meta: Any = AUTO) -> Any:  # fmt: skip
+def start_owner_call(
+    rref: RRef[Any],
+    method: str,
+    payload: Any,
+    deadline: float | None,
+    what: str,
+    args: Any,
+    kwargs: Any,
+    internal: bool,
+    meta: Any = AUTO,
+) -> Any:
     """:func:`call_owner` with ``blocking``, split: the call leaves now (on a
     thread-driven link when it qualifies) and ``wait()`` on what this returns
     reads the reply on the calling thread, the caller working meanwhile. An
@@ -138,9 +163,15 @@ def start_owner_call(rref: RRef[Any], method: str, payload: Any, deadline: float
         raise ctx.lost_error(owner, f"{what} on {rref!r}")
     what = f"{what} on RRef {rref._rid}"
     try:
-        call = ctx.agent.start_blocking(owner, method, payload, deadline=deadline,
-                                        internal=internal, where=(args, kwargs),
-                                        meta=meta)  # fmt: skip
+        call = ctx.agent.start_blocking(
+            owner,
+            method,
+            payload,
+            deadline=deadline,
+            internal=internal,
+            where=(args, kwargs),
+            meta=meta,
+        )
     except BaseException as e:
         _raise_from_owner(ctx, owner, what, e)
     return OwnerCall(call, ctx, owner, what, [rref])
@@ -183,8 +214,14 @@ def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -
     return rref._ctx.bounded(out, deadline, what)
 
 
-def _after_creation(rref: RRef[Any], out: Future[Any], deadline: float | None, what: str,
-                    meta: Any, confirmed: Future[None]) -> None:  # fmt: skip
+def _after_creation(
+    rref: RRef[Any],
+    out: Future[Any],
+    deadline: float | None,
+    what: str,
+    meta: Any,
+    confirmed: Future[None],
+) -> None:
     exc = confirmed.exception()
     if exc is not None:  # (not raised here: this frame would join its traceback, and hold ``rref``)
         out.set_exception(exc)
@@ -240,9 +277,18 @@ def check_args(args: Any, kwargs: Any) -> None:
         raise ConfigError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
 
 
-def create(make: Make, ctx: RRefContext, owner: WorkerInfo, target: Any, args: Any,
-           kwargs: Any, timeout: float | Unset | None, what: str, keep: Any = None,
-           plain: bool = False) -> RRef[Any]:  # fmt: skip
+def create(
+    make: Make,
+    ctx: RRefContext,
+    owner: WorkerInfo,
+    target: Any,
+    args: Any,
+    kwargs: Any,
+    timeout: float | Unset | None,
+    what: str,
+    keep: Any = None,
+    plain: bool = False,
+) -> RRef[Any]:
     """Send ``rref.remote`` to ``owner``; return the new RRef (from ``make``) at once.
 
     ``target`` is a function name (``plain``: a plain function, not ``async def``
@@ -275,8 +321,15 @@ def create(make: Make, ctx: RRefContext, owner: WorkerInfo, target: Any, args: A
         method = REMOTE
         payload = [rid[1], f, target, list(args), kwargs or {}]
     try:
-        fut = agent.call(owner.id, method, payload, deadline=deadline, internal=not plain,
-                         label=REMOTE, where=(args, kwargs))  # fmt: skip
+        fut = agent.call(
+            owner.id,
+            method,
+            payload,
+            deadline=deadline,
+            internal=not plain,
+            label=REMOTE,
+            where=(args, kwargs),
+        )
     except BaseException:
         if fork is not None:
             ctx.users.settle(fork, RELEASED)
@@ -286,9 +339,16 @@ def create(make: Make, ctx: RRefContext, owner: WorkerInfo, target: Any, args: A
     return rref
 
 
-def _created(ctx: RRefContext, owner: WorkerInfo, fork: tuple[int, int] | None,
-             rec: Record | None, rref: RRef[Any] | None, what: str, keep: Any,
-             fut: Future[Any]) -> None:  # fmt: skip
+def _created(
+    ctx: RRefContext,
+    owner: WorkerInfo,
+    fork: tuple[int, int] | None,
+    rec: Record | None,
+    rref: RRef[Any] | None,
+    what: str,
+    keep: Any,
+    fut: Future[Any],
+) -> None:
     exc = fut.exception()
     if exc is None:
         if fork is not None and rref is not None:

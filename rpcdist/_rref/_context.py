@@ -196,9 +196,12 @@ class RRefContext(BaseExtension):
         def expire() -> None:
             if not out.done():
                 info = self.agent.debug_info()
-                finish(None, RpcTimeoutError(
-                    f"{what} did not finish before its deadline; {summary(info)}", snapshot=info
-                ))  # fmt: skip
+                finish(
+                    None,
+                    RpcTimeoutError(
+                        f"{what} did not finish before its deadline; {summary(info)}", snapshot=info
+                    ),
+                )
 
         def arm() -> None:
             if not out.done():

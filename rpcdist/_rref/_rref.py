@@ -121,8 +121,15 @@ class RRef(Generic[T]):
         self._type: type | None = None  # the value's class, once asked (_get_type)
 
     @classmethod
-    def _make(cls, ctx: RRefContext, rid: tuple[int, int], fork: tuple[int, int] | None,
-              owner: int, record: Record | None, state: int) -> RRef[Any]:  # fmt: skip
+    def _make(
+        cls,
+        ctx: RRefContext,
+        rid: tuple[int, int],
+        fork: tuple[int, int] | None,
+        owner: int,
+        record: Record | None,
+        state: int,
+    ) -> RRef[Any]:
         self: RRef[Any] = cls.__new__(cls)
         self._set(ctx, rid, fork, owner, record, state)
         return self
@@ -337,22 +344,28 @@ class RRef(Generic[T]):
         return RRefProxy(self, "remote", timeout)
 
     def _invoke(
-        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None,
+        self,
+        name: str,
+        args: Any,
+        kwargs: Any,
+        timeout: float | Unset | None,
         blocking: bool = False,
-    ) -> Future[Any]:  # fmt: skip
+    ) -> Future[Any]:
         self._check(f"proxy call {name}()")
         deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
         what = f"{name}()"
         if self._plain is not None and name in self._plain:  # the pool fast path
             call: Any = ((*self._rid, name, list(args), kwargs), {})
-            return call_owner(self, CALL_METHOD, call, deadline, what, args, kwargs, False,
-                              blocking=blocking)  # fmt: skip
+            return call_owner(
+                self, CALL_METHOD, call, deadline, what, args, kwargs, False, blocking=blocking
+            )
         payload = [*self._rid, name, list(args), kwargs]
         reply = call_owner(self, INVOKE, payload, deadline, what, args, kwargs, blocking=blocking)
         return reply.then(functools.partial(_invoked, self, name))
 
-    def _start_invoke(self, name: str, args: Any, kwargs: Any,
-                      timeout: float | Unset | None) -> Any:  # fmt: skip
+    def _start_invoke(
+        self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None
+    ) -> Any:
         """``rpc_sync()``'s call of method ``name``, split: it leaves now, and
         ``wait()`` on what this returns reads its value here (the caller
         works meanwhile; give it up with ``_started.abandon``). A method
@@ -362,8 +375,7 @@ class RRef(Generic[T]):
         self._check(f"proxy call {name}()")
         deadline = deadline_for(timeout, self._ctx.agent.rpc_timeout)
         call: Any = ((*self._rid, name, list(args), kwargs), {})
-        return start_owner_call(self, CALL_METHOD, call, deadline, f"{name}()", args, kwargs,
-                                False)  # fmt: skip
+        return start_owner_call(self, CALL_METHOD, call, deadline, f"{name}()", args, kwargs, False)
 
     def _remote_method(
         self, name: str, args: Any, kwargs: Any, timeout: float | Unset | None

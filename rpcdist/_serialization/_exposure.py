@@ -76,113 +76,105 @@ NEVER = frozenset({"rpcdist.launch", "rpcdist.testing"})
 #: importing them does nothing else).
 IMPORTABLE = frozenset({"math", "cmath", "operator", "_operator"})
 
+
+def _names(text: str) -> frozenset[str]:
+    """A table of names written as words (one table, many lines, no quoting)."""
+    return frozenset(text.split())
+
+
 _ARITHMETIC = frozenset(
     f"__{n}__"
-    for base in (
-        "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "divmod",
-        "and", "or", "xor", "lshift", "rshift",
+    for base in _names(
+        "add sub mul matmul truediv floordiv mod pow divmod and or xor lshift rshift"
     )
     for n in (base, f"r{base}")
-)  # fmt: skip
+)
 #: Special methods that compute on a value (proxies and builtin types).
-SAFE_DUNDERS = _ARITHMETIC | frozenset(
-    {
-        "__neg__", "__pos__", "__abs__", "__invert__", "__eq__", "__ne__", "__lt__",
-        "__le__", "__gt__", "__ge__", "__len__", "__getitem__", "__contains__", "__bool__",
-        "__int__", "__float__", "__complex__", "__index__", "__round__", "__hash__",
-        "__repr__", "__str__",
-    }
-)  # fmt: skip
-_OPERATOR = frozenset(
-    {
-        "abs", "add", "and_", "concat", "contains", "countOf", "eq", "floordiv", "ge",
-        "getitem", "gt", "index", "indexOf", "inv", "invert", "is_", "is_not", "le",
-        "length_hint", "lshift", "lt", "matmul", "mod", "mul", "ne", "neg", "not_", "or_",
-        "pos", "pow", "rshift", "sub", "truediv", "truth", "xor",
-    }
-) | frozenset(n for n in SAFE_DUNDERS if n not in {"__repr__", "__str__", "__hash__"})  # fmt: skip
-_BUILTINS = frozenset(
-    {
-        "abs", "all", "any", "bin", "bool", "bytes", "bytearray", "chr", "complex", "dict",
-        "divmod", "enumerate", "float", "frozenset", "hash", "hex", "int", "isinstance",
-        "issubclass", "len", "list", "max", "min", "oct", "ord", "pow", "range", "repr",
-        "reversed", "round", "set", "slice", "sorted", "str", "sum", "tuple", "zip",
-    }
-)  # fmt: skip
-_NUMPY = frozenset(
-    {
-        "all", "allclose", "amax", "amin", "any", "arange", "argmax", "argmin", "argsort",
-        "around", "array", "array_equal", "array_split", "asarray", "ascontiguousarray",
-        "average", "bincount", "broadcast_to", "clip", "concatenate", "copy", "count_nonzero",
-        "cross", "cumprod", "cumsum", "diag", "diff", "dot", "dtype", "einsum", "empty",
-        "empty_like", "expand_dims", "eye", "flip", "full", "full_like", "histogram", "hstack",
-        "identity", "inner", "isclose", "linspace", "max", "mean", "median", "meshgrid", "min",
-        "ndarray", "nonzero", "ones", "ones_like", "outer", "percentile", "prod", "ravel",
-        "repeat", "reshape", "roll", "round", "searchsorted", "shape", "sort", "split",
-        "squeeze", "stack", "std", "sum", "swapaxes", "take", "tensordot", "tile", "trace",
-        "transpose", "tril", "triu", "unique", "var", "vstack", "where", "zeros",
-        "zeros_like", "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16",
-        "uint32", "uint64", "float16", "float32", "float64", "complex64", "complex128",
-    }
-)  # fmt: skip
-_LINALG = frozenset(
-    {
-        "cholesky", "det", "eig", "eigh", "eigvals", "eigvalsh", "inv", "lstsq",
-        "matrix_power", "matrix_rank", "norm", "pinv", "qr", "slogdet", "solve", "svd",
-        "LinAlgError",
-    }
-)  # fmt: skip
-_NDARRAY = SAFE_DUNDERS | frozenset(
-    {
-        "all", "any", "argmax", "argmin", "argsort", "astype", "clip", "conj", "copy",
-        "cumprod", "cumsum", "diagonal", "dot", "fill", "flatten", "item", "max", "mean",
-        "min", "nonzero", "prod", "ravel", "repeat", "reshape", "round", "sort", "squeeze",
-        "std", "sum", "swapaxes", "take", "tobytes", "tolist", "trace", "transpose", "var",
-    }
-)  # fmt: skip
+SAFE_DUNDERS = _ARITHMETIC | _names(
+    """
+    __neg__ __pos__ __abs__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __len__
+    __getitem__ __contains__ __bool__ __int__ __float__ __complex__ __index__ __round__ __hash__
+    __repr__ __str__
+    """
+)
+_OPERATOR = _names(
+    """
+    abs add and_ concat contains countOf eq floordiv ge getitem gt index indexOf inv invert is_
+    is_not le length_hint lshift lt matmul mod mul ne neg not_ or_ pos pow rshift sub truediv
+    truth xor
+    """
+) | frozenset(n for n in SAFE_DUNDERS if n not in {"__repr__", "__str__", "__hash__"})
+_BUILTINS = _names(
+    """
+    abs all any bin bool bytes bytearray chr complex dict divmod enumerate float frozenset hash
+    hex int isinstance issubclass len list max min oct ord pow range repr reversed round set
+    slice sorted str sum tuple zip
+    """
+)
+_NUMPY = _names(
+    """
+    all allclose amax amin any arange argmax argmin argsort around array array_equal array_split
+    asarray ascontiguousarray average bincount broadcast_to clip concatenate copy count_nonzero
+    cross cumprod cumsum diag diff dot dtype einsum empty empty_like expand_dims eye flip full
+    full_like histogram hstack identity inner isclose linspace max mean median meshgrid min
+    ndarray nonzero ones ones_like outer percentile prod ravel repeat reshape roll round
+    searchsorted shape sort split squeeze stack std sum swapaxes take tensordot tile trace
+    transpose tril triu unique var vstack where zeros zeros_like bool_ int8 int16 int32 int64
+    uint8 uint16 uint32 uint64 float16 float32 float64 complex64 complex128
+    """
+)
+_LINALG = _names(
+    """
+    cholesky det eig eigh eigvals eigvalsh inv lstsq matrix_power matrix_rank norm pinv qr
+    slogdet solve svd LinAlgError
+    """
+)
+_NDARRAY = SAFE_DUNDERS | _names(
+    """
+    all any argmax argmin argsort astype clip conj copy cumprod cumsum diagonal dot fill flatten
+    item max mean min nonzero prod ravel repeat reshape round sort squeeze std sum swapaxes take
+    tobytes tolist trace transpose var
+    """
+)
 #: Tensor math: torch's functions and the tensor methods of the same names.
-_TORCH_MATH = frozenset(
-    {
-        "abs", "add", "addmm", "allclose", "argmax", "argmin", "bmm", "cat", "clamp",
-        "clone", "cos", "div", "dot", "eq", "equal", "exp", "flatten", "ge", "gt", "le",
-        "log", "log_softmax", "lt", "matmul", "max", "mean", "min", "mm", "mul", "ne", "neg",
-        "norm", "pow", "prod", "relu", "reshape", "sigmoid", "sin", "softmax", "sqrt",
-        "squeeze", "stack", "std", "sub", "sum", "t", "tanh", "transpose", "unsqueeze",
-        "var", "where",
-    }
-)  # fmt: skip
-_TORCH = _TORCH_MATH | frozenset(
-    {
-        "Tensor", "arange", "as_tensor", "empty", "eye", "from_numpy", "full", "get_num_threads",
-        "linspace", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
-        "tensor", "zeros", "zeros_like",
-    }
-)  # fmt: skip
-_TENSOR = SAFE_DUNDERS | _TORCH_MATH | frozenset(
-    {
-        "add_", "bool", "contiguous", "copy_", "cpu", "detach", "dim", "double", "expand",
-        "fill_", "float", "half", "int", "item", "long", "mul_", "numel", "numpy", "permute",
-        "repeat", "requires_grad_", "size", "sub_", "to", "to_dense", "to_sparse", "tolist",
-        "view", "zero_",
-    }
-)  # fmt: skip
-_NN_FUNCTIONAL = frozenset(
-    {
-        "relu", "gelu", "sigmoid", "tanh", "softmax", "log_softmax", "linear", "conv1d",
-        "conv2d", "dropout", "mse_loss", "cross_entropy", "nll_loss", "embedding",
-    }
-)  # fmt: skip
+_TORCH_MATH = _names(
+    """
+    abs add addmm allclose argmax argmin bmm cat clamp clone cos div dot eq equal exp flatten ge
+    gt le log log_softmax lt matmul max mean min mm mul ne neg norm pow prod relu reshape
+    sigmoid sin softmax sqrt squeeze stack std sub sum t tanh transpose unsqueeze var where
+    """
+)
+_TORCH = _TORCH_MATH | _names(
+    """
+    Tensor arange as_tensor empty eye from_numpy full get_num_threads linspace ones ones_like
+    rand rand_like randint randn randn_like tensor zeros zeros_like
+    """
+)
+_TENSOR = (
+    SAFE_DUNDERS
+    | _TORCH_MATH
+    | _names(
+        """
+    add_ bool contiguous copy_ cpu detach dim double expand fill_ float half int item long mul_
+    numel numpy permute repeat requires_grad_ size sub_ to to_dense to_sparse tolist view zero_
+    """
+    )
+)
+_NN_FUNCTIONAL = _names(
+    """
+    relu gelu sigmoid tanh softmax log_softmax linear conv1d conv2d dropout mse_loss
+    cross_entropy nll_loss embedding
+    """
+)
 #: Methods of layers (torch's and rpcdist's) and optimizers peers call
 #: through RRef proxies.
-_MODEL = frozenset(
-    {
-        "__call__", "forward", "parameters", "named_parameters", "state_dict",
-        "load_state_dict", "train", "eval", "zero_grad", "step", "to", "cpu", "float",
-        "double", "requires_grad_",
-    }
-)  # fmt: skip
-_TIME = frozenset({"sleep", "time", "time_ns", "monotonic", "monotonic_ns", "perf_counter",
-                   "perf_counter_ns"})  # fmt: skip
+_MODEL = _names(
+    """
+    __call__ forward parameters named_parameters state_dict load_state_dict train eval zero_grad
+    step to cpu float double requires_grad_
+    """
+)
+_TIME = _names("sleep time time_ns monotonic monotonic_ns perf_counter perf_counter_ns")
 _PUBLIC = frozenset({"*"})  # (a table entry: every public method and SAFE_DUNDERS)
 
 #: Pure functions and classes by the name they travel under: ``module`` ->
@@ -200,8 +192,9 @@ CURATED: dict[str, frozenset[str]] = {
     "torch": _TORCH,
     "torch.nn.functional": _NN_FUNCTIONAL,
 }
-_BUILTIN_TYPES = ("int", "float", "complex", "bool", "str", "bytes", "list", "tuple", "dict",
-                  "set", "frozenset", "range", "slice")  # fmt: skip
+_BUILTIN_TYPES = _names(
+    "int float complex bool str bytes list tuple dict set frozenset range slice"
+)
 #: Pure methods by their type's ``(module, qualname)``.
 CURATED_TYPES: dict[tuple[str, str], frozenset[str]] = {
     **{("builtins", t): _PUBLIC for t in _BUILTIN_TYPES},
@@ -212,8 +205,7 @@ CURATED_TYPES: dict[tuple[str, str], frozenset[str]] = {
 }
 #: Refused whatever a table says: they reach files, or read attributes of
 #: their arguments (``"{0.__globals__}".format(fn)`` would leak a module's).
-_REFUSED = frozenset({"tofile", "dump", "dumps", "save", "load", "fromfile", "memmap",
-                      "format", "format_map"})  # fmt: skip
+_REFUSED = _names("tofile dump dumps save load fromfile memmap format format_map")
 #: Base classes of layers and optimizers, by the packages they live in:
 #: their subclasses there are pure and callable, with the :data:`_MODEL` methods.
 _MODEL_BASES = (

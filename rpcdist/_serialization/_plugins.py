@@ -50,8 +50,9 @@ def register_extension(
     for other, (other_code, _) in PLUGINS.items():
         if other is cls and other_code != code:
             raise ConfigError(f"{cls.__qualname__} already has extension code {other_code}")
-    handle, rebuild = _handlers(code, f"{cls.__qualname__} (extension code {code})", encoder,
-                                decoder)  # fmt: skip
+    handle, rebuild = _handlers(
+        code, f"{cls.__qualname__} (extension code {code})", encoder, decoder
+    )
     forget_found()
     PLUGINS[cls] = (code, handle)
     ENCODERS[cls] = handle
@@ -123,8 +124,9 @@ def _check_code(code: int, owner: object) -> None:
         raise ConfigError(f"extension code {code} is already used by a family of classes")
 
 
-def _handlers(code: int, label: str, encoder: Callable[[Any, Any], Any],
-              decoder: Callable[[Any, Any], Any]) -> tuple[Any, Any]:  # fmt: skip
+def _handlers(
+    code: int, label: str, encoder: Callable[[Any, Any], Any], decoder: Callable[[Any, Any], Any]
+) -> tuple[Any, Any]:
     """The codec's encode handler and decoder for a plugin's ``encoder``/``decoder``."""
     mark = MARKS[code]
 

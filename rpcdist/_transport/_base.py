@@ -238,8 +238,9 @@ class TransportBase:
 
     name = ""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
-                 name: str) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int, name: str
+    ) -> None:
         self._loop = loop
         self._options = options
         self._rank = rank

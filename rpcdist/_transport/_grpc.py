@@ -196,8 +196,9 @@ class GrpcTransport(TransportBase):
 
     name = "grpc"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
-                 name: str) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int, name: str
+    ) -> None:
         super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
         self._server: grpc.aio.Server | None = None
@@ -256,9 +257,15 @@ class GrpcTransport(TransportBase):
 
         def make(hooks: Hooks, *, threaded: bool = False, same_host: bool = False) -> Link:
             del threaded  # gRPC streams are always driven by the loop
-            return GrpcLink(write=context.write, read=context.read, peer_rank=rank,
-                            label=f"worker {name!r}", hooks=hooks, options=self._options,
-                            segments=self.segments if same_host else None)  # fmt: skip
+            return GrpcLink(
+                write=context.write,
+                read=context.read,
+                peer_rank=rank,
+                label=f"worker {name!r}",
+                hooks=hooks,
+                options=self._options,
+                segments=self.segments if same_host else None,
+            )
 
         try:
             await self._accept(rank, name, False, make)
@@ -274,10 +281,16 @@ class GrpcTransport(TransportBase):
         if self._options.token is not None:
             md.append((MD_TOKEN, self._options.token))
         call = channel.stream_stream(STREAM_METHOD)(metadata=tuple(md), wait_for_ready=False)
-        link = GrpcLink(write=call.write, read=call.read, done_writing=call.done_writing,
-                        peer_rank=peer.rank, label=peer.label, hooks=hooks,
-                        options=self._options,
-                        segments=self.segments if peer.same_host else None)  # fmt: skip
+        link = GrpcLink(
+            write=call.write,
+            read=call.read,
+            done_writing=call.done_writing,
+            peer_rank=peer.rank,
+            label=peer.label,
+            hooks=hooks,
+            options=self._options,
+            segments=self.segments if peer.same_host else None,
+        )
         return link, self._run(link, call, channel, peer.label)
 
     async def _run(self, link: GrpcLink, call: Any, channel: grpc.aio.Channel, label: str) -> None:

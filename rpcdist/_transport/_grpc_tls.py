@@ -44,8 +44,9 @@ class GrpcTls:
                 pem[name] = Path(path or "").read_bytes()
             except OSError as e:
                 raise ConfigError(f"cannot read RpcOptions.{name} {path!r}: {e}") from e
-        return cls(pem["tls_cert_file"], pem["tls_key_file"], pem["tls_ca_file"],
-                   options.tls_mutual)  # fmt: skip
+        return cls(
+            pem["tls_cert_file"], pem["tls_key_file"], pem["tls_ca_file"], options.tls_mutual
+        )
 
     def server_credentials(self) -> Any:
         import grpc  # (here: only TLS stores and the gRPC transport need it)

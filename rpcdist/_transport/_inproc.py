@@ -91,8 +91,17 @@ class InprocLink(Link):
         if msg.on_packed is not None:
             msg.on_packed()
 
-    def _receive(self, id_: int, kind: int, method: str, header: bytes, parts: list[bytes],
-                 sizes: list[int], timeout_us: int, meta: dict[str, Any] | None) -> None:  # fmt: skip
+    def _receive(
+        self,
+        id_: int,
+        kind: int,
+        method: str,
+        header: bytes,
+        parts: list[bytes],
+        sizes: list[int],
+        timeout_us: int,
+        meta: dict[str, Any] | None,
+    ) -> None:
         if self._ended.done():
             return
         total = sum(sizes)
@@ -156,8 +165,9 @@ class InprocTransport(TransportBase):
 
     name = "inproc"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
-                 name: str) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int, name: str
+    ) -> None:
         super().__init__(loop, options, rank=rank, name=name)
         self._address = ""
         self._tasks: set[asyncio.Future[None]] = set()
@@ -170,8 +180,9 @@ class InprocTransport(TransportBase):
         return {"addr": self._address}
 
     def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
-        link = InprocLink(self._loop, peer_rank=peer.rank, label=peer.label, hooks=hooks,
-                          options=self._options)  # fmt: skip
+        link = InprocLink(
+            self._loop, peer_rank=peer.rank, label=peer.label, hooks=hooks, options=self._options
+        )
         return link, self._run(link, peer)
 
     async def _run(self, link: InprocLink, peer: Peer) -> None:
@@ -204,8 +215,13 @@ class InprocTransport(TransportBase):
 
         def make(hooks: Hooks, *, threaded: bool = False, same_host: bool = False) -> Link:
             del threaded, same_host
-            link = InprocLink(self._loop, peer_rank=rank, label=f"worker {name!r}", hooks=hooks,
-                              options=self._options)  # fmt: skip
+            link = InprocLink(
+                self._loop,
+                peer_rank=rank,
+                label=f"worker {name!r}",
+                hooks=hooks,
+                options=self._options,
+            )
             made.append(link)
             return link
 

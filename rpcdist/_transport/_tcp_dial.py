@@ -177,8 +177,13 @@ class TcpServer:
     """Accepts peer sockets, checks their hello and job token, then hands
     them to ``accept`` with a factory that wraps the socket in a link."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions,
-                 segments: Any, tls: TlsContexts | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        options: RpcOptions,
+        segments: Any,
+        tls: TlsContexts | None = None,
+    ) -> None:
         self._loop = loop
         self._options = options
         self._segments = segments
@@ -273,8 +278,14 @@ class TcpServer:
 
         def make(hooks: Hooks, *, threaded: bool = False, same_host: bool = False) -> Link:
             segments = self._segments if same_host else None
-            link = TcpLink(loop, peer_rank=rank, label=f"worker {name!r}", hooks=hooks,
-                           options=self._options, segments=segments)  # fmt: skip
+            link = TcpLink(
+                loop,
+                peer_rank=rank,
+                label=f"worker {name!r}",
+                hooks=hooks,
+                options=self._options,
+                segments=segments,
+            )
             link.attach(sock, threaded=threaded)
             return link
 
@@ -316,8 +327,9 @@ class TcpTransport(TransportBase):
 
     name = "tcp"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int,
-                 name: str) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, options: RpcOptions, *, rank: int, name: str
+    ) -> None:
         super().__init__(loop, options, rank=rank, name=name)
         self.segments = segment_writer(options)
         self._tls = tls_contexts(options)
@@ -342,8 +354,14 @@ class TcpTransport(TransportBase):
 
     def link(self, peer: Peer, hooks: Hooks) -> tuple[Link, Awaitable[None]]:
         segments = self.segments if peer.same_host else None
-        link = TcpLink(self._loop, peer_rank=peer.rank, label=peer.label, hooks=hooks,
-                       options=self._options, segments=segments)  # fmt: skip
+        link = TcpLink(
+            self._loop,
+            peer_rank=peer.rank,
+            label=peer.label,
+            hooks=hooks,
+            options=self._options,
+            segments=segments,
+        )
         return link, self._run(link, peer)
 
     async def _run(self, link: TcpLink, peer: Peer) -> None:
@@ -352,8 +370,14 @@ class TcpTransport(TransportBase):
 
     def threaded_link(self, peer: Peer, hooks: Hooks) -> TcpLink:
         """A link for one thread to drive (see :meth:`TcpLink.attach`), not yet attached."""
-        return TcpLink(self._loop, peer_rank=peer.rank, label=peer.label, hooks=hooks,
-                       options=self._options, segments=None)  # fmt: skip
+        return TcpLink(
+            self._loop,
+            peer_rank=peer.rank,
+            label=peer.label,
+            hooks=hooks,
+            options=self._options,
+            segments=None,
+        )
 
     async def dial(self, peer: Peer, *, sync: bool = False) -> socket.socket:
         """Connect to ``peer``: its same-host Unix socket first, if any, then TCP.
@@ -367,10 +391,15 @@ class TcpTransport(TransportBase):
         while True:
             try:
                 return await tcp_connect(
-                    str(peer.info["addr"]), peer.label, options=self._options,
-                    my_rank=self._rank, my_name=self._name, unix=unix, sync=sync,
+                    str(peer.info["addr"]),
+                    peer.label,
+                    options=self._options,
+                    my_rank=self._rank,
+                    my_name=self._name,
+                    unix=unix,
+                    sync=sync,
                     tls=self._tls,
-                )  # fmt: skip
+                )
             except Unreachable as e:  # e.g. another network namespace
                 _log.debug("dialling %s over TCP: %s", peer.label, e)
                 unix = None

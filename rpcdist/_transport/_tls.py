@@ -121,13 +121,20 @@ class TlsStream:
     serialises reads and writes (``TcpLink`` holds its write lock).
     """
 
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
-                 server_hostname: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: socket.socket,
+        ctx: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
         self.raw = sock
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
-        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server_side,
-                                server_hostname=server_hostname)  # fmt: skip
+        self.obj = ctx.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname
+        )
         self._rbuf = bytearray(_RECV_CHUNK)
         self._rview = memoryview(self._rbuf)
         self._unsent = memoryview(b"")

@@ -41,8 +41,9 @@ class context:
         self._token = CURRENT.set(ctx.id)
         return ctx.id
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         CURRENT.reset(self._token)
         if self._id is not None:
             ext(self._agent).release(self._id)

@@ -140,9 +140,14 @@ def _task(agent: Agent, ctx: DistContext, st: PassState, unreached: set[DistSend
         )
     starts = [*st.roots, *(s for s in ctx.sends.values() if s not in unreached)]
     leaf_done = functools.partial(_leaf_done, ctx) if ctx.reducers else None
-    task = GraphTask(starts, grad_map=ctx.grads, callback=_make_callback(agent, ctx, st),
-                     retain_graph=st.retain, eager_leaves=True,
-                     leaf_done=leaf_done)  # fmt: skip
+    task = GraphTask(
+        starts,
+        grad_map=ctx.grads,
+        callback=_make_callback(agent, ctx, st),
+        retain_graph=st.retain,
+        eager_leaves=True,
+        leaf_done=leaf_done,
+    )
     if not st.retain:
         ctx.freed_by = f"pass {st.key[1]} started by rank {st.key[0]}"
     return task
@@ -178,8 +183,11 @@ class _Run:
         self.calls: list[Started | Future[Any]] = []
 
     def send(self, agent: Agent, peer: int, payload: Any) -> None:
-        self.calls.append(agent.start_blocking(peer, GRADS, payload, deadline=_deadline(agent),
-                                               meta=None, label="autograd.grads"))  # fmt: skip
+        self.calls.append(
+            agent.start_blocking(
+                peer, GRADS, payload, deadline=_deadline(agent), meta=None, label="autograd.grads"
+            )
+        )
 
     def finish(self) -> None:
         """Wait for every reply (blocking); on the first error, give up the rest."""
@@ -290,16 +298,16 @@ def _merge(seeds: list[tuple[Node, Any]]) -> list[tuple[Node, Any]]:
 def _ask(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:
     """Blocking: whether ``send``'s receive function is reached in the pass."""
     payload = [ctx.id, list(st.key), send.message_id]
-    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
-                     internal=True)  # fmt: skip
+    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None, internal=True)
     return bool(got.wait())
 
 
 # ------------------------------------------------------------------ handlers
 
 
-def apply_grads(context_id: int, key_list: list[int], message_id: int, grads: list[Any],
-                retain: bool) -> None:  # fmt: skip
+def apply_grads(
+    context_id: int, key_list: list[int], message_id: int, grads: list[Any], retain: bool
+) -> None:
     """Gradients for this worker's send function of message ``message_id``:
     run what they make runnable, and wait for the gradient messages that
     sends on (a plain function, so it runs on the thread that serves the
@@ -356,14 +364,14 @@ def _ready(agent: Agent, ctx: DistContext, key: Key, retain: bool) -> PassState:
 
 def _ask_sent(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> Future[Any]:
     payload = [ctx.id, list(st.key), send.message_id]
-    return agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
-                      internal=True)  # fmt: skip
+    return agent.call(
+        send.peer, REACH, payload, deadline=_deadline(agent), meta=None, internal=True
+    )
 
 
 async def _ask_async(agent: Agent, ctx: DistContext, st: PassState, send: DistSend) -> bool:
     payload = [ctx.id, list(st.key), send.message_id]
-    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None,
-                     internal=True)  # fmt: skip
+    got = agent.call(send.peer, REACH, payload, deadline=_deadline(agent), meta=None, internal=True)
     return bool(await got)
 
 

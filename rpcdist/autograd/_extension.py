@@ -187,8 +187,9 @@ class AutogradExtension(BaseExtension):
         wire.extra.setdefault("undo", []).append(lambda: self._outbox.returned(token))
         return [token, ids]
 
-    def receive_releases(self, agent: Agent, src: WorkerInfo, value: Any,
-                         wire: WireContext) -> None:  # fmt: skip
+    def receive_releases(
+        self, agent: Agent, src: WorkerInfo, value: Any, wire: WireContext
+    ) -> None:
         """Releases that rode on a call from ``src``: free them, and say so in the reply."""
         if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)):
             return  # (malformed: the sender resends them the usual way)
@@ -247,8 +248,7 @@ class AutogradExtension(BaseExtension):
         link of its may have ended for another reason: it then keeps them)."""
         try:
             deadline = time.monotonic() + min(self.lease, 2.0)
-            await self.agent.call(creator, PING, None, deadline=deadline, meta=None,
-                                  internal=True)  # fmt: skip
+            await self.agent.call(creator, PING, None, deadline=deadline, meta=None, internal=True)
         except RpcdistError:
             for ctx in contexts:
                 if ctx.orphaned_at is not None:
@@ -356,8 +356,9 @@ async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -
         CURRENT.reset(token)
 
 
-def _as_agent(agent: Agent, run: LossBackward, context_id: int, loss: Any,
-              retain_graph: bool) -> None:  # fmt: skip
+def _as_agent(
+    agent: Agent, run: LossBackward, context_id: int, loss: Any, retain_graph: bool
+) -> None:
     token = bind_agent(agent)
     try:
         run(context_id, loss, retain_graph)

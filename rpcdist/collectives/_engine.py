@@ -60,12 +60,14 @@ class Engine(Protocol):
     def all_reduce(self, seq: int, xp: Xp, src: Any, dst: Any, op: ReduceOp, meta: Meta) -> None:
         """``dst`` = the reduction of every rank's ``src``."""
 
-    def reduce(self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp,
-               meta: Meta) -> None:  # fmt: skip
+    def reduce(
+        self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp, meta: Meta
+    ) -> None:
         """The reduction into ``out`` on group rank ``root`` (``None`` elsewhere)."""
 
-    def reduce_scatter(self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp,
-                       meta: Meta) -> None:  # fmt: skip
+    def reduce_scatter(
+        self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp, meta: Meta
+    ) -> None:
         """``out`` on rank q = the reduction of every rank's ``ins[q]``."""
 
     def broadcast(self, seq: int, buf: Any, root: int, meta: Meta) -> None:
@@ -74,12 +76,10 @@ class Engine(Protocol):
     def all_gather(self, seq: int, buf: Any, outs: Sequence[Any], meta: Meta) -> None:
         """Every rank's ``buf`` into ``outs[rank]`` everywhere."""
 
-    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int,
-               meta: Meta) -> None:  # fmt: skip
+    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int, meta: Meta) -> None:
         """Every rank's ``buf`` into ``outs[rank]`` on ``root``."""
 
-    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int,
-                meta: Meta) -> None:  # fmt: skip
+    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int, meta: Meta) -> None:
         """``ins[rank]`` of ``root`` into ``buf`` on every rank."""
 
     def all_to_all(self, seq: int, outs: Sequence[Any], ins: Sequence[Any], meta: Meta) -> None:
@@ -146,13 +146,15 @@ class LocalOps:
         if dst is not src:
             xp.copy(dst, src)
 
-    def reduce(self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp,
-               meta: Meta) -> None:  # fmt: skip
+    def reduce(
+        self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp, meta: Meta
+    ) -> None:
         if out is not None and out is not src:
             xp.copy(out, src)
 
-    def reduce_scatter(self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp,
-                       meta: Meta) -> None:  # fmt: skip
+    def reduce_scatter(
+        self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp, meta: Meta
+    ) -> None:
         xp.copy(out, ins[0])
 
     def broadcast(self, seq: int, buf: np.ndarray, root: int, meta: Meta) -> None:
@@ -161,18 +163,21 @@ class LocalOps:
     def all_gather(self, seq: int, src: np.ndarray, outs: Sequence[np.ndarray], meta: Meta) -> None:
         np.copyto(outs[0], src)
 
-    def gather(self, seq: int, src: np.ndarray, outs: Sequence[np.ndarray] | None, root: int,
-               meta: Meta) -> None:  # fmt: skip
+    def gather(
+        self, seq: int, src: np.ndarray, outs: Sequence[np.ndarray] | None, root: int, meta: Meta
+    ) -> None:
         assert outs is not None
         np.copyto(outs[0], src)
 
-    def scatter(self, seq: int, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int,
-                meta: Meta) -> None:  # fmt: skip
+    def scatter(
+        self, seq: int, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, meta: Meta
+    ) -> None:
         assert ins is not None
         np.copyto(out, ins[0])
 
-    def all_to_all(self, seq: int, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray],
-                   meta: Meta) -> None:  # fmt: skip
+    def all_to_all(
+        self, seq: int, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], meta: Meta
+    ) -> None:
         np.copyto(outs[0], ins[0])
 
     def barrier(self, seq: int, meta: Meta) -> None:
@@ -213,8 +218,9 @@ class HostEngine:
             return
         self._run(self.inner.all_reduce(seq, xp, src, dst, op, meta))
 
-    def reduce(self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp,
-               meta: Meta) -> None:  # fmt: skip
+    def reduce(
+        self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp, meta: Meta
+    ) -> None:
         if self._on_host(xp, src):
             h = xp.host_view(src)
             mine = None if out is None else h
@@ -224,8 +230,9 @@ class HostEngine:
             return
         self._run(self.inner.reduce(seq, xp, src, out, root, op, meta))
 
-    def reduce_scatter(self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp,
-                       meta: Meta) -> None:  # fmt: skip
+    def reduce_scatter(
+        self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp, meta: Meta
+    ) -> None:
         self._run(self.inner.reduce_scatter(seq, xp, ins, out, op, meta))
 
     def broadcast(self, seq: int, buf: Any, root: int, meta: Meta) -> None:
@@ -242,15 +249,13 @@ class HostEngine:
         self._run(self.inner.all_gather(seq, host_in(buf), [h for h, _ in staged], meta))
         _finish(staged)
 
-    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int,
-               meta: Meta) -> None:  # fmt: skip
+    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int, meta: Meta) -> None:
         staged = [host_out(o) for o in outs] if outs is not None else []
         hosts = [h for h, _ in staged] if outs is not None else None
         self._run(self.inner.gather(seq, host_in(buf), hosts, root, meta))
         _finish(staged)
 
-    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int,
-                meta: Meta) -> None:  # fmt: skip
+    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int, meta: Meta) -> None:
         host, done = host_out(buf)
         hins = [host_in(i) for i in ins] if ins is not None else None
         self._run(self.inner.scatter(seq, host, hins, root, meta))
@@ -298,12 +303,14 @@ class NcclEngineOps:
     def all_reduce(self, seq: int, xp: Xp, src: Any, dst: Any, op: ReduceOp, meta: Meta) -> None:
         self._do("all_reduce", meta, src=src, dst=dst, op=op)
 
-    def reduce(self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp,
-               meta: Meta) -> None:  # fmt: skip
+    def reduce(
+        self, seq: int, xp: Xp, src: Any, out: Any | None, root: int, op: ReduceOp, meta: Meta
+    ) -> None:
         self._do("reduce", meta, src=src, dst=src, op=op, root=root)
 
-    def reduce_scatter(self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp,
-                       meta: Meta) -> None:  # fmt: skip
+    def reduce_scatter(
+        self, seq: int, xp: Xp, ins: Sequence[Any], out: Any, op: ReduceOp, meta: Meta
+    ) -> None:
         self._do("reduce_scatter", meta, src=xp.module.concatenate(list(ins)), out=out, op=op)
 
     def broadcast(self, seq: int, buf: Any, root: int, meta: Meta) -> None:
@@ -321,12 +328,10 @@ class NcclEngineOps:
     def _unsupported(self, what: str) -> None:
         raise AssertionError(f"NCCL does not run {what}")  # engine_for never routes it here
 
-    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int,
-               meta: Meta) -> None:  # fmt: skip
+    def gather(self, seq: int, buf: Any, outs: Sequence[Any] | None, root: int, meta: Meta) -> None:
         self._unsupported("gather")
 
-    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int,
-                meta: Meta) -> None:  # fmt: skip
+    def scatter(self, seq: int, buf: Any, ins: Sequence[Any] | None, root: int, meta: Meta) -> None:
         self._unsupported("scatter")
 
     def all_to_all(self, seq: int, outs: Sequence[Any], ins: Sequence[Any], meta: Meta) -> None:

@@ -142,8 +142,9 @@ class LSTMFn(Function):
             idx = tuple(range(base, base + per))
             _put_weight_grads(xp, flat, x, saved[layer], idx, now, grads)
             if any(then[i] for i in idx):
-                jobs.append(functools.partial(_put_weight_grads, xp, flat, x, saved[layer],
-                                              idx, then))  # fmt: skip
+                jobs.append(
+                    functools.partial(_put_weight_grads, xp, flat, x, saved[layer], idx, then)
+                )
             if layer or now[0]:
                 g_seq = input_grad(xp, flat, x, w_ih)
             elif then[0]:
@@ -166,9 +167,14 @@ class LSTMFn(Function):
 
 
 def _put_weight_grads(
-    xp: Any, flat: Any, x: Any, saved: Saved, idx: tuple[int, ...], mask: Sequence[bool],
+    xp: Any,
+    flat: Any,
+    x: Any,
+    saved: Saved,
+    idx: tuple[int, ...],
+    mask: Sequence[bool],
     out: list[Any],
-) -> None:  # fmt: skip
+) -> None:
     """Put the gradients ``mask`` asks for of one layer's weights (at ``idx``:
     ``w_ih, w_hh`` and, with biases, ``b_ih, b_hh``) into ``out``."""
     want_b = len(idx) == 4 and (mask[idx[2]] or mask[idx[3]])

@@ -51,8 +51,13 @@ class RemoteModule(Generic[M]):
 
     __module__ = "rpcdist.nn"
 
-    def __init__(self, to: str | int | WorkerInfo, module_cls: type[M], args: Any = (),
-                 kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        to: str | int | WorkerInfo,
+        module_cls: type[M],
+        args: Any = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         agent = current_agent()
         self.owner = agent.worker(to)
         name = agent.function_name(module_cls)

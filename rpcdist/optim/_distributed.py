@@ -137,8 +137,9 @@ class DistributedOptimizer:
 
     __module__ = "rpcdist.optim"
 
-    def __init__(self, optimizer_class: type, params_rref: Iterable[RRef[Tensor]],
-                 **defaults: Any) -> None:  # fmt: skip
+    def __init__(
+        self, optimizer_class: type, params_rref: Iterable[RRef[Tensor]], **defaults: Any
+    ) -> None:
         agent = current_agent()
         rrefs = list(params_rref)
         if not rrefs:
@@ -239,8 +240,12 @@ class DistributedOptimizer:
                 f"DistributedOptimizer.load_state_dict: saved for {state_dict.get('optimizer')}, "
                 f"this one is {self._class_name}"
             )
-        _wait_all([opt.rpc_async().load_state_dict(st)
-                   for opt, st in zip(self._locals, state_dict["states"])])  # fmt: skip
+        _wait_all(
+            [
+                opt.rpc_async().load_state_dict(st)
+                for opt, st in zip(self._locals, state_dict["states"])
+            ]
+        )
         self.param_groups = [dict(g) for g in state_dict["param_groups"]]
         self._sent = {}  # send every hyperparameter with the next step
 

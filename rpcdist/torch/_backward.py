@@ -249,16 +249,15 @@ def _run_root(roots: list[torch.Tensor], leaves: list[torch.Tensor], retain_grap
         torch.autograd.backward(roots, inputs=leaves, retain_graph=retain_graph)
         return
     ones = tuple(torch.ones_like(r, memory_format=torch.preserve_format) for r in roots)
-    _RUN_ENGINE(tuple(roots), ones, retain_graph, False, tuple(leaves), True,
-                accumulate_grad=True)  # fmt: skip
+    _RUN_ENGINE(tuple(roots), ones, retain_graph, False, tuple(leaves), True, accumulate_grad=True)
 
 
-def _grads_below(out: torch.Tensor, grad: torch.Tensor,
-                 leaves: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+def _grads_below(
+    out: torch.Tensor, grad: torch.Tensor, leaves: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
     """The gradients of ``leaves`` given ``grad`` at ``out`` (``None``: not reached)."""
     if _RUN_ENGINE is not None:
-        return _RUN_ENGINE((out,), (grad,), True, False, tuple(leaves), True,
-                           accumulate_grad=False)  # fmt: skip
+        return _RUN_ENGINE((out,), (grad,), True, False, tuple(leaves), True, accumulate_grad=False)
     # sum(out * grad) has exactly ``grad`` as its gradient at ``out``; seeding it
     # instead of passing ``grad_outputs`` spares the sympy import (see above).
     with torch.enable_grad():

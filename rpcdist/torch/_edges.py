@@ -101,8 +101,9 @@ class RecvFunction(torch.autograd.Function):  # type: ignore[misc]  # Any withou
     """Identity on a received tensor; its backward sends the gradient home."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, data: torch.Tensor, deliver: Any,
-                index: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, anchor: torch.Tensor, data: torch.Tensor, deliver: Any, index: int
+    ) -> torch.Tensor:
         ctx.deliver = deliver
         ctx.index = index
         return data.clone() if data.is_sparse else data.view_as(data)  # (no sparse views)
@@ -135,8 +136,9 @@ class _DeliverFunction(torch.autograd.Function):  # type: ignore[misc]  # Any wi
     and sends the gradient the device half left in ``box`` home."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, box: list[Any], deliver: Any,
-                index: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, anchor: torch.Tensor, box: list[Any], deliver: Any, index: int
+    ) -> torch.Tensor:
         ctx.box = box
         ctx.deliver = deliver
         ctx.index = index

@@ -123,8 +123,9 @@ class _Gathers(BaseExtension):
             del self._rounds[key]
         rnd.done.set_exception(exc)
 
-    def _fail_where(self, pick: Callable[[_Round], bool],
-                    error: Callable[[], BaseException]) -> None:  # fmt: skip
+    def _fail_where(
+        self, pick: Callable[[_Round], bool], error: Callable[[], BaseException]
+    ) -> None:
         with self._lock:
             rounds = [(k, r) for k, r in self._rounds.items() if pick(r)]
         for key, rnd in rounds:
@@ -138,8 +139,9 @@ class _Gathers(BaseExtension):
     def close(self) -> None:
         self._fail_where(lambda r: True, lambda: ClosedError("the rpcdist agent shut down"))
 
-    async def gather(self, key: str, name: str, obj: Any, names: list[str],
-                     timeout: float | None) -> dict[str, Any]:  # fmt: skip
+    async def gather(
+        self, key: str, name: str, obj: Any, names: list[str], timeout: float | None
+    ) -> dict[str, Any]:
         """Bring ``obj`` to round ``key`` (here, at its leader) and wait for
         the whole map, at most ``timeout`` seconds (on the loop)."""
         rnd = self.arrive(key, name, obj, names)
@@ -159,8 +161,9 @@ def _gathers(agent: Agent) -> _Gathers:
     return agent.extension(_Gathers.name, lambda: _Gathers(agent))
 
 
-async def gather_at_leader(key: str, name: str, obj: Any, names: list[str],
-                           timeout: float | None) -> dict[str, Any]:  # fmt: skip
+async def gather_at_leader(
+    key: str, name: str, obj: Any, names: list[str], timeout: float | None
+) -> dict[str, Any]:
     """A follower's object arrives at the leader; the reply is the whole map."""
     return await _gathers(current_agent()).gather(key, name, obj, names, timeout)
 
@@ -169,8 +172,9 @@ def _names(agent: Agent, worker_names: Iterable[str] | None) -> list[str]:
     if not worker_names:
         return sorted(w.name for w in agent.workers)
     if isinstance(worker_names, str):
-        raise ConfigError(f"_all_gather: worker_names must be a collection of names, got "
-                          f"{worker_names!r}")  # fmt: skip
+        raise ConfigError(
+            f"_all_gather: worker_names must be a collection of names, got {worker_names!r}"
+        )
     names = sorted(set(worker_names))
     for n in names:
         agent.worker(n)  # ConfigError for an unknown name
@@ -188,8 +192,9 @@ def _seconds(agent: Agent, timeout: Any) -> float | None:
     return agent.rpc_timeout if isinstance(seconds, Unset) else seconds
 
 
-def all_gather(obj: Any, worker_names: Iterable[str] | None = None,
-               timeout: float = UNSET_RPC_TIMEOUT) -> dict[str, Any]:  # fmt: skip
+def all_gather(
+    obj: Any, worker_names: Iterable[str] | None = None, timeout: float = UNSET_RPC_TIMEOUT
+) -> dict[str, Any]:
     """``{name: obj}`` of every worker in ``worker_names`` (default: all).
 
     Every worker of the set must call it; calls over the same set pair up in
@@ -216,8 +221,10 @@ def all_gather(obj: Any, worker_names: Iterable[str] | None = None,
     leader = names[0]
     if leader != agent.name:
         got: dict[str, Any] = _api.rpc_sync(
-            leader, gather_at_leader, args=(key, agent.name, obj, names, seconds),
+            leader,
+            gather_at_leader,
+            args=(key, agent.name, obj, names, seconds),
             timeout=None if seconds is None else seconds + _GRACE,
-        )  # fmt: skip
+        )
         return got
     return agent.run(g.gather(key, agent.name, obj, names, seconds), "_all_gather()")

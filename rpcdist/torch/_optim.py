@@ -75,9 +75,18 @@ class _FunctionalSGD:
         present = [g for g in grads if g is not None]
         bufs = [self.buffers.get(p) for p in with_grad]
         with torch.no_grad():
-            sgd(with_grad, present, bufs, foreach=h["foreach"], weight_decay=h["weight_decay"],
-                momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
-                nesterov=h["nesterov"], maximize=h["maximize"])  # fmt: skip
+            sgd(
+                with_grad,
+                present,
+                bufs,
+                foreach=h["foreach"],
+                weight_decay=h["weight_decay"],
+                momentum=h["momentum"],
+                lr=h["lr"],
+                dampening=h["dampening"],
+                nesterov=h["nesterov"],
+                maximize=h["maximize"],
+            )
         if h["momentum"] != 0:
             for p, buf in zip(with_grad, bufs):
                 self.buffers[p] = buf
@@ -102,8 +111,9 @@ class _ThroughGrad:
                 p.grad = old
 
 
-def _make_optimizer(cls: Any, params: list[torch.Tensor], args: list[Any],
-                    kwargs: dict[str, Any]) -> _FunctionalSGD | _ThroughGrad:  # fmt: skip
+def _make_optimizer(
+    cls: Any, params: list[torch.Tensor], args: list[Any], kwargs: dict[str, Any]
+) -> _FunctionalSGD | _ThroughGrad:
     """What steps ``params`` as ``cls(params, *args, **kwargs)`` would, given
     the gradients: the functional twin for plain SGD, else ``cls`` itself."""
     if cls is torch.optim.SGD:
@@ -122,8 +132,13 @@ def _make_optimizer(cls: Any, params: list[torch.Tensor], args: list[Any],
 class _LocalOptimizer:
     """An owner's optimizer over its parameters (called through its RRef's proxy)."""
 
-    def __init__(self, optimizer_class: str, param_rrefs: list[RRef[torch.Tensor]],
-                 args: list[Any], kwargs: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        optimizer_class: str,
+        param_rrefs: list[RRef[torch.Tensor]],
+        args: list[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
         self.params = [r.local_value() for r in param_rrefs]
         self.optimizer = _make_optimizer(resolve(optimizer_class), self.params, args, kwargs)
         self.lock = threading.Lock()
@@ -154,8 +169,9 @@ class DistributedOptimizer:
 
     __module__ = "rpcdist.torch.optim"
 
-    def __init__(self, optimizer_class: Any, params_rref: list[RRef[torch.Tensor]],
-                 *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, optimizer_class: Any, params_rref: list[RRef[torch.Tensor]], *args: Any, **kwargs: Any
+    ) -> None:
         by_owner: dict[int, tuple[WorkerInfo, list[RRef[torch.Tensor]]]] = {}
         for rref in params_rref:
             owner = rref.owner()

@@ -40,8 +40,13 @@ def _key(kind: str, to: str | int | WorkerInfo, func: Any) -> str:
     return f"{kind}#{name}({agent.name} -> {agent.worker(to).name})"
 
 
-def profiled(kind: str, to: str | int | WorkerInfo, func: Any, call: Callable[[], T],
-             until: Callable[[T], Future[Any] | None] | None = None) -> T:  # fmt: skip
+def profiled(
+    kind: str,
+    to: str | int | WorkerInfo,
+    func: Any,
+    call: Callable[[], T],
+    until: Callable[[T], Future[Any] | None] | None = None,
+) -> T:
     """``call()`` inside a profiler range named for ``kind``, ``func`` and the
     workers; the range ends when the Future ``until(result)`` gives completes
     (at once without ``until``, or when it gives ``None``)."""

@@ -33,8 +33,9 @@ def _parameter_rrefs(module_rref: RRef[torch.nn.Module], recurse: bool) -> list[
 def _owner_of(remote_device: str) -> tuple[str | int, str]:
     """``"ps"``, ``"ps/cpu"``, ``"rank:1/cpu"`` -> ``(worker, device)``."""
     if not isinstance(remote_device, str) or not remote_device:
-        raise ConfigError(f"RemoteModule: remote_device must be 'worker[/device]', got "
-                          f"{remote_device!r}")  # fmt: skip
+        raise ConfigError(
+            f"RemoteModule: remote_device must be 'worker[/device]', got {remote_device!r}"
+        )
     worker, _, device = remote_device.partition("/")
     if worker.startswith("rank:"):
         raw = worker[len("rank:") :]
@@ -47,12 +48,36 @@ def _owner_of(remote_device: str) -> tuple[str | int, str]:
 #: ``nn.Module`` methods that would act on the local stand-in, not on the
 #: module: refused, as torch's RemoteModule refuses them.
 _NOT_HERE = (
-    "add_module", "apply", "bfloat16", "buffers", "children", "cpu", "cuda", "double",
-    "extra_repr", "float", "half", "ipu", "load_state_dict", "named_buffers", "named_children",
-    "named_parameters", "parameters", "register_backward_hook", "register_buffer",
-    "register_forward_hook", "register_forward_pre_hook", "register_parameter",
-    "requires_grad_", "share_memory", "state_dict", "to", "type", "xpu", "zero_grad",
-)  # fmt: skip
+    "add_module",
+    "apply",
+    "bfloat16",
+    "buffers",
+    "children",
+    "cpu",
+    "cuda",
+    "double",
+    "extra_repr",
+    "float",
+    "half",
+    "ipu",
+    "load_state_dict",
+    "named_buffers",
+    "named_children",
+    "named_parameters",
+    "parameters",
+    "register_backward_hook",
+    "register_buffer",
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_parameter",
+    "requires_grad_",
+    "share_memory",
+    "state_dict",
+    "to",
+    "type",
+    "xpu",
+    "zero_grad",
+)
 
 
 def _refuse(name: str) -> Any:
@@ -96,8 +121,13 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
 
     __module__ = "rpcdist.torch.nn"
 
-    def __init__(self, remote_device: str, module_cls: type[torch.nn.Module],
-                 args: Any = None, kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: type[torch.nn.Module],
+        args: Any = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         if isinstance(module_cls, type) and not issubclass(module_cls, torch.nn.Module):
             raise ConfigError(
@@ -115,8 +145,9 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
             self.module_rref = remote(self.owner, _to_device, args=(self.module_rref, device))
 
     @staticmethod
-    def init_from_module_rref(remote_device: str, module_rref: RRef[torch.nn.Module],
-                              _module_interface_cls: Any = None) -> RemoteModule:  # fmt: skip
+    def init_from_module_rref(
+        remote_device: str, module_rref: RRef[torch.nn.Module], _module_interface_cls: Any = None
+    ) -> RemoteModule:
         """A RemoteModule over a module that already lives in ``module_rref``
         (made there by ``rpc.remote``, or another RemoteModule's), sharing it.
 
@@ -130,8 +161,10 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
         """
         _, device = _owner_of(remote_device)
         if not isinstance(module_rref, RRef):
-            raise ConfigError(f"init_from_module_rref: expected an RRef to a module, got "
-                              f"{type(module_rref).__name__}")  # fmt: skip
+            raise ConfigError(
+                f"init_from_module_rref: expected an RRef to a module, got "
+                f"{type(module_rref).__name__}"
+            )
         return _make(module_rref.owner(), module_rref, device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,9 +242,12 @@ def _make(owner: WorkerInfo, module_rref: RRef[torch.nn.Module], device: str) ->
 
 def _decode(payload: Any, wire: Any) -> RemoteModule:
     if not (
-        isinstance(payload, list) and len(payload) == 3 and isinstance(payload[0], WorkerInfo)
-        and isinstance(payload[1], RRef) and isinstance(payload[2], str)
-    ):  # fmt: skip
+        isinstance(payload, list)
+        and len(payload) == 3
+        and isinstance(payload[0], WorkerInfo)
+        and isinstance(payload[1], RRef)
+        and isinstance(payload[2], str)
+    ):
         raise SerializationError("malformed RemoteModule payload")
     return _make(*payload)
 

@@ -81,8 +81,9 @@ class RpcBackendOptions:
 
     __module__ = "rpcdist.torch.rpc"
 
-    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
-                 init_method: str = DEFAULT_INIT_METHOD) -> None:  # fmt: skip
+    def __init__(
+        self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str = DEFAULT_INIT_METHOD
+    ) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, int | float):
             raise _ArgumentTypeError(
                 "incompatible constructor arguments: rpc_timeout must be seconds (a float), "
@@ -113,11 +114,18 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     __module__ = "rpcdist.torch.rpc"
 
-    def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
-                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
-                 init_method: str = DEFAULT_INIT_METHOD, device_maps: dict[Any, Any] | None = None,
-                 devices: list[Any] | None = None, _transports: Any = None,
-                 _channels: Any = None, rpcdist_options: RpcOptions | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        device_maps: dict[Any, Any] | None = None,
+        devices: list[Any] | None = None,
+        _transports: Any = None,
+        _channels: Any = None,
+        rpcdist_options: RpcOptions | None = None,
+    ) -> None:
         if rpcdist_options is not None and not isinstance(rpcdist_options, RpcOptions):
             raise ConfigError(
                 "TensorPipeRpcBackendOptions(rpcdist_options=...) must be an rpcdist.RpcOptions, "
@@ -242,9 +250,13 @@ def _check_init_args(backend: Any, opts: Any) -> RpcBackendOptions:
     return opts
 
 
-def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
-             world_size: int | None = None,
-             rpc_backend_options: TensorPipeRpcBackendOptions | None = None) -> None:  # fmt: skip
+def init_rpc(
+    name: str,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: TensorPipeRpcBackendOptions | None = None,
+) -> None:
     """Start this worker and rendezvous with the others (``torch.distributed.rpc.init_rpc``).
 
     When ``torch.distributed.init_process_group`` already runs a store at the
@@ -269,48 +281,72 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
     r = None if rank is None or rank < 0 else rank
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
     init_method = _rendezvous(opts.init_method, r, world_size)
-    _api.init_rpc(name, r, world_size, init_method=init_method, rpc_timeout=timeout,
-                  num_worker_threads=opts.num_worker_threads,
-                  options=opts.rpcdist_options)  # fmt: skip
+    _api.init_rpc(
+        name,
+        r,
+        world_size,
+        init_method=init_method,
+        rpc_timeout=timeout,
+        num_worker_threads=opts.num_worker_threads,
+        options=opts.rpcdist_options,
+    )
 
 
-def rpc_sync(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-             timeout: float = UNSET_RPC_TIMEOUT) -> Any:  # fmt: skip
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
     """Run ``func(*args, **kwargs)`` on ``to`` and return its result.
 
     Raises:
         RpcTimeoutError: no reply within ``timeout`` (``-1``: the default, ``0``: none).
         Exception: what ``func`` raised there (same type where possible).
     """
-    call = functools.partial(_api.rpc_sync, to, func, args=_args(args), kwargs=kwargs,
-                             timeout=_timeout(timeout))  # fmt: skip
+    call = functools.partial(
+        _api.rpc_sync, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
+    )
     return profiled("rpc_sync", to, func, call) if enabled() else call()
 
 
-def rpc_async(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-              timeout: float = UNSET_RPC_TIMEOUT) -> Future[Any]:  # fmt: skip
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[Any]:
     """Run ``func(*args, **kwargs)`` on ``to``; a Future of its result.
 
     Raises:
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    call = functools.partial(_api.rpc_async, to, func, args=_args(args), kwargs=kwargs,
-                             timeout=_timeout(timeout))  # fmt: skip
+    call = functools.partial(
+        _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
+    )
     fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
     return adopt(fut)  # (then() callbacks may block, as torch's)
 
 
-def remote(to: str | int | WorkerInfo, func: Any, args: Any = None, kwargs: Any = None,
-           timeout: float = UNSET_RPC_TIMEOUT) -> RRef[Any]:  # fmt: skip
+def remote(
+    to: str | int | WorkerInfo,
+    func: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[Any]:
     """Run ``func(*args, **kwargs)`` on ``to`` and return an RRef to the result at once.
 
     Raises:
         ConfigError: unknown worker.
         SerializationError: an argument cannot be sent.
     """
-    call = functools.partial(_remote, to, func, args=_args(args), kwargs=kwargs,
-                             timeout=_timeout(timeout))  # fmt: skip
+    call = functools.partial(
+        _remote, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
+    )
     return profiled("remote", to, func, call, until=_created) if enabled() else call()
 
 

@@ -114,16 +114,22 @@ def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
         raise SerializationError("malformed sparse tensor payload")
     indices, values, shape, coalesced, requires_grad, index = payload
     if not (
-        isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)
-        and indices.dtype == torch.int64 and indices.dim() == 2
-        and isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-        and type(coalesced) is bool and type(requires_grad) is bool
-        and type(index) is int and (index < 0 or (requires_grad and TENSOR_GRAD_HOOKS))
-    ):  # fmt: skip
+        isinstance(indices, torch.Tensor)
+        and isinstance(values, torch.Tensor)
+        and indices.dtype == torch.int64
+        and indices.dim() == 2
+        and isinstance(shape, list)
+        and all(type(n) is int and n >= 0 for n in shape)
+        and type(coalesced) is bool
+        and type(requires_grad) is bool
+        and type(index) is int
+        and (index < 0 or (requires_grad and TENSOR_GRAD_HOOKS))
+    ):
         raise SerializationError("malformed sparse tensor payload")
     try:
-        out = torch.sparse_coo_tensor(indices, values, shape, is_coalesced=coalesced,
-                                      check_invariants=True)  # fmt: skip
+        out = torch.sparse_coo_tensor(
+            indices, values, shape, is_coalesced=coalesced, check_invariants=True
+        )
     except RuntimeError as e:
         raise SerializationError(f"received an invalid sparse tensor: {e}") from e
     if index >= 0:  # the receive edge of a tensor sent inside an autograd context

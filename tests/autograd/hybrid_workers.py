@@ -26,8 +26,11 @@ def table() -> nn.Module:
 
 def dense() -> nn.Module:
     g = rt.Generator().manual_seed(8)
-    return nn.Sequential(nn.Linear(DIM, 6, dtype=np.float64, generator=g), nn.Tanh(),
-                         nn.Linear(6, OUT, dtype=np.float64, generator=g))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(DIM, 6, dtype=np.float64, generator=g),
+        nn.Tanh(),
+        nn.Linear(6, OUT, dtype=np.float64, generator=g),
+    )
 
 
 def batch(step: int, trainer: int) -> tuple[Any, Any]:
@@ -36,8 +39,13 @@ def batch(step: int, trainer: int) -> tuple[Any, Any]:
 
 
 def run(rank: int, world: int, init_method: str) -> dict[str, Any]:
-    rpcdist.init_rpc(f"w{rank}", rank=rank, world_size=world, init_method=init_method,
-                     options=rpcdist.RpcOptions(token=None))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank=rank,
+        world_size=world,
+        init_method=init_method,
+        options=rpcdist.RpcOptions(token=None),
+    )
     dist.init_process_group()
     trainers = dist.new_group([1, 2])
     out: dict[str, Any] = {}
@@ -91,8 +99,10 @@ def oracle() -> dict[str, Any]:
             for p in [*tab.parameters(), *den.parameters()]:
                 p.grad = None
             F.cross_entropy(den(tab(ids)), y).backward()
-            per[trainer] = ([p.grad.data.copy() for p in den.parameters()],
-                            tab.weight.grad.data.copy())  # fmt: skip
+            per[trainer] = (
+                [p.grad.data.copy() for p in den.parameters()],
+                tab.weight.grad.data.copy(),
+            )
         avg = [(a + b) / 2 for a, b in zip(per[1][0], per[2][0])]
         if step == 0:
             dense_grads0 = avg
@@ -101,5 +111,8 @@ def oracle() -> dict[str, Any]:
                 p.data -= LR * g
             for trainer in (1, 2):
                 tabs[trainer].weight.data -= LR * per[trainer][1]
-    return {"dense_grads": dense_grads0, "dense": den.state_dict(),
-            "table": {t: tabs[t].weight.data for t in (1, 2)}}  # fmt: skip
+    return {
+        "dense_grads": dense_grads0,
+        "dense": den.state_dict(),
+        "table": {t: tabs[t].weight.data for t in (1, 2)},
+    }

@@ -96,14 +96,19 @@ def test_a_pipeline_of_linear_stages_equals_the_oracle(agents):
             with dist_autograd.context() as cid:
                 y = rpcdist.rpc_sync("worker1", af.linear_stage, args=(x, ["worker2"]))
                 dist_autograd.backward(cid, [(y * x).sum()])
-                got.append({
-                    "x": dist_autograd.get_gradients(cid)[x],
-                    **{f"{n}1": g for n, g in _remote_grads("worker1", cid).items()},
-                    **{f"{n}2": g for n, g in _remote_grads("worker2", cid).items()},
-                })  # fmt: skip
+                got.append(
+                    {
+                        "x": dist_autograd.get_gradients(cid)[x],
+                        **{f"{n}1": g for n, g in _remote_grads("worker1", cid).items()},
+                        **{f"{n}2": g for n, g in _remote_grads("worker2", cid).items()},
+                    }
+                )
     xo = Tensor(x0.copy(), requires_grad=True)
-    p = {f"{n}{w}": _w(shape, seed=s + k) for w, k in (("1", 1), ("2", 0))
-         for n, shape, s in (("W", (4, 4), 10), ("b", (4,), 20))}  # fmt: skip
+    p = {
+        f"{n}{w}": _w(shape, seed=s + k)
+        for w, k in (("1", 1), ("2", 0))
+        for n, shape, s in (("W", (4, 4), 10), ("b", (4,), 20))
+    }
     h = rt.tanh(F.linear(xo, p["W1"], p["b1"]))
     (rt.tanh(F.linear(h, p["W2"], p["b2"])) * xo).sum().backward()
     expected = {"x": xo.grad.data, **{n: t.grad.data for n, t in p.items()}}
@@ -136,16 +141,21 @@ def test_an_lstm_between_two_parameter_servers_equals_the_oracle(agents):
                 logits = rpcdist.rpc_sync("worker2", af.decode, args=(out,))
                 dist_autograd.backward(cid, [(logits * logits).sum()])
                 here = dist_autograd.get_gradients(cid)
-                got.append({
-                    **{n: here[p] for n, p in mine.named_parameters()},
-                    **_remote_grads("worker1", cid), **_remote_grads("worker2", cid),
-                })  # fmt: skip
+                got.append(
+                    {
+                        **{n: here[p] for n, p in mine.named_parameters()},
+                        **_remote_grads("worker1", cid),
+                        **_remote_grads("worker2", cid),
+                    }
+                )
     oracle = lstm()
     p = {"E": _w((7, 3), 30), "D": _w((5, 4), 31), "d": _w((5,), 32)}
     out, _ = oracle(F.embedding(tokens, p["E"]))
     (F.linear(out, p["D"], p["d"]) ** 2).sum().backward()
-    expected = {**{n: t.grad.data for n, t in oracle.named_parameters()},
-                **{n: t.grad.data for n, t in p.items()}}  # fmt: skip
+    expected = {
+        **{n: t.grad.data for n, t in oracle.named_parameters()},
+        **{n: t.grad.data for n, t in p.items()},
+    }
     for run in got:
         assert set(run) == set(expected)
         for name, g in expected.items():

@@ -430,8 +430,9 @@ def test_host_engine_never_routes_host_buffers_or_a_group_of_one_through_copies(
     inner, xp = _Inner(limit=1 << 20), Xp()
     engine = HostEngine(inner, None)  # type: ignore[arg-type]
     buf = np.ones(4, np.float32)
-    engine.all_reduce(1, xp, buf, buf, ReduceOp.SUM, Meta("all_reduce", 1, ReduceOp.SUM, -1,
-                                                       buf.dtype, buf.shape))  # fmt: skip
+    engine.all_reduce(
+        1, xp, buf, buf, ReduceOp.SUM, Meta("all_reduce", 1, ReduceOp.SUM, -1, buf.dtype, buf.shape)
+    )
     assert inner.seen == [("all_reduce", True, True)]
     assert not LocalOps().reduces_on_host(4)
 

@@ -72,8 +72,10 @@ def test_a_failure_on_one_node_restarts_both_from_the_checkpoint(tmp_path, launc
     # The round ends at the first failure a launcher reports: rank 1's crash or,
     # when node 0 polls first, rank 0 failing in its all_reduce (its peer is
     # gone). A node that reported no failure of its own names the other's.
-    own = [bool(re.search(rf"worker rank {k} \(pid \d+\) exited with code -?\d+", out))
-           for k, (_, out) in enumerate(outs)]  # fmt: skip
+    own = [
+        bool(re.search(rf"worker rank {k} \(pid \d+\) exited with code -?\d+", out))
+        for k, (_, out) in enumerate(outs)
+    ]
     assert any(own), outs
     for k, (_, out) in enumerate(outs):
         other = rf"stopping the workers: worker rank {1 - k} on node {1 - k} exited with code -?\d+"

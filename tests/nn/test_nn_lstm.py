@@ -258,8 +258,13 @@ def test_a_split_pass_over_pooled_buffers_equals_an_unpooled_plain_pass(
         assert edge is not None
         grads: dict[rt.Tensor, object] = {}
         for _ in range(2):
-            task = rt.GraphTask([edge[0]], grad_map=grads, callback=lambda n, g: None,
-                                eager_leaves=True, retain_graph=True)  # fmt: skip
+            task = rt.GraphTask(
+                [edge[0]],
+                grad_map=grads,
+                callback=lambda n, g: None,
+                eager_leaves=True,
+                retain_graph=True,
+            )
             task.execute(rt.tensor_roots([loss]))
         for p in lstm.parameters():
             np.testing.assert_allclose(grads[p], 2 * want[p], rtol=1e-12)

@@ -63,8 +63,9 @@ def test_load_state_dict_takes_tensors_arrays_and_lists_and_names_misfits() -> N
     ):
         dst.load_state_dict({**state, "fc.bias": np.zeros(3)})
     with pytest.raises(ConfigError, match=r"missing keys \['steps'\], unexpected keys \['extra'\]"):
-        dst.load_state_dict({"fc.weight": state["fc.weight"], "fc.bias": [0.0, 0.0],
-                             "extra": [1.0]})  # fmt: skip
+        dst.load_state_dict(
+            {"fc.weight": state["fc.weight"], "fc.bias": [0.0, 0.0], "extra": [1.0]}
+        )
     keys = dst.load_state_dict({"fc.bias": [2.0, 2.0], "extra": [1.0]}, strict=False)
     assert keys.missing_keys == ["fc.weight", "steps"] and keys.unexpected_keys == ["extra"]
     assert dst.fc.bias.numpy().tolist() == [2.0, 2.0]

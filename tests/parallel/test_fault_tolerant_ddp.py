@@ -233,13 +233,28 @@ def test_the_launcher_restarts_only_the_dead_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(ROOT), FT_HOLD="12", OPENBLAS_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", "3", "--restart-policy",
-        "rank", "--max-restarts", "1", str(WORKER), str(tmp_path), "30", "5:mid_allreduce:1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "rpcdist.launch",
+        "--nproc-per-node",
+        "3",
+        "--restart-policy",
+        "rank",
+        "--max-restarts",
+        "1",
+        str(WORKER),
+        str(tmp_path),
+        "30",
+        "5:mid_allreduce:1",
+    ]
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         marker = tmp_path / "kill1-5"
         end = time.monotonic() + 120

@@ -220,8 +220,9 @@ def run(n: int, seed: int = 0, *, progress: Callable[[int], None] | None = None)
 def _stream(data: bytes, rnd: random.Random, loop: Any, opts: Any, counts: Counts) -> None:
     counts.streams += 1
     got: list[Any] = []
-    link = _tcp.TcpLink(loop, peer_rank=1, label="fuzz", hooks=Hooks(lambda _, m: got.append(m)),
-                        options=opts)  # fmt: skip
+    link = _tcp.TcpLink(
+        loop, peer_rank=1, label="fuzz", hooks=Hooks(lambda _, m: got.append(m)), options=opts
+    )
     link._sock = _FakeSock(data, rnd)  # type: ignore[assignment]
     for _ in range(len(data) + 2):
         if link._sock is None:

@@ -37,8 +37,9 @@ class _Keep(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def chains_job(rank: int, world_size: int, init: str, chains: int, depth: int,
-               timeout: float) -> dict[str, Any]:  # fmt: skip
+def chains_job(
+    rank: int, world_size: int, init: str, chains: int, depth: int, timeout: float
+) -> dict[str, Any]:
     """Ranks from the launcher's environment; pools of 2 threads. Rank 0
     starts ``chains`` :func:`bounce` chains of ``depth`` at once; it reports
     their outcomes and the warnings each rank logged (rank 1 sends them

@@ -37,8 +37,9 @@ def kill_trial(
     seeded random moment) during ``scenario``; the others report what their
     calls raised and how their graceful shutdown went."""
     rnd = random.Random(seed * 31 + rank)
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init, rpc_timeout=20,
-                     options=_options())  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}", rank, world_size, init_method=init, rpc_timeout=20, options=_options()
+    )
     me = rank == victim
     others = [r for r in range(world_size) if r != rank]
     # Every rank is past init_rpc before anyone dies. (Not waiting for the
@@ -121,8 +122,7 @@ def sigstop_job(
     ranks 0 and 1 then make calls without a deadline to it, and use an RRef
     it owns: each must fail, typed, once the detector declares it lost."""
     opts = _options(heartbeat_interval=interval, peer_timeout=peer_timeout)
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init, rpc_timeout=None,
-                     options=opts)  # fmt: skip
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init, rpc_timeout=None, options=opts)
     if rank == 2:
         time.sleep(60)  # stopped meanwhile, then killed by the test
         return {}
@@ -158,8 +158,14 @@ def sigstop_job(
 
 def grpc_kill_job(rank: int, world_size: int, init: str) -> dict[str, Any]:
     """On the gRPC transport, rank 1 is killed inside a call from rank 0."""
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init, rpc_timeout=20,
-                     options=_options(transport="grpc"))  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}",
+        rank,
+        world_size,
+        init_method=init,
+        rpc_timeout=20,
+        options=_options(transport="grpc"),
+    )
     if rank == 1:
         time.sleep(30)
         return {}
@@ -187,12 +193,14 @@ def netns_job(
 
     netlab.enter(lab["namespaces"][rank])
     me, ips = lab["ips"][rank], lab["ips"]
-    options = rpcdist.RpcOptions(token="t", listen_host=me, local_sockets=False,
-                                 shutdown_timeout=30, **opts)  # fmt: skip
+    options = rpcdist.RpcOptions(
+        token="t", listen_host=me, local_sockets=False, shutdown_timeout=30, **opts
+    )
     del init  # the store is served by host 0, on its own address
     store = f"tcp://{ips[0]}:{lab['port']}"
-    rpcdist.init_rpc(f"h{rank}", rank, world_size, init_method=store, rpc_timeout=60,
-                     options=options)  # fmt: skip
+    rpcdist.init_rpc(
+        f"h{rank}", rank, world_size, init_method=store, rpc_timeout=60, options=options
+    )
     others = [r for r in range(world_size) if r != rank]
     out: dict[str, Any] = {"rtt_ms": {}}
     for r in others:  # RPC both ways between every pair of hosts
@@ -235,8 +243,11 @@ def netns_job(
     detected: dict[str, float] = {}
     targets = [2] if rank != 2 else [0, 1]
     while len(detected) < len(targets):
-        futs = {r: rpcdist.rpc_async(r, rf.add, args=(1, 1), timeout=None) for r in targets
-                if f"h{r}" not in detected}  # fmt: skip
+        futs = {
+            r: rpcdist.rpc_async(r, rf.add, args=(1, 1), timeout=None)
+            for r in targets
+            if f"h{r}" not in detected
+        }
         for r, f in futs.items():
             try:
                 f.wait()
@@ -257,8 +268,9 @@ def netns_job(
 def kill_detect_job(rank: int, world_size: int, init: str, stamp: str) -> dict[str, Any]:
     """Rank 1 dies (SIGKILL) inside a call from rank 0, stamping the time of
     death; rank 0 reports when its call failed, and the error."""
-    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init, rpc_timeout=30,
-                     options=_options())  # fmt: skip
+    rpcdist.init_rpc(
+        f"w{rank}", rank, world_size, init_method=init, rpc_timeout=30, options=_options()
+    )
     if rank == 1:
         time.sleep(30)
         return {}

@@ -35,8 +35,11 @@ def _dial_as_other_job(rank: int, world_size: int, init: str, address: str) -> d
     out["without_token"] = peer.refused
     peer.close()
     try:
-        mine.run(tcp_connect(address, "them", options=mine.links.transport._options,
-                             my_rank=1, my_name="worker1"))  # fmt: skip
+        mine.run(
+            tcp_connect(
+                address, "them", options=mine.links.transport._options, my_rank=1, my_name="worker1"
+            )
+        )
         out["transport"] = "connected"
     except rpcdist.ConnectError as e:
         out["transport"] = str(e)

@@ -32,15 +32,26 @@ def test_the_plan_is_seeded_covers_every_pair_and_spares_the_observer():
 
 
 def test_the_summary_counts_hangs_untyped_errors_and_times_by_fault():
-    ok = campaign.Trial("rpc", "SIGKILL", 1, True, {0: ("error", "WorkerLostError", 0.01),
-                                                  2: ("error", "WorkerLostError", 0.02)})  # fmt: skip
-    hung = campaign.Trial("ddp", "SIGSTOP", 2, True, {0: ("error", "CollectiveError", 4.0)},
-                          hung=[1])  # fmt: skip
-    odd = campaign.Trial("rref", "linkdrop", 1, True, {0: ("error", "KeyError", 3.0),
-                                                     2: ("completed", "", 9.0)}, untyped=[0])  # fmt: skip
+    ok = campaign.Trial(
+        "rpc",
+        "SIGKILL",
+        1,
+        True,
+        {0: ("error", "WorkerLostError", 0.01), 2: ("error", "WorkerLostError", 0.02)},
+    )
+    hung = campaign.Trial(
+        "ddp", "SIGSTOP", 2, True, {0: ("error", "CollectiveError", 4.0)}, hung=[1]
+    )
+    odd = campaign.Trial(
+        "rref",
+        "linkdrop",
+        1,
+        True,
+        {0: ("error", "KeyError", 3.0), 2: ("completed", "", 9.0)},
+        untyped=[0],
+    )
     s = campaign.summarize([ok, hung, odd])
-    assert s["kinds"]["rpc"] == {"trials": 1, "hangs": 0, "untyped": 0, "failed": 0,
-                                 "completed": 0}  # fmt: skip
+    assert s["kinds"]["rpc"] == {"trials": 1, "hangs": 0, "untyped": 0, "failed": 0, "completed": 0}
     assert s["kinds"]["ddp"]["hangs"] == 1 and s["kinds"]["rref"]["untyped"] == 1
     assert s["kinds"]["rref"]["completed"] == 1
     assert s["times"] == {"SIGKILL": [0.01, 0.02], "SIGSTOP": [4.0], "linkdrop": [3.0]}

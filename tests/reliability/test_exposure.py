@@ -66,7 +66,9 @@ def _pickle_file(marker: Path) -> str:
 
 #: Gadgets that act: ``name -> (function, (args, kwargs) for a marker path)``.
 #: Each creates the marker file when it runs.
-ACTING: dict[str, tuple[Callable[[], Any], Callable[[Path], tuple[tuple[Any, ...], dict[str, Any]]]]] = {
+ACTING: dict[
+    str, tuple[Callable[[], Any], Callable[[Path], tuple[tuple[Any, ...], dict[str, Any]]]]
+] = {
     "_osx_support:_read_output": (
         lambda: importlib.import_module("_osx_support")._read_output,
         lambda m: ((f"touch {m}",), {}),
@@ -84,7 +86,7 @@ ACTING: dict[str, tuple[Callable[[], Any], Callable[[Path], tuple[tuple[Any, ...
     ),
     "numpy:save": (lambda: np.save, lambda m: ((str(m), np.zeros(2)), {})),
     "numpy:load": (lambda: np.load, lambda m: ((_pickle_file(m),), {"allow_pickle": True})),
-}  # fmt: skip
+}
 #: Gadgets that read: ``name -> (function, path)``.
 READING = {
     "linecache:getlines": (linecache.getlines, "/etc/shadow"),
@@ -92,8 +94,9 @@ READING = {
 }
 
 
-def _run(agent: Any, path: str, fn: Callable[..., Any], args: tuple[Any, ...],
-         kwargs: dict[str, Any]) -> Any:  # fmt: skip
+def _run(
+    agent: Any, path: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Call ``fn`` on worker 1 through ``path``."""
     if path == "rpc_sync":
         return agent.rpc_sync(1, fn, args=args, kwargs=kwargs)
@@ -200,8 +203,9 @@ def by_raw_name(monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_peer_cannot_import_code_it_planted_on_the_callee(tmp_path, monkeypatch, by_raw_name,
-                                                             path):  # fmt: skip
+def test_a_peer_cannot_import_code_it_planted_on_the_callee(
+    tmp_path, monkeypatch, by_raw_name, path
+):
     marker = tmp_path / "imported"
     (tmp_path / "evil_mod.py").write_text(
         f"open({str(marker)!r}, 'w').close()\n\ndef f(*args):\n    return 'ran'\n"
@@ -268,11 +272,19 @@ def test_expose_admits_a_function_of_any_module_process_wide():
 
 
 def test_allowlist_refuses_rpcdists_own_functions_but_runs_its_protocols():
-    opts = rpcdist.RpcOptions(token=None, transport="inproc", callable_policy="allowlist",
-                              allowed_callables=(rf.ones, rpcdist.nn.Linear))  # fmt: skip
+    opts = rpcdist.RpcOptions(
+        token=None,
+        transport="inproc",
+        callable_policy="allowlist",
+        allowed_callables=(rf.ones, rpcdist.nn.Linear),
+    )
     with local_agents(2, options=opts) as (a, _), as_current(a):
-        for fn, args in [(rpcdist.save, ({}, "/tmp/x")), (rpcdist.statistics, ()),
-                         (rpcdist.debug_info, ()), (rf.add, (1, 2))]:  # fmt: skip
+        for fn, args in [
+            (rpcdist.save, ({}, "/tmp/x")),
+            (rpcdist.statistics, ()),
+            (rpcdist.debug_info, ()),
+            (rf.add, (1, 2)),
+        ]:
             with pytest.raises(rpcdist.CallPolicyError, match="refuses"):
                 a.rpc_sync(1, fn, args=args)
         rref = rpcdist.remote(1, rf.ones, args=(4,))  # RRef creation (create_value)
@@ -346,8 +358,18 @@ def test_an_unexposed_exception_type_arrives_as_a_remote_error():
 # ------------------------------------------------------------------ sweeps
 
 #: Modules that must not be imported even to look at them (they act on import).
-_SKIP_IMPORT = {"antigravity", "this", "tkinter", "turtle", "turtledemo", "idlelib", "_tkinter",
-                "__hello__", "__phello__", "__main__"}  # fmt: skip
+_SKIP_IMPORT = {
+    "antigravity",
+    "this",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "idlelib",
+    "_tkinter",
+    "__hello__",
+    "__phello__",
+    "__main__",
+}
 #: The only modules whose callables the default policy admits by name.
 PURE_MODULES = {"math", "cmath", "operator", "_operator", "builtins", "time", "collections"}
 
@@ -388,8 +410,14 @@ def test_sweep_the_standard_library_admits_only_pure_computation():
     # In a child process: importing the whole standard library here would
     # change what later tests find in sys.modules.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    child = subprocess.run([sys.executable, __file__, "--sweep-stdlib"], env=env, timeout=300,
-                           capture_output=True, text=True, check=False)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, __file__, "--sweep-stdlib"],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     swept, admitted = json.loads(child.stdout.strip().splitlines()[-1])
     assert swept > 5000
@@ -410,11 +438,29 @@ def test_sweep_numpy_admits_math_and_refuses_files_and_pickles():
             resolve_function(f"numpy:{attr}")
             admitted.add(attr)
     assert {"add", "sum", "matmul", "mean", "dot", "concatenate", "zeros", "array"} <= admitted
-    files = {"save", "savez", "savez_compressed", "savetxt", "load", "loadtxt", "genfromtxt",
-             "fromfile", "fromregex", "memmap", "DataSource", "frompyfunc", "vectorize"}  # fmt: skip
+    files = {
+        "save",
+        "savez",
+        "savez_compressed",
+        "savetxt",
+        "load",
+        "loadtxt",
+        "genfromtxt",
+        "fromfile",
+        "fromregex",
+        "memmap",
+        "DataSource",
+        "frompyfunc",
+        "vectorize",
+    }
     assert not files & admitted
-    for name in ("numpy.lib.format:open_memmap", "numpy.lib.npyio:DataSource",
-                 "numpy.ctypeslib:load_library", "numpy:ndarray.tofile", "numpy:ndarray.dump"):  # fmt: skip
+    for name in (
+        "numpy.lib.format:open_memmap",
+        "numpy.lib.npyio:DataSource",
+        "numpy.ctypeslib:load_library",
+        "numpy:ndarray.tofile",
+        "numpy:ndarray.dump",
+    ):
         with pytest.raises(rpcdist.CallPolicyError):
             resolve_function(name)
     assert callable(resolve_function("numpy.linalg:norm"))
@@ -429,8 +475,15 @@ def test_sweep_torch_admits_tensor_math_only():
     from rpcdist._serialization._exposure import CURATED
 
     admitted = set()
-    for modname in ("torch", "torch._C", "torch.nn.functional", "torch.hub", "torch.serialization",
-                    "torch.utils.cpp_extension", "torch.jit"):  # fmt: skip
+    for modname in (
+        "torch",
+        "torch._C",
+        "torch.nn.functional",
+        "torch.hub",
+        "torch.serialization",
+        "torch.utils.cpp_extension",
+        "torch.jit",
+    ):
         for attr in _callables(sys.modules[modname]):
             with contextlib.suppress(rpcdist.CallPolicyError, rpcdist.SerializationError):
                 resolve_function(f"{modname}:{attr}")
@@ -438,8 +491,15 @@ def test_sweep_torch_admits_tensor_math_only():
     allowed = {f"{m}:{n}" for m in ("torch", "torch.nn.functional") for n in CURATED[m]}
     assert admitted <= allowed, sorted(admitted - allowed)
     assert {"torch:add", "torch:matmul", "torch:ones", "torch:rand"} <= admitted
-    for name in ("torch:load", "torch:save", "torch:from_file", "torch.hub:load",
-                 "torch:ops.load_library", "torch._C:_pickle_load_obj", "torch:Tensor.storage"):  # fmt: skip
+    for name in (
+        "torch:load",
+        "torch:save",
+        "torch:from_file",
+        "torch.hub:load",
+        "torch:ops.load_library",
+        "torch._C:_pickle_load_obj",
+        "torch:Tensor.storage",
+    ):
         with pytest.raises((rpcdist.CallPolicyError, rpcdist.SerializationError)):
             resolve_function(name)
     assert callable(resolve_function("torch:ops.aten.mul.Tensor"))

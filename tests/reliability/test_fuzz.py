@@ -34,8 +34,14 @@ def test_a_hundred_thousand_mutated_streams_and_hellos_crash_nothing():
 
 _frame = st.builds(
     lambda i, kind, first, last, sizes, data, shm: rpc_pb2.Frame(
-        id=i, kind=kind, first=first, last=last, method="m", buffer_sizes=sizes,
-        data_len=data, shm_path=shm,
+        id=i,
+        kind=kind,
+        first=first,
+        last=last,
+        method="m",
+        buffer_sizes=sizes,
+        data_len=data,
+        shm_path=shm,
     ),
     st.integers(0, 3),
     st.sampled_from([rpc_pb2.CALL, rpc_pb2.REPLY, rpc_pb2.P2P, rpc_pb2.INTERNAL]),
@@ -44,7 +50,7 @@ _frame = st.builds(
     st.lists(st.one_of(st.integers(0, 64), st.integers(0, 1 << 44)), max_size=3),
     st.integers(0, 80),
     st.sampled_from(["", "/etc/passwd", "/dev/shm/rpcdist-msg-x"]),
-)  # fmt: skip
+)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

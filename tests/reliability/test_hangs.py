@@ -89,8 +89,11 @@ def test_silent_link_is_declared_lost_even_when_the_loop_runs():
     """A partition, emulated in process: worker2's heartbeats (and replies)
     are dropped by fault injection while its loop runs on."""
     faults = FaultInjector()
-    opts = [FAST, FAST, rpcdist.RpcOptions(token=None, heartbeat_interval=0.1, peer_timeout=0.6,
-                                           faults=faults)]  # fmt: skip
+    opts = [
+        FAST,
+        FAST,
+        rpcdist.RpcOptions(token=None, heartbeat_interval=0.1, peer_timeout=0.6, faults=faults),
+    ]
     with local_agents(3, options=opts) as (a, b, c):
         assert a.rpc_sync(2, rf.add, args=(1, 2)) == 3
         faults.add("heartbeat", "drop", times=None)

@@ -94,8 +94,9 @@ def test_the_second_opinion_tells_a_stopped_process_from_a_paused_one():
     """The verdict on a silent same-host peer, with a real process as its
     stand-in: running, it is paused (up to ``pause_timeout``); stopped, it is
     lost once suspected; gone, at once. Without a view, the remote window."""
-    opts = rpcdist.RpcOptions(token=None, heartbeat_interval=0.1, peer_timeout=1.0,
-                              pause_timeout=20.0)  # fmt: skip
+    opts = rpcdist.RpcOptions(
+        token=None, heartbeat_interval=0.1, peer_timeout=1.0, pause_timeout=20.0
+    )
     proc = subprocess.Popen(["sleep", "60"])
     try:
         with local_agents(2, options=opts) as (a, _b):

@@ -163,10 +163,15 @@ def test_allowed_entries_and_allowlist_mode_for_rref_proxy_methods(tmp_path):
     import numpy as np
 
     target = tmp_path / "written"
-    allowed = rpcdist.RpcOptions(token=None, transport="inproc",
-                                 allowed_callables=("numpy:ndarray.tofile",))  # fmt: skip
-    only = rpcdist.RpcOptions(token=None, transport="inproc", callable_policy="allowlist",
-                              allowed_callables=("numpy:zeros",))  # fmt: skip
+    allowed = rpcdist.RpcOptions(
+        token=None, transport="inproc", allowed_callables=("numpy:ndarray.tofile",)
+    )
+    only = rpcdist.RpcOptions(
+        token=None,
+        transport="inproc",
+        callable_policy="allowlist",
+        allowed_callables=("numpy:zeros",),
+    )
     with local_agents(2, options=allowed) as (a, _), as_current(a):
         rref = rpcdist.remote(1, np.zeros, args=(3,))
         rref.rpc_sync().tofile(str(target))  # allowed by name

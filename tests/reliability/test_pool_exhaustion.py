@@ -90,8 +90,9 @@ def test_nested_blocking_calls_back_and_forth_complete_on_pools_of_two(fn, caplo
     end only at their deadline."""
     with local_agents(2, num_worker_threads=2, rpc_timeout=60) as (a, b):
         with as_current(a):
-            futs = [rpcdist.rpc_async("worker1", fn, args=(4, "worker1", "worker0"))
-                    for _ in range(3)]  # fmt: skip
+            futs = [
+                rpcdist.rpc_async("worker1", fn, args=(4, "worker1", "worker0")) for _ in range(3)
+            ]
             assert [f.wait(60) for f in futs] == [4] * 3
         for agent in (a, b):
             _wait_for(lambda agent=agent: agent.executor.debug_info()["threads"] <= 2)
@@ -108,8 +109,12 @@ def test_past_its_growth_the_pool_warns_before_the_deadline_and_errors_say_why(c
     their deadline with errors that say the pool was exhausted and what to do."""
     with local_agents(2, num_worker_threads=2, rpc_timeout=8) as (a, b):
         with as_current(a):
-            futs = [rpcdist.rpc_async("worker1", pf.bounce, args=(8, "worker1", "worker0"),
-                                      timeout=None) for _ in range(12)]  # fmt: skip
+            futs = [
+                rpcdist.rpc_async(
+                    "worker1", pf.bounce, args=(8, "worker1", "worker0"), timeout=None
+                )
+                for _ in range(12)
+            ]
 
         def warned() -> list[str]:
             messages = [r.getMessage() for r in caplog.records]

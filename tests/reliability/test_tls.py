@@ -65,9 +65,14 @@ def _dial(agent, options) -> str:
 
     async def go() -> str:
         try:
-            sock = await tcp_connect(agent.links.address(0), "w0", options=options,
-                                     my_rank=1, my_name="worker1",
-                                     tls=tls_contexts(options))  # fmt: skip
+            sock = await tcp_connect(
+                agent.links.address(0),
+                "w0",
+                options=options,
+                my_rank=1,
+                my_name="worker1",
+                tls=tls_contexts(options),
+            )
         except rpcdist.ConnectError as e:
             return str(e)
         sock.close()
@@ -105,9 +110,12 @@ def test_a_client_that_does_not_trust_the_servers_ca_refuses_it(pki):
 
 
 def test_tls_files_that_cannot_be_loaded_are_a_config_error(pki, tmp_path):
-    bad = rpcdist.RpcOptions(token="t", tls_cert_file=str(tmp_path / "missing.pem"),
-                             tls_key_file=str(tmp_path / "missing.key"),
-                             tls_ca_file=pki["worker"]["tls_ca_file"])  # fmt: skip
+    bad = rpcdist.RpcOptions(
+        token="t",
+        tls_cert_file=str(tmp_path / "missing.pem"),
+        tls_key_file=str(tmp_path / "missing.key"),
+        tls_ca_file=pki["worker"]["tls_ca_file"],
+    )
     with pytest.raises(rpcdist.ConfigError, match="missing.pem"):
         tls_contexts(bad)
 

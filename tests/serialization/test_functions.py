@@ -109,10 +109,18 @@ class _Shape(enum.Enum):
 
 @pytest.mark.parametrize(
     "cls",
-    [int, ValueError, np.ndarray, np.float32, collections.OrderedDict, collections.abc.Mapping,
-     _Shape, Helpers],
+    [
+        int,
+        ValueError,
+        np.ndarray,
+        np.float32,
+        collections.OrderedDict,
+        collections.abc.Mapping,
+        _Shape,
+        Helpers,
+    ],
     ids=lambda c: c.__qualname__,
-)  # fmt: skip
+)
 def test_classes_travel_by_name_as_functions_do(cls: type) -> None:
     # (classes of other metaclasses too: abc.ABCMeta, enum.EnumMeta; decoded
     # on a trusted worker: the default policy refuses collections.abc's)
@@ -280,8 +288,9 @@ def test_a_module_being_imported_by_another_thread_is_waited_for(tmp_path, monke
     """Two first calls into one module at once: the second waits for the first's
     import instead of finding the module half made."""
     entered, gate = threading.Event(), threading.Event()
-    monkeypatch.setitem(sys.modules, "_rpcdist_test_gate", types.SimpleNamespace(
-        entered=entered, gate=gate))  # fmt: skip
+    monkeypatch.setitem(
+        sys.modules, "_rpcdist_test_gate", types.SimpleNamespace(entered=entered, gate=gate)
+    )
     (tmp_path / "_rpcdist_slow_mod.py").write_text(
         "import _rpcdist_test_gate as g\ng.entered.set()\ng.gate.wait(30)\n\n"
         "def f():\n    return 7\n"

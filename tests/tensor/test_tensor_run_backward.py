@@ -279,8 +279,13 @@ def test_a_retained_split_graph_gives_the_same_gradients_twice() -> None:
     maps: list[dict[Tensor, Any]] = [{}, {}]
     sent: list[Any] = []
     for grads in maps:
-        task = GraphTask([node_of(loss)], grad_map=grads, eager_leaves=True, retain_graph=True,
-                         callback=lambda n, g: sent.append(g[0]))  # fmt: skip
+        task = GraphTask(
+            [node_of(loss)],
+            grad_map=grads,
+            eager_leaves=True,
+            retain_graph=True,
+            callback=lambda n, g: sent.append(g[0]),
+        )
         task.execute(tensor_roots([loss]))
     np.testing.assert_array_equal(maps[0][w], maps[1][w])
     np.testing.assert_array_equal(sent[0], sent[1])
@@ -305,8 +310,9 @@ def test_a_failure_in_the_deferred_half_fails_the_pass_naming_the_node() -> None
     w = rt.tensor(np.ones(3), requires_grad=True)
     loss = WeightFails.call(x, w).sum()
     sent: list[Node] = []
-    task = GraphTask([node_of(loss)], grad_map={}, callback=lambda n, g: sent.append(n),
-                     eager_leaves=True)  # fmt: skip
+    task = GraphTask(
+        [node_of(loss)], grad_map={}, callback=lambda n, g: sent.append(n), eager_leaves=True
+    )
     with pytest.raises(AutogradError, match="WeightFailsBackward failed in backward: no gradient"):
         task.execute(tensor_roots([loss]))
     assert sent == [recv]  # the upstream half went first
@@ -325,9 +331,13 @@ def test_parameters_above_a_receive_function_wait_unless_ddp_wants_them_early(dd
     grads: dict[Tensor, Any] = {}
     held: list[bool] = []
     done: list[Tensor] = []
-    task = GraphTask([node_of(loss)], grad_map=grads, eager_leaves=True,
-                     callback=lambda n, g: held.append(w in grads),
-                     leaf_done=done.append if ddp else None)  # fmt: skip
+    task = GraphTask(
+        [node_of(loss)],
+        grad_map=grads,
+        eager_leaves=True,
+        callback=lambda n, g: held.append(w in grads),
+        leaf_done=done.append if ddp else None,
+    )
     task.execute(tensor_roots([loss]))
     assert held == [ddp]
     assert w in grads and done == ([w] if ddp else [])

@@ -23,9 +23,13 @@ NUM_CLASSES, BATCH, BATCHES = 5, 8, 4
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(), nn.Linear(4, NUM_CLASSES),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, NUM_CLASSES),
+    )
 
 
 class BatchUpdateParameterServer:

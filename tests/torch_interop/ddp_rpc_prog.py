@@ -76,8 +76,12 @@ def run(rank: int, world: int, init_method: str, flavor: str, pg_init: str, step
     out = None
     if rank == 2:
         M.rpc.init_rpc("master", rank=rank, world_size=world, rpc_backend_options=opts)
-        emb = M.RemoteModule("ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
-                             kwargs={"mode": "sum"})  # fmt: skip
+        emb = M.RemoteModule(
+            "ps",
+            torch.nn.EmbeddingBag,
+            args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
+            kwargs={"mode": "sum"},
+        )
         futs = [M.rpc.rpc_async(f"trainer{r}", run_trainer, args=(emb, r, steps)) for r in (0, 1)]
         out = [f.wait() for f in futs]
     elif rank <= 1:

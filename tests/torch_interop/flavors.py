@@ -24,9 +24,13 @@ def use(flavor: str) -> types.SimpleNamespace:
         import rpcdist.torch.rpc as rpc
         from rpcdist.torch.nn import RemoteModule
         from rpcdist.torch.optim import DistributedOptimizer
-    return types.SimpleNamespace(rpc=rpc, dist_autograd=dist_autograd, futures=futures,
-                                 DistributedOptimizer=DistributedOptimizer,
-                                 RemoteModule=RemoteModule)  # fmt: skip
+    return types.SimpleNamespace(
+        rpc=rpc,
+        dist_autograd=dist_autograd,
+        futures=futures,
+        DistributedOptimizer=DistributedOptimizer,
+        RemoteModule=RemoteModule,
+    )
 
 
 def init_method_for(flavor: str, init_method: str) -> str:

@@ -23,11 +23,17 @@ class Shard(nn.Module):
         torch.manual_seed(1 if first else 2)
         self._lock = threading.Lock()
         if first:
-            self.seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                     nn.MaxPool2d(2))  # fmt: skip
+            self.seq = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)
+            )
         else:
-            self.seq = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
-                                     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))  # fmt: skip
+            self.seq = nn.Sequential(
+                nn.Conv2d(8, 8, 3, padding=1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(8, 4),
+            )
 
     def forward(self, x_rref: Any) -> torch.Tensor:
         x = x_rref.to_here()
@@ -53,8 +59,10 @@ class DistNet(nn.Module):
         return torch.cat(M.futures.wait_all(futs))
 
     def parameter_rrefs(self) -> list[Any]:
-        return [*self.p1_rref.remote().parameter_rrefs().to_here(),
-                *self.p2_rref.remote().parameter_rrefs().to_here()]  # fmt: skip
+        return [
+            *self.p1_rref.remote().parameter_rrefs().to_here(),
+            *self.p2_rref.remote().parameter_rrefs().to_here(),
+        ]
 
 
 def run_master(split_size: int, batches: int = 4) -> list[float]:

@@ -61,8 +61,11 @@ class Observer:
         rewards = torch.zeros(n_steps)
         start, ep_reward = 0, n_steps
         for step in range(n_steps):
-            action = M.rpc.rpc_sync(agent_rref.owner(), Agent.select_action_batch,
-                                    args=(agent_rref, self.id, state.unsqueeze(0)))  # fmt: skip
+            action = M.rpc.rpc_sync(
+                agent_rref.owner(),
+                Agent.select_action_batch,
+                args=(agent_rref, self.id, state.unsqueeze(0)),
+            )
             state, reward, done = self.env.step(action)
             rewards[step] = reward
             if done or step + 1 >= n_steps:

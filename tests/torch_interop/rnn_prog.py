@@ -59,8 +59,9 @@ class Decoder(nn.Module):
 
 
 class RNNModel(nn.Module):
-    def __init__(self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int,
-                 dropout: float = 0.5) -> None:  # fmt: skip
+    def __init__(
+        self, ps: str, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.5
+    ) -> None:
         super().__init__()
         self.emb_rref = M.rpc.remote(ps, Embedding, args=(ntoken, ninp, dropout))
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
@@ -72,8 +73,11 @@ class RNNModel(nn.Module):
         return remote_method(Decoder.forward, self.dec_rref, output), hidden
 
     def parameter_rrefs(self) -> list[Any]:
-        return [*remote_method(param_rrefs, self.emb_rref), *param_rrefs(self.rnn),
-                *remote_method(param_rrefs, self.dec_rref)]  # fmt: skip
+        return [
+            *remote_method(param_rrefs, self.emb_rref),
+            *param_rrefs(self.rnn),
+            *remote_method(param_rrefs, self.dec_rref),
+        ]
 
 
 def train(
@@ -81,8 +85,10 @@ def train(
 ) -> list[float]:
     batch, ntoken, ninp, nhid, nindices, nlayers = sizes
     g = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(nlayers, nindices, nhid, generator=g),
-              torch.randn(nlayers, nindices, nhid, generator=g))  # fmt: skip
+    hidden = (
+        torch.randn(nlayers, nindices, nhid, generator=g),
+        torch.randn(nlayers, nindices, nhid, generator=g),
+    )
     model = RNNModel("ps", ntoken, ninp, nhid, nlayers)
     opt = M.DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
     M.rpc.rpc_sync("ps", seed, args=(12,))  # the server's dropout, from here on

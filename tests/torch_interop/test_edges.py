@@ -294,8 +294,7 @@ torch.testing.assert_close(got, xo.grad)
 assert "rpcdist.torch.rpc" not in sys.modules
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
@@ -339,8 +338,17 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         assert [p.shape for p in model.parameters()] == [(1, 2), (1,)]
         model.train(False)
         assert model(x).shape == (4, 1)
-        refusals = ("to", "parameters", "state_dict", "zero_grad", "cuda", "modules",
-                    "named_modules", "children", "extra_repr")  # fmt: skip
+        refusals = (
+            "to",
+            "parameters",
+            "state_dict",
+            "zero_grad",
+            "cuda",
+            "modules",
+            "named_modules",
+            "children",
+            "extra_repr",
+        )
         with pytest.raises(
             ValueError, match=r"not supported for RemoteModule\. Please use ``remote_parameters``"
         ):

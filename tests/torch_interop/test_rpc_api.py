@@ -121,8 +121,9 @@ def test_the_agent_view_and_the_initialised_check(agents):
     with as_current(agents[1]):
         assert rpc._is_current_rpc_agent_set() is True
         view = rpc._get_current_rpc_agent()
-        assert [(w.name, w.id) for w in view.get_worker_infos()] == [(n, i) for i, n in
-                                                                     enumerate(NAMES)]  # fmt: skip
+        assert [(w.name, w.id) for w in view.get_worker_infos()] == [
+            (n, i) for i, n in enumerate(NAMES)
+        ]
         assert view.get_worker_info().name == "worker1"
         assert view.get_worker_info("worker2").id == 2
         assert "pending_calls" in view.get_debug_info()

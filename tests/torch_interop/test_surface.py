@@ -19,25 +19,59 @@ pytestmark = [
 
 #: (torch's module, rpcdist's, the names programs use)
 SURFACE = [
-    ("torch.distributed.rpc", "rpcdist.torch.rpc", [
-        "BackendType", "RRef", "TensorPipeRpcBackendOptions", "WorkerInfo", "get_worker_info",
-        "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown",
-        # private, but programs and libraries call them
-        "_get_current_rpc_agent", "_is_current_rpc_agent_set", "_set_rpc_timeout", "api",
-        "RpcBackendOptions", "constants",
-    ]),
-    ("torch.distributed.rpc.api", "rpcdist.torch.rpc.api", [
-        "_all_gather", "_barrier", "_get_current_rpc_agent", "_is_current_rpc_agent_set",
-        "_require_initialized", "_wait_all_workers", "get_worker_info", "rpc_sync",
-    ]),
+    (
+        "torch.distributed.rpc",
+        "rpcdist.torch.rpc",
+        [
+            "BackendType",
+            "RRef",
+            "TensorPipeRpcBackendOptions",
+            "WorkerInfo",
+            "get_worker_info",
+            "init_rpc",
+            "is_available",
+            "remote",
+            "rpc_async",
+            "rpc_sync",
+            "shutdown",
+            # private, but programs and libraries call them
+            "_get_current_rpc_agent",
+            "_is_current_rpc_agent_set",
+            "_set_rpc_timeout",
+            "api",
+            "RpcBackendOptions",
+            "constants",
+        ],
+    ),
+    (
+        "torch.distributed.rpc.api",
+        "rpcdist.torch.rpc.api",
+        [
+            "_all_gather",
+            "_barrier",
+            "_get_current_rpc_agent",
+            "_is_current_rpc_agent_set",
+            "_require_initialized",
+            "_wait_all_workers",
+            "get_worker_info",
+            "rpc_sync",
+        ],
+    ),
     ("torch.distributed.rpc.functions", "rpcdist.torch.rpc.functions", ["async_execution"]),
-    ("torch.distributed.autograd", "rpcdist.torch.autograd", [
-        "backward", "context", "get_gradients", "is_available",
-    ]),
+    (
+        "torch.distributed.autograd",
+        "rpcdist.torch.autograd",
+        [
+            "backward",
+            "context",
+            "get_gradients",
+            "is_available",
+        ],
+    ),
     ("torch.distributed.optim", "rpcdist.torch.optim", ["DistributedOptimizer"]),
     ("torch.distributed.nn", "rpcdist.torch.nn", ["RemoteModule"]),
     ("torch.futures", "rpcdist.torch.futures", ["Future", "collect_all", "wait_all"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("theirs", "ours", "names"), SURFACE, ids=[s[1] for s in SURFACE])
@@ -60,9 +94,10 @@ def test_the_constants_are_torchs():
     opts = rpc.TensorPipeRpcBackendOptions()
     assert isinstance(opts, rpc.RpcBackendOptions)
     assert (opts.rpc_timeout, opts.num_worker_threads, opts.init_method) == (
-        theirs.DEFAULT_RPC_TIMEOUT_SEC, theirs.DEFAULT_NUM_WORKER_THREADS,
+        theirs.DEFAULT_RPC_TIMEOUT_SEC,
+        theirs.DEFAULT_NUM_WORKER_THREADS,
         theirs.DEFAULT_INIT_METHOD,
-    )  # fmt: skip
+    )
 
 
 def test_init_rpc_takes_the_base_options_class(tmp_path):

@@ -40,8 +40,9 @@ def test_init_rpc_argument_types_are_refused_with_torchs_texts():
     with pytest.raises(
         TypeError, match="^`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"
     ):
-        rpc.init_rpc("w", backend=rpc.BackendType.TENSORPIPE, rank=0, world_size=1,
-                     rpc_backend_options=other)  # fmt: skip
+        rpc.init_rpc(
+            "w", backend=rpc.BackendType.TENSORPIPE, rank=0, world_size=1, rpc_backend_options=other
+        )
     with pytest.raises(TypeError, match="incompatible constructor arguments"):
         rpc.TensorPipeRpcBackendOptions(rpc_timeout=datetime.timedelta())
 

@@ -59,8 +59,12 @@ def test_a_state_dict_is_an_ordered_dict_of_tensors_and_stays_one():
     with local_agents(2, options=RpcOptions(token=None, transport="inproc")) as agents:
         with as_current(agents[0]):
             got = rpc.rpc_sync("worker1", collections.OrderedDict, args=(state,))
-            shape = rpc.rpc_sync("worker1", torch.zeros, args=(torch.Size([2, 2]),),
-                                 kwargs={"dtype": torch.float64, "device": torch.device("cpu")})  # fmt: skip
+            shape = rpc.rpc_sync(
+                "worker1",
+                torch.zeros,
+                args=(torch.Size([2, 2]),),
+                kwargs={"dtype": torch.float64, "device": torch.device("cpu")},
+            )
     assert type(got) is collections.OrderedDict and list(got) == list(state)
     for k, v in state.items():
         torch.testing.assert_close(got[k], v)

@@ -184,8 +184,14 @@ def list_tests(classes: tuple[str, ...], pattern: str | None) -> list[str]:
         "import json, torch_suite_classes as t;"
         f"print(json.dumps({{c: t.test_names(c) for c in {list(classes)!r}}}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=_env("torch"), check=True,
-                         capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env("torch"),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
     names = [f"{c}.{t}" for c, ts in json.loads(out.splitlines()[-1]).items() for t in ts]
     return [n for n in names if pattern is None or re.search(pattern, n)]
 
@@ -197,8 +203,9 @@ def _classify(rc: int, output: str) -> str:
     return "failed"
 
 
-def run_one(name: str, flavor: str, timeout: float,
-            stop_at: float | None = None) -> dict[str, object] | None:  # fmt: skip
+def run_one(
+    name: str, flavor: str, timeout: float, stop_at: float | None = None
+) -> dict[str, object] | None:
     """Run ``name`` in its own process group; kill the group when done or late.
 
     While ``build/torch_suite/PAUSE`` exists, waits before starting (unless
@@ -210,8 +217,15 @@ def run_one(name: str, flavor: str, timeout: float,
         return None  # (--budget spent: not started)
     cmd = [sys.executable, "-m", "unittest", f"torch_suite_classes.{name}"]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=_env(flavor), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(flavor),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         status = _classify(proc.returncode, output)
@@ -239,10 +253,16 @@ def run_one(name: str, flavor: str, timeout: float,
 
 def _commit() -> str:
     """The checkout's commit, ``+`` when the tree has changes beyond it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "rpcdist"], cwd=ROOT,
-                           check=False).returncode  # fmt: skip
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "rpcdist"], cwd=ROOT, check=False
+    ).returncode
     return head + ("+" if dirty else "")
 
 
@@ -397,8 +417,12 @@ def write_doc(names: list[str], command: str, note: str = "") -> None:
 
 
 def _torch_version() -> str:
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return f"torch {out.stdout.strip() or '?'}"
 
 
@@ -425,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     if not args.no_run:
         for flavor in flavors:
-            with (RESULTS / f"results-{flavor}.jsonl").open("a") as log, \
-                    concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # fmt: skip
+            with (
+                (RESULTS / f"results-{flavor}.jsonl").open("a") as log,
+                concurrent.futures.ThreadPoolExecutor(args.jobs) as pool,
+            ):
                 stop_at = None if args.budget is None else time.time() + args.budget
                 jobs = [pool.submit(run_one, n, flavor, args.timeout, stop_at) for n in names]
                 for job in concurrent.futures.as_completed(jobs):

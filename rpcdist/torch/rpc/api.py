@@ -88,8 +88,9 @@ def _require_initialized(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
-                timeout: float = UNSET_RPC_TIMEOUT) -> dict[str, Any]:  # fmt: skip
+def _all_gather(
+    obj: Any, worker_names: Iterable[str] | None = None, timeout: float = UNSET_RPC_TIMEOUT
+) -> dict[str, Any]:
     """``{name: obj}`` from every worker in ``worker_names`` (default: all).
 
     Every worker of the set calls it; calls over one set pair up in order.
