@@ -79,6 +79,7 @@ BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
     "rpcdist._rpc._cuda_ipc:install",
+    "rpcdist.torch._profile_ext:install",
 )
 
 InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
