@@ -184,10 +184,10 @@ def profiled(
     ident = threading.get_ident()
     shapes, memory = _configs.get(ident, (False, False))
     token = next(_tokens)
-    with _lock:
-        session = _sessions.setdefault(ident, _Session())
-        _pending[token] = _Pending(session, key, time.time_ns() / 1000)
     with torch.autograd.profiler.record_function(key) as rf:
+        with _lock:  # (after the range's start: the callee's events follow it)
+            session = _sessions.setdefault(ident, _Session())
+            _pending[token] = _Pending(session, key, time.time_ns() / 1000)
         reset = _STATE.set(_Request(token, shapes, memory))
         try:
             out = call()
@@ -328,9 +328,9 @@ def _remote_events(session: _Session, records: Any, local: list[Any]) -> list[An
     events: list[Any] = []
     for key, anchor, node, rows in session.batches:
         at = anchor - start
-        ranges = [s for s in starts.get(key, ()) if s <= at]
-        if ranges:  # (after its range's start, whatever the clocks say)
-            at = max(at, max(ranges) + 1)
+        ranges = starts.get(key)
+        if ranges:  # (just after its range's start, whatever the clocks say)
+            at = max(at, min(ranges, key=lambda s: abs(s - at)) + 1)
         base = min((row[1] for row in rows), default=0.0)
         for name, s, e, thread, row_node, shapes, mem, seq, is_async in rows:
             full = f"{key}{_REMOTE_OP}{name}"
@@ -377,6 +377,31 @@ def _start_trace_noting_config(self: Any) -> None:
     _start_trace(self)
 
 
+_end_on_future: Any = torch.autograd.profiler.record_function._call_end_callbacks_on_future
+
+
+def _end_on_any_future(self: Any, fut: Any) -> Any:
+    """``record_function._call_end_callbacks_on_future`` taking an rpcdist
+    Future too (what ``rpc_async`` returns), as PyTorch programs pass it."""
+    if isinstance(fut, Future):
+        fut = _as_torch_future(fut)
+    return _end_on_future(self, fut)
+
+
+def _as_torch_future(fut: Future[Any]) -> torch.futures.Future[Any]:
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def copy(f: Future[Any]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(f.value())
+
+    fut.add_done_callback(copy)
+    return out
+
+
 def _rref_profiling_future(self: Any) -> torch.futures.Future[None]:
     return profiling_future(self)
 
@@ -390,10 +415,13 @@ def set_node_id(rank: int) -> None:
 
 
 def install() -> None:
-    """Let torch's legacy profiler take in remote events, and give RRefs
+    """Let torch's legacy profiler take in remote events and
+    ``record_function`` end on rpcdist Futures, and give RRefs
     ``_get_profiling_future`` (idempotent)."""
     from .._rref._rref import RRef
 
     _legacy._parse_legacy_records = _parse_with_remote
     _legacy.profile._start_trace = _start_trace_noting_config
+    record_function: Any = torch.autograd.profiler.record_function
+    record_function._call_end_callbacks_on_future = _end_on_any_future
     RRef._get_profiling_future = _rref_profiling_future  # type: ignore[attr-defined]

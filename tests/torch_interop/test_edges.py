@@ -412,6 +412,8 @@ def test_torchs_legacy_profiler_records_each_call_and_the_callees_events(agents)
             rref._get_profiling_future().wait()
         del rref
     events = prof.function_events
+    # (PyTorch's tests take the first event naming the call: its own range)
+    assert not next(e for e in events if "rpc_sync" in e.name).is_remote
     local = {e.name for e in events if "#" in e.name and not e.is_remote}
     assert local == {
         "rpc_sync#aten::add(worker0 -> worker1)",
@@ -429,6 +431,20 @@ def test_torchs_legacy_profiler_records_each_call_and_the_callees_events(agents)
     assert add.input_shapes[0] == [2]
     forward = remote[key + "##forward##"]
     assert {key + "aten::add", key + "aten::mul"} <= {c.name for c in forward.cpu_children}
+
+
+def test_a_record_function_range_ends_with_an_rpc_future_once(agents):
+    from torch.autograd.profiler_legacy import profile
+
+    with as_current(agents[0]):
+        with profile() as prof:
+            with torch.autograd.profiler.record_function("foo") as rf:
+                fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+                ended = rf._call_end_callbacks_on_future(fut)
+                with pytest.raises(RuntimeError, match="can only be called once"):
+                    rf._call_end_callbacks_on_future(fut)
+            assert torch.equal(ended.wait(), torch.full((2,), 2.0))
+    assert [e.name for e in prof.function_events if e.name == "foo"] == ["foo"]
 
 
 def test_rpc_calls_are_not_profiled_under_kineto_as_in_pytorch(agents):
