@@ -223,16 +223,17 @@ def _forget(token: int) -> None:
 def after(fut: Future[Any], profiling: torch.futures.Future[None]) -> Future[Any]:
     """A Future completed as ``fut`` once ``profiling`` (the range's end) has."""
     out: Future[Any] = Future()
-
-    def copy(_: Any) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(fut.value())
-
-    profiling.add_done_callback(copy)
+    profiling.add_done_callback(lambda _: _copy(fut, out))
     return out
+
+
+def _copy(fut: Future[Any], out: Any) -> None:
+    """Complete ``out`` (an rpcdist or torch Future) as completed ``fut``."""
+    exc = fut.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(fut.value())
 
 
 def keep_profiling_future(rref: RRef[Any], profiling: torch.futures.Future[None]) -> None:
@@ -390,15 +391,7 @@ def _end_on_any_future(self: Any, fut: Any) -> Any:
 
 def _as_torch_future(fut: Future[Any]) -> torch.futures.Future[Any]:
     out: torch.futures.Future[Any] = torch.futures.Future()
-
-    def copy(f: Future[Any]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(f.value())
-
-    fut.add_done_callback(copy)
+    fut.add_done_callback(lambda f: _copy(f, out))
     return out
 
 
