@@ -62,7 +62,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: What the current thread's or task's next call or reply carries.
-_STATE: contextvars.ContextVar[_Request | _Serving | None] = contextvars.ContextVar(
+_STATE: contextvars.ContextVar[_Request | _Serving | _Deferred | None] = contextvars.ContextVar(
     "rpcdist_torch_profile", default=None
 )
 _lock = threading.Lock()
@@ -184,10 +184,16 @@ def profiled(
     ident = threading.get_ident()
     shapes, memory = _configs.get(ident, (False, False))
     token = next(_tokens)
+    deferred = _STATE.get()
     with torch.autograd.profiler.record_function(key) as rf:
-        with _lock:  # (after the range's start: the callee's events follow it)
-            session = _sessions.setdefault(ident, _Session())
-            _pending[token] = _Pending(session, key, time.time_ns() / 1000)
+        start = time.time_ns() / 1000  # (after the range's start: the callee's events follow it)
+        with _lock:
+            if isinstance(deferred, _Deferred):  # (made by a profiled async_execution body)
+                session = deferred.session
+            else:
+                session = _sessions.setdefault(ident, _Session())
+                deferred = None
+            _pending[token] = _Pending(session, key, start)
         reset = _STATE.set(_Request(token, shapes, memory))
         try:
             out = call()
@@ -208,6 +214,9 @@ def profiled(
 
         def ended(_: Future[Any]) -> None:
             _forget(token)
+            if deferred is not None:  # (its range's end is recorded past the body's profile)
+                with _lock:
+                    deferred.calls.append((key, start, time.time_ns() / 1000, ident))
             end.set_result(None)
 
         profiling = rf._call_end_callbacks_on_future(end)
@@ -274,17 +283,7 @@ class _Serving:
 
     def _finish(self) -> list[Any]:
         self.prof.__exit__(None, None, None)
-        rank = self.agent.rank
-        rows = []
-        for e in self.prof.function_events or ():
-            r = e.time_range
-            node = e.node_id if e.node_id >= 0 else rank
-            shapes = [list(s) for s in e.input_shapes] if e.input_shapes else []
-            mem, seq = e.cpu_memory_usage, e.sequence_nr
-            rows.append(
-                [e.name, r.start, r.end, e.thread, node, shapes, mem, seq, bool(e.is_async)]
-            )
-        return rows
+        return _rows(self.prof, self.agent.rank)
 
     def __enter__(self) -> _Serving:
         self.prof.__enter__()
@@ -299,15 +298,99 @@ class _Serving:
             _STATE.reset(self.reset)
 
 
-def serving(ext: ProfileExtension, call: CallInfo, request: Any) -> _Serving | None:
+def _rows(prof: Any, rank: int) -> list[Any]:
+    """A finished profile's events as a reply carries them."""
+    rows = []
+    for e in prof.function_events or ():
+        r = e.time_range
+        node = e.node_id if e.node_id >= 0 else rank
+        shapes = [list(s) for s in e.input_shapes] if e.input_shapes else []
+        mem, seq = e.cpu_memory_usage, e.sequence_nr
+        rows.append([e.name, r.start, r.end, e.thread, node, shapes, mem, seq, bool(e.is_async)])
+    return rows
+
+
+class _Deferred:
+    """The profile of an incoming call handled on the event loop (an
+    ``@async_execution`` function, ``remote`` of one): the body of
+    ``rpcdist.torch``'s ``async_execution`` function, profiled on the pool
+    thread that runs it (:meth:`run`), and the calls it made, gathered as
+    they complete, until the reply leaves."""
+
+    __slots__ = ("agent", "calls", "memory", "reset", "rows", "session", "shapes", "t0", "token")
+
+    def __init__(self, agent: Agent, token: int, shapes: bool, memory: bool) -> None:
+        self.agent, self.token, self.shapes, self.memory = agent, token, shapes, memory
+        self.session = _Session()
+        self.rows: list[Any] = []
+        #: (range name, start, end, thread) of each profiled call the body made.
+        self.calls: list[tuple[str, float, float, int]] = []
+        self.t0 = time.time_ns() / 1000
+        self.reset: contextvars.Token[Any] | None = None
+
+    def run(self, body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``body(*args, **kwargs)`` under a legacy profile of this thread."""
+        if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+            return body(*args, **kwargs)
+        prof = _legacy.profile(record_shapes=self.shapes, profile_memory=self.memory)
+        self.t0 = time.time_ns() / 1000
+        prof.__enter__()
+        try:
+            return body(*args, **kwargs)
+        finally:
+            prof.__exit__(None, None, None)
+            self.rows = _rows(prof, self.agent.rank)
+
+    def meta(self) -> Meta | None:
+        """The reply's events: the body's, its calls' ranges and what their
+        callees sent back, relative to the body's start."""
+        rank, t0 = self.agent.rank, self.t0
+        rows = list(self.rows)
+        with _lock:
+            calls, batches = list(self.calls), list(self.session.batches)
+        for key, start, end, thread in calls:
+            rows.append([key, start - t0, end - t0, thread, rank, [], 0, -1, False])
+        for key, anchor, node, batch in batches:
+            base = min((r[1] for r in batch), default=0.0)
+            at = anchor - t0
+            for name, s, e, thread, row_node, *rest in batch:
+                full = f"{key}{_REMOTE_OP}{name}"
+                rows.append([full, at + s - base, at + e - base, thread, row_node, *rest])
+                if row_node < 0:
+                    rows[-1][4] = node
+        return {REPLY: [self.token, rows]}
+
+    def __enter__(self) -> _Deferred:
+        self.reset = _STATE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            self.session.closed = True
+        if self.reset is not None:
+            _STATE.reset(self.reset)
+
+
+def run_async_body(body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``rpcdist.torch``'s ``async_execution`` body: profiled when its call asked."""
+    state = _STATE.get()
+    if isinstance(state, _Deferred):
+        return state.run(body, args, kwargs)
+    return body(*args, **kwargs)
+
+
+def serving(ext: ProfileExtension, call: CallInfo, request: Any) -> _Serving | _Deferred | None:
     """The handler scope for a call that asks for the callee's events: a
-    legacy profile around its function, on the thread running it; ``None``
-    where the function runs elsewhere (on the event loop: ``async``
-    functions, ``@async_execution``) or a profile already runs here."""
-    if asyncio._get_running_loop() is not None or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+    legacy profile around its function, on the thread running it; on the
+    event loop (the function runs elsewhere), a :class:`_Deferred`; ``None``
+    where a profile already runs on this thread."""
+    token, shapes, memory = request
+    if asyncio._get_running_loop() is not None:
+        ext.activate(_source, _on_reply)
+        return _Deferred(call.agent, int(token), bool(shapes), bool(memory))
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
         return None
     ext.activate(_source, _on_reply)
-    token, shapes, memory = request
     prof = _legacy.profile(record_shapes=bool(shapes), profile_memory=bool(memory))
     return _Serving(call.agent, int(token), prof)
 

@@ -433,6 +433,25 @@ def test_torchs_legacy_profiler_records_each_call_and_the_callees_events(agents)
     assert {key + "aten::add", key + "aten::mul"} <= {c.name for c in forward.cpu_children}
 
 
+@rpc.functions.async_execution
+def _async_add(to, x, y):
+    return rpc.rpc_async(to, torch.add, args=(x, y))
+
+
+def test_an_async_execution_functions_calls_are_profiled_on_each_worker(agents):
+    from torch.autograd.profiler_legacy import profile
+
+    with as_current(agents[0]):
+        with profile() as prof:
+            fut = rpc.rpc_async("worker1", _async_add, args=("worker2", torch.ones(2), 1))
+            assert torch.equal(fut.wait(), torch.full((2,), 2.0))
+    remote = {e.name: e.node_id for e in prof.function_events if e.is_remote}
+    outer = "rpc_async#_async_add(worker0 -> worker1)#remote_op: "
+    nested = outer + "rpc_async#aten::add(worker1 -> worker2)"
+    assert remote[nested] == 1
+    assert remote[nested + "#remote_op: aten::add"] == 2
+
+
 def test_a_record_function_range_ends_with_an_rpc_future_once(agents):
     from torch.autograd.profiler_legacy import profile
 
