@@ -12,12 +12,13 @@ as ``node_id`` (nested calls nest the prefixes). The request and the events
 travel in the call's and reply's metadata (``_profile_ext``); with no
 profiler running, a call pays one check.
 
-Where PyTorch's behaviour is not reproduced: the callee profiles a function
-run on a pool thread (plain functions, ``remote`` of one); an ``async def``
-or ``@async_execution`` function (which rpcdist runs on its event loop or
-across threads) sends no events back. A call made inside a profiled
-function through rpcdist's own API (not ``rpcdist.torch.rpc``) ends that
-function's profile early.
+Where PyTorch's behaviour is not reproduced: an ``async def`` function
+(run on rpcdist's event loop, which serves every call) sends back no
+events; an ``@async_execution`` function sends
+its body's events (it runs on a pool thread) and its calls', not those of
+the callbacks that complete its Future later; and a call made inside a
+profiled function through rpcdist's own API (not ``rpcdist.torch.rpc``)
+ends that function's profile early.
 """
 
 from __future__ import annotations
