@@ -124,9 +124,9 @@ def statistics(agent: Agent) -> dict[str, int]:
         "calls_sent": activity.sent,
         "calls_handled": activity.handled,
         "direct_sync_calls": agent.sync.calls,
-        "busy_polls": agent.sync.polls,
-        "busy_poll_hits": agent.sync.polled,
-        "busy_poll_yields": agent.sync.yielded,
+        "busy_polls": agent.busy_poll.polls,
+        "busy_poll_hits": agent.busy_poll.hits,
+        "busy_poll_yields": agent.busy_poll.yields,
     }
     stats.update(agent.links.statistics())
     stats.update(agent.mailbox.statistics())

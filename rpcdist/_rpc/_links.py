@@ -190,7 +190,7 @@ class Links:
         """A peer connected and passed the handshake (on the loop)."""
         agent = self._agent
         same_host = self._hosts.get(rank) == self._hosts.get(agent.rank)
-        if sync and agent.sync.serve(rank, name, make, same_host):
+        if sync and agent.sync_serving.serve(rank, name, make, same_host):
             return  # a thread of its own serves it
         mailbox = agent.mailbox
 

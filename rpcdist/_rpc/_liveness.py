@@ -174,6 +174,7 @@ class Liveness:
         agent.calls.fail_peer(rank, exc)
         agent.mailbox.fail_all(rank, WorkerLostError(str(exc)))
         agent.sync.drop_peer(rank)
+        agent.sync_serving.drop_peer(rank)
         agent.links.drop(rank, exc)
         for w in self._waiters:
             if not w.done():

@@ -351,6 +351,8 @@ async def close(agent: Agent, *, graceful: bool = False, leave: bool = False) ->
     agent.closed = True
     agent.liveness.stop()
     agent.sync.close()
+    agent.sync_serving.close()
+    agent.busy_poll.close()
     agent.calls.fail_all(exc)
     agent.mailbox.fail_all(None, ClosedError(str(exc)))
     for ext in list(agent.registry.extensions.values()):

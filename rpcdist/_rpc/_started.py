@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .._transport._frames import OutMessage
-    from ._sync_calls import SyncCalls
+    from ._sync_pool import SyncPool
 
 __all__ = ["Started", "abandon"]
 
@@ -19,7 +19,7 @@ class Started:
     __slots__ = ("_calls", "chan", "done", "label", "msg", "sent", "started")
 
     def __init__(
-        self, calls: SyncCalls, chan: Any, msg: OutMessage, label: str, started: float
+        self, calls: SyncPool, chan: Any, msg: OutMessage, label: str, started: float
     ) -> None:
         self._calls = calls
         self.chan = chan
