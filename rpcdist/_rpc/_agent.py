@@ -60,7 +60,6 @@ from . import _dispatch, _doctor, _join, _shutdown
 from ._activity import Activity
 from ._busy_poll import BusyPoll
 from ._calls import Calls, send_control
-from ._context import WireContext
 from ._links import Links
 from ._liveness import PING, Liveness, on_ping
 from ._p2p import Mailbox, send_one_way
@@ -68,6 +67,7 @@ from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
 from ._started import Started
 from ._sync_pool import NOT_TAKEN, SyncPool, channel_limit
 from ._sync_serving import SyncServing
+from ._wire import WireContext
 
 __all__ = ["AUTO", "Agent"]
 

@@ -47,11 +47,11 @@ from .._transport._frames import ERROR_REPLY, HEARTBEAT, P2P, REPLY, InMessage, 
 from .._worker import WorkerInfo
 from . import _doctor
 from ._busy_poll import BusyPoll
-from ._context import WireContext
 from ._started import Started
+from ._wire import WireContext
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["NOT_TAKEN", "SyncPool", "channel_limit"]
 
@@ -59,7 +59,7 @@ __all__ = ["NOT_TAKEN", "SyncPool", "channel_limit"]
 NOT_TAKEN: Any = object()
 
 
-def channel_limit(agent: Agent) -> int:
+def channel_limit(agent: AgentView) -> int:
     """Thread-driven connections per peer (``RpcOptions.sync_channels``; 0:
     none, the transport cannot hand its sockets to threads)."""
     # Only plain sockets can be driven by a thread (see ``TcpLink``).
@@ -95,7 +95,7 @@ class SyncPool:
     """One agent's thread-driven connections to its peers, checked out for a
     call each, and the calls in flight on them."""
 
-    def __init__(self, agent: Agent, limit: int, busy_poll: BusyPoll) -> None:
+    def __init__(self, agent: AgentView, limit: int, busy_poll: BusyPoll) -> None:
         self._agent = agent
         self._limit = limit
         self._busy_poll = busy_poll
@@ -192,7 +192,8 @@ class SyncPool:
             del self._active[call.msg.id]
         activity.woke_threadsafe()
 
-    def _finish(self, call: Started) -> Any:
+    def finish(self, call: Started) -> Any:
+        """Read ``call``'s reply on this thread (:meth:`Started.wait`)."""
         if call.done:
             raise RuntimeError(f"call {call.label!r} was already waited for or abandoned")
         pool = blocking(call)  # (a handler waiting: its pool may start another thread)
@@ -213,7 +214,8 @@ class SyncPool:
             raise exception_from_wire(value)
         return value
 
-    def _abandon(self, call: Started) -> None:
+    def abandon(self, call: Started) -> None:
+        """No one will wait for ``call``'s reply (:meth:`Started.abandon`)."""
         if call.done:
             return
         self._ended(call)

@@ -21,7 +21,7 @@ from . import _dispatch
 from ._busy_poll import BusyPoll
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["SyncServing"]
 
@@ -46,7 +46,7 @@ def _collect_calls(inbox: list[InMessage]) -> Hooks:
 class SyncServing:
     """One agent's connections served by threads of their own."""
 
-    def __init__(self, agent: Agent, limit: int, busy_poll: BusyPoll) -> None:
+    def __init__(self, agent: AgentView, limit: int, busy_poll: BusyPoll) -> None:
         self._agent = agent
         #: Most connections served per peer (``RpcOptions.sync_channels``).
         self._limit = limit
