@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._pool import WorkerPool
     from .._serialization._functions import CallablePolicy
     from .._transport import Link, LinkFactory, Peer, Transport
-    from .._transport._frames import InMessage, Meta, OutMessage
+    from .._transport._frames import InMessage, OutMessage
     from .._worker import WorkerInfo
     from ._activity import Activity
     from ._busy_poll import BusyPoll
@@ -157,17 +157,17 @@ class AgentView(Protocol):
 
     def call(
         self,
-        to: str | int | WorkerInfo,
+        to: int,
         method: str,
         payload: Any,
         *,
         deadline: float | None,
-        meta: Meta | Any | None = ...,
-        internal: bool = False,
-        label: str = "",
-        where: tuple[Any, Any] | None = None,
+        meta: None,
+        internal: bool,
         control: bool = False,
-    ) -> Future[Any]: ...
+    ) -> Future[Any]:
+        """An internal message (see ``Agent.call``)."""
+
     async def send_control(
         self, dst: int, method: str, payload: Any, *, give_up_after: float | None = None
     ) -> Any: ...
