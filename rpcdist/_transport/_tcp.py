@@ -472,12 +472,7 @@ class TcpLink(Link):
                     n = sock.recv_into(self._dest, want)
                     if n == 0:
                         return self._eof()
-                    self.bulk_reads += 1
-                    self._dest = self._dest[n:]
-                    self._need -= n
-                    if not self._need:
-                        self._end_frame()
-                        self._process()
+                    self._received_direct(n)
                     if n < want:
                         return  # drained: the next bytes wake us again
                     continue
@@ -544,12 +539,7 @@ class TcpLink(Link):
                 if n == 0:
                     return self._eof()
                 if direct:
-                    self.bulk_reads += 1
-                    self._dest = self._dest[n:]
-                    self._need -= n
-                    if not self._need:
-                        self._end_frame()
-                        self._process()
+                    self._received_direct(n)
                 else:
                     self._hi += n
                     self.received_any = True
@@ -564,6 +554,15 @@ class TcpLink(Link):
             self._end(WorkerLostError(f"TLS failed on the connection to {self.label}: {e}"))
         except BaseException as e:
             self._read_failed(e)
+
+    def _received_direct(self, n: int) -> None:
+        """``n`` bytes of the current payload landed in its destination."""
+        self.bulk_reads += 1
+        self._dest = self._dest[n:]
+        self._need -= n
+        if not self._need:
+            self._end_frame()
+            self._process()
 
     def _read_failed(self, e: BaseException) -> None:
         if isinstance(e, RpcdistError):
