@@ -3,8 +3,10 @@ in every ``make test`` (the whole suite: ``make test-torch-suite``).
 
 Each test is one of PyTorch's, unchanged, in its own processes with a hard
 timeout (``run_suite.run_one``); one of each kind: plain calls, futures
-and their callbacks, distributed autograd (argument checks, sparse
-tensors), an example with RRefs and the optimizer, RemoteModule. Each passed in a suite run (docs/compatibility.md).
+and their callbacks, RPC profiling (a nested call's remote events),
+distributed autograd (argument checks, sparse tensors), an example with
+RRefs and the optimizer, RemoteModule. Each passed in a suite run
+(docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SUBSET = (
     "RpcTest.test_callback_none",
     "RpcTest.test_callback_chain",
     "RpcTest.test_rref_proxy_non_exist",
+    "RpcTest.test_rpc_profiling_async_function_single_threaded",
     "DistAutogradTest.test_backward_invalid_args",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
     "ParameterServerTest.test_batch_updating_parameter_server",
