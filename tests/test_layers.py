@@ -39,6 +39,7 @@ LAYERS: list[list[str]] = [
     ["rpcdist.tensor", "rpcdist.nn", "rpcdist.optim", "rpcdist._save", "rpcdist.data"],
     ["rpcdist._transport"],
     ["rpcdist._store"],
+    ["rpcdist._device"],
     ["rpcdist._rpc"],
     ["rpcdist._rref"],
     ["rpcdist.collectives"],

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._errors import NotInitializedError, RpcTimeoutError
+from .._serialization._hooks import CodecHooks
 from .._transport._frames import Meta
 from .._worker import WorkerInfo
 
@@ -94,6 +95,11 @@ class WireContext:
         self.off_loop = off_loop
         self.gates: list[Any] = []
         self.extra: dict[str, Any] = {}
+
+    @property
+    def codec_hooks(self) -> CodecHooks:
+        """The codec hooks the agent's extensions registered (see ``_serialization._hooks``)."""
+        return self.agent.codec_hooks
 
     def abort(self) -> None:
         """The message will not be sent: undo what extensions did while encoding it.

@@ -36,13 +36,13 @@ from .._deadline import UNSET, current_deadline, deadline_for
 from .._errors import AutogradError, ConfigError, RpcTimeoutError, WorkerLostError
 from .._rpc._context import current_agent
 from ..autograd._context import CURRENT
-from ..autograd._extension import LOSS_BACKWARDS, ext
+from ..autograd._extension import ext
 from ._edges import ANCHOR_ATTR, TorchRecv, TorchState, state
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
 
-__all__ = ["APPLY", "apply_grad", "backward", "deliverer", "install", "leaves_of"]
+__all__ = ["APPLY", "apply_grad", "backward", "backward_from_loss", "deliverer", "leaves_of"]
 
 #: Gradient messages are plain calls of :func:`apply_grad`.
 APPLY = "rpcdist.torch._backward:apply_grad"
@@ -307,16 +307,6 @@ def apply_grad(context_id: int, message_id: int, index: int, grad: torch.Tensor)
         CURRENT.reset(token)
 
 
-def _rref_loss(loss: Any) -> Callable[[int, Any, bool], None] | None:
-    """``RRef.backward``'s pass for a torch loss (see ``LOSS_BACKWARDS``)."""
-    return _backward_from if isinstance(loss, torch.Tensor) else None
-
-
-def _backward_from(context_id: int, loss: torch.Tensor, retain_graph: bool) -> None:
+def backward_from_loss(context_id: int, loss: torch.Tensor, retain_graph: bool) -> None:
+    """``RRef.backward``'s pass for a torch loss (see ``_extension``)."""
     backward(context_id, [loss], retain_graph)
-
-
-def install() -> None:
-    """Let ``RRef.backward`` run from torch losses (idempotent)."""
-    if _rref_loss not in LOSS_BACKWARDS:
-        LOSS_BACKWARDS.append(_rref_loss)

@@ -1,7 +1,7 @@
 """Send and receive edges of torch tensors that cross workers inside a context.
 
-The codec asks this module (through ``_serialization._arrays.TENSOR_GRAD_HOOKS``)
-about every torch tensor that requires grad. Inside a distributed autograd
+The codec asks this module (through the tensor-gradient hook ``_extension``
+registers on every agent's codec) about every torch tensor that requires grad. Inside a distributed autograd
 context (the message's metadata carries ``"ad"``) the sender keeps the tensor
 in the message's :class:`TorchSend` (its gradient will come back to it) and
 the tensor travels with its index there; the receiver makes it the output of
@@ -25,7 +25,6 @@ import torch
 
 from .._errors import SerializationError
 from .._rpc._context import WireContext
-from .._serialization._arrays import TENSOR_GRAD_HOOKS
 from ..autograd._extension import ext
 
 if TYPE_CHECKING:
@@ -34,10 +33,10 @@ if TYPE_CHECKING:
 __all__ = [
     "ANCHOR_ATTR",
     "RecvFunction",
+    "TensorEdges",
     "TorchRecv",
     "TorchSend",
     "TorchState",
-    "install",
     "receive",
     "state",
 ]
@@ -180,8 +179,9 @@ def receive(anchor: torch.Tensor, tensor: torch.Tensor, deliver: Any, index: int
     return out
 
 
-class _Hook:
-    """What the codec calls for torch tensors that require grad."""
+class TensorEdges:
+    """What an agent's codec calls for torch tensors that require grad (its
+    tensor-gradient hook, see ``_serialization._hooks.TensorGradHook``)."""
 
     def record(self, context: object, tensor: Any) -> int:
         wire = context
@@ -240,12 +240,3 @@ class _Hook:
 def _forget(st: TorchState, message_id: int) -> None:
     with st.lock:
         st.sends.pop(message_id, None)
-
-
-_HOOK = _Hook()
-
-
-def install() -> None:
-    """Teach the codec torch autograd edges (idempotent)."""
-    if _HOOK not in TENSOR_GRAD_HOOKS:
-        TENSOR_GRAD_HOOKS.append(_HOOK)
