@@ -60,7 +60,7 @@ from ._work import Work
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
-    from ._state import CollectiveState
+    from ._types import CollectivesView
 
 __all__ = ["ABORT", "ProcessGroup", "on_abort"]
 
@@ -94,7 +94,7 @@ class ProcessGroup:
     __module__ = "rpcdist.collectives"
 
     def __init__(
-        self, state: CollectiveState, gid: int, ranks: tuple[int, ...], timeout: float | None
+        self, state: CollectivesView, gid: int, ranks: tuple[int, ...], timeout: float | None
     ) -> None:
         self._state = state
         self.gid = gid
@@ -135,7 +135,7 @@ class ProcessGroup:
         return self.rank >= 0
 
     @property
-    def state(self) -> CollectiveState:
+    def state(self) -> CollectivesView:
         return self._state
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ rpcdist's own release protocol.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ANCHOR_ATTR",
+    "Deliverer",
     "RecvFunction",
     "TensorEdges",
     "TorchRecv",
@@ -179,9 +181,18 @@ def receive(anchor: torch.Tensor, tensor: torch.Tensor, deliver: Any, index: int
     return out
 
 
+#: ``deliverer(agent, context_id, recv)``: what a receive function calls with
+#: its gradient (``_backward.deliverer``: send it home and wait).
+Deliverer = Callable[[Any, int, TorchRecv], Callable[[int, Any], None]]
+
+
 class TensorEdges:
     """What an agent's codec calls for torch tensors that require grad (its
-    tensor-gradient hook, see ``_serialization._hooks.TensorGradHook``)."""
+    tensor-gradient hook, see ``_serialization._hooks.TensorGradHook``);
+    ``deliverer`` makes the receive functions' gradient senders."""
+
+    def __init__(self, deliverer: Deliverer) -> None:
+        self._deliverer = deliverer
 
     def record(self, context: object, tensor: Any) -> int:
         wire = context
@@ -231,10 +242,8 @@ class TensorEdges:
             recv = st.recvs.get(message_id)
             if recv is None:
                 recv = st.recvs[message_id] = TorchRecv(message_id, peer)
-        from ._backward import deliverer  # here: _backward imports this module
-
         with torch.enable_grad():
-            return receive(recv.anchor, tensor, deliverer(agent, context_id, recv), index)
+            return receive(recv.anchor, tensor, self._deliverer(agent, context_id, recv), index)
 
 
 def _forget(st: TorchState, message_id: int) -> None:

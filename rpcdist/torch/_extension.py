@@ -34,9 +34,10 @@ class LazyTensorEdges:
 
     def _load(self) -> TensorEdges:
         if self._edges is None:
-            from ._edges import TensorEdges  # (imports torch: loaded by now)
+            from ._backward import deliverer  # (import torch: loaded by now)
+            from ._edges import TensorEdges
 
-            self._edges = TensorEdges()
+            self._edges = TensorEdges(deliverer)
         return self._edges
 
     def record(self, context: object, tensor: Any) -> int:
