@@ -74,7 +74,7 @@ RELEASE: Final = "cuda_ipc.release"
 UNMAP: Final = "cuda_ipc.unmap"
 #: Arrays smaller than this take the host path: an IPC lend costs a control
 #: message and a device synchronisation on each side (where the two paths
-#: break even is measured in docs/benchmarks.md, "CUDA IPC").
+#: break even: docs/benchmarks.md, "Figures behind the code's choices").
 MIN_BYTES: Final = 1 << 19
 #: The smallest staging block (blocks are powers of two from here).
 MIN_BLOCK: Final = 1 << 20

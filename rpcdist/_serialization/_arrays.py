@@ -388,8 +388,9 @@ def _cupy_view(cupy: Any, tensor: Any, index: int, dtype: Any = None) -> Any:
     of NumPy ``dtype`` (default: the tensor's own; same item size).
 
     Not ``cupy.from_dlpack``/``torch.from_dlpack``: their stream hand-off
-    cost ~60 and ~45 us a tensor on an H200, a quarter of a 16 MB tensor's
-    CUDA IPC time; ``_after_torch`` orders the streams instead."""
+    costs a large share of a tensor's CUDA IPC time (docs/benchmarks.md,
+    "Figures behind the code's choices"); ``_after_torch`` orders the
+    streams instead."""
     if dtype is None:
         dtype = np.dtype(str(tensor.dtype).removeprefix("torch."))
     if dtype.itemsize != tensor.element_size():
@@ -403,8 +404,9 @@ def _after_torch(torch: Any, cupy: Any, index: int) -> None:
     """Make what CuPy does next on device ``index`` come after what torch has
     queued there: nothing to do when both use the same stream (by default,
     the legacy default stream), else wait for torch's."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (0.1 us a call against
-    # 1.6 for torch.cuda.current_stream on an H200 host; kept by torch for its compiler)
+    # (the raw stream is a far cheaper call than torch.cuda.current_stream;
+    # torch keeps it for its compiler)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     ours = raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index):
         if ours != cupy.cuda.get_current_stream().ptr:

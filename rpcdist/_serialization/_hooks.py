@@ -84,7 +84,7 @@ class CodecHooks:
             ConfigError: another CUDA IPC hook is registered.
         """
         with self._lock:
-            self.cupy_ipc = _one("CUDA IPC", self.cupy_ipc, hook)
+            self.cupy_ipc = _the_only_hook("CUDA IPC", self.cupy_ipc, hook)
 
     def set_tensor_grad(self, hook: TensorGradHook) -> None:
         """Record tensors that require grad through ``hook``.
@@ -93,10 +93,10 @@ class CodecHooks:
             ConfigError: another tensor-gradient hook is registered.
         """
         with self._lock:
-            self.tensor_grad = _one("tensor-gradient", self.tensor_grad, hook)
+            self.tensor_grad = _the_only_hook("tensor-gradient", self.tensor_grad, hook)
 
 
-def _one(kind: str, old: Any, new: Any) -> Any:
+def _the_only_hook(kind: str, old: Any, new: Any) -> Any:
     if old is not None and old is not new:
         raise ConfigError(f"this agent's codec already has a {kind} hook ({old!r})")
     return new

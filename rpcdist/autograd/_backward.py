@@ -104,7 +104,7 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
 
     def send_back(node: Node, grads: list[Any]) -> None:
         assert isinstance(node, DistRecv)
-        run: _Run | None = getattr(_collect, "run", None)
+        run: _GradientMessages | None = getattr(_collect, "run", None)
         if run is None:
             raise AutogradError("internal: gradients for a receive function outside a pass")
         payload: Any = ((ctx.id, key, node.message_id, grads, retain), {})
@@ -113,7 +113,7 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
     return send_back
 
 
-class _Run:
+class _GradientMessages:
     """The gradient messages one ``execute`` sends. Each leaves as soon as it
     is made (the receiver works meanwhile, while this worker goes on with its
     own part), and the run's end reads every reply on this thread: on a
@@ -147,9 +147,9 @@ class _Run:
         abandon(calls)
 
 
-def _execute(task: GraphTask, seeds: list[tuple[Node, Any]]) -> _Run:
+def _execute(task: GraphTask, seeds: list[tuple[Node, Any]]) -> _GradientMessages:
     """``task.execute(seeds)``, collecting the gradient messages it sends."""
-    run = _collect.run = _Run()
+    run = _collect.run = _GradientMessages()
     try:
         task.execute(seeds)
     except BaseException:

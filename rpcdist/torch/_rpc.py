@@ -327,7 +327,7 @@ def rpc_async(
     call = functools.partial(
         _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
+    fut = profiled("rpc_async", to, func, call, until=_completion_of) if enabled() else call()
     return adopt(fut)  # (then() callbacks may block, as torch's)
 
 
@@ -350,7 +350,8 @@ def remote(
     return profiled("remote", to, func, call, until=_created) if enabled() else call()
 
 
-def _itself(fut: Future[Any]) -> Future[Any]:
+def _completion_of(fut: Future[Any]) -> Future[Any]:
+    """When an ``rpc_async`` call is done: when its future is."""
     return fut
 
 
