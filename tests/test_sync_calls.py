@@ -286,7 +286,7 @@ def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents
         return payload
 
     b.registry.add_handler("test.held_ack", held_ack)
-    acked = a._lt.submit(a.send_control(1, "test.held_ack", "ok"))
+    acked = a.submit(a.send_control(1, "test.held_ack", "ok"))
     try:
         _wait_until(lambda: a.statistics()["pending_calls"] == 1)
         assert not a.calls.busy()
