@@ -75,6 +75,7 @@ BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
     "rpcdist._rpc._cuda_ipc:install",
+    "rpcdist.torch._profile_ext:install",
 )
 
 # The registry sits below the agent and hands what it is given through: in
