@@ -16,7 +16,9 @@ object. The agent composes the pieces of this package:
 
 Graceful shutdown is in :mod:`._shutdown`; the job secret, the workers table
 and the init checks in :mod:`._join`; snapshots for hang diagnosis in
-:mod:`._doctor`.
+:mod:`._doctor`. Each piece sees the agent as an
+:class:`~._agent_view.AgentView` and never imports this module: the agent
+depends on its pieces, not the reverse.
 """
 
 from __future__ import annotations
