@@ -1,5 +1,8 @@
 """One FSDP unit: its parameters flattened into one padded vector, sharded 1/p per rank.
 
+The vector and its slices are :class:`._flat.FlatLayout`'s, the scheme
+ZeRO uses too.
+
 A :class:`FlatUnit` owns the shard (a :class:`Parameter` the optimizer
 updates) and, while the unit computes, the gathered full vector. Each
 forward hands the module *views* of the gathered vector through
@@ -31,6 +34,7 @@ from ..tensor import Function, Tensor
 from ..tensor._engine import queue_callback
 from ._arrays import is_cupy, xp_of
 from ._bf16 import from_bf16, to_bf16
+from ._flat import FlatLayout
 from ._fsdp_policy import MixedPrecision
 
 __all__ = ["FlatUnit", "Shared", "Slot"]
@@ -94,17 +98,16 @@ class FlatUnit:
         self.index = index
         self.slots = slots
         self.shared = shared
-        p = shared.world if shared.sharded else 1
         self.numel = int(full.size)
-        self.padded = -(-self.numel // p) * p
-        self.shard_size = self.padded // p
+        self.layout = FlatLayout(self.numel, shared.world if shared.sharded else 1)
+        self.padded = self.layout.padded
+        self.shard_size = self.layout.shard
         xp = xp_of(full)
         self.xp = xp
         self.dtype = full.dtype
         padded = xp.zeros(self.padded, full.dtype)
         padded[: self.numel] = full
-        start = shared.rank * self.shard_size if shared.sharded else 0
-        self.shard = Parameter(padded[start : start + self.shard_size].copy())
+        self.shard = Parameter(padded[slice(*self._bounds())].copy())
         self._buf: Any = None if shared.sharded else self.shard.data
         self._mm: mmap.mmap | None = None
         self._work: Any = None
@@ -338,8 +341,10 @@ class FlatUnit:
         """This rank's shard of an unpadded full vector."""
         padded = self.xp.zeros(self.padded, full.dtype)
         padded[: self.numel] = self.xp.asarray(full)
-        start = self.shared.rank * self.shard_size if self.shared.sharded else 0
-        return padded[start : start + self.shard_size].copy()
+        return padded[slice(*self._bounds())].copy()
+
+    def _bounds(self) -> tuple[int, int]:
+        return self.layout.bounds(self.shared.rank if self.shared.sharded else 0)
 
     @property
     def on_gpu(self) -> bool:
