@@ -44,6 +44,7 @@ from .._options import RpcOptions
 from .._pool import WorkerPool
 from .._serialization import encode
 from .._serialization._functions import CallablePolicy, name_of
+from .._serialization._hooks import CodecHooks
 from .._store import parse_init_method
 from .._transport import Link
 from .._transport._frames import (
@@ -134,6 +135,8 @@ class Agent:
         self._wakeups: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.registry = Registry()
+        #: What this agent's extensions taught its codec (CUDA IPC, torch edges).
+        self.codec_hooks = CodecHooks()
         self.mailbox = Mailbox()
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
