@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._transport._faulty import FaultInjector
+    from ._faults import FaultInjector
 
 __all__ = ["CALLABLE_POLICIES", "RpcOptions", "callable_entry", "is_loopback"]
 

@@ -26,6 +26,7 @@ LAYERS: list[list[str]] = [
         "rpcdist._errors",
         "rpcdist._deadline",
         "rpcdist._options",
+        "rpcdist._faults",
         "rpcdist._worker",
         "rpcdist._futures",
         "rpcdist._loop",

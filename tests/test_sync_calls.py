@@ -1,4 +1,4 @@
-"""``rpc_sync`` on connections the calling thread drives (``rpcdist._rpc._sync_calls``)."""
+"""``rpc_sync`` on connections the calling thread drives (``rpcdist._rpc._sync_pool``)."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_a_dead_idle_connection_is_replaced(agents2):
     with as_current(a):
         assert rpcdist.rpc_sync("worker1", rf.no_args) == "ok"
 
-        served = list(b.sync._served)  # the callee's end, served by a thread
+        served = list(b.sync_serving._served)  # the callee's end, served by a thread
         assert len(served) == 1
         served[0].interrupt()  # as if the callee had closed it
         (idle,) = a.sync._free[1]
@@ -232,7 +232,7 @@ def test_the_callee_runs_a_plain_handler_on_the_connection_s_own_thread(agents2)
                 "rpcdist-worker-worker1"  # the loop's path: a pool thread
             )
         )
-    assert len(b.sync._served) == 1
+    assert len(b.sync_serving._served) == 1
 
 
 def test_handlers_on_served_connections_count_against_num_worker_threads():
@@ -531,6 +531,6 @@ def test_an_abandoned_call_frees_its_connection_and_its_late_reply_is_dropped(ag
 
 def test_shutdown_closes_the_set_polling_threads_watch():
     with local_agents(2) as (a, _):
-        watched = a.sync._others
+        watched = a.busy_poll.others
         assert watched is not None and not watched.closed
     assert watched.closed

@@ -7,7 +7,9 @@ object. The agent composes the pieces of this package:
 * :class:`~._links.Links`: the transport and the links to peers;
 * :class:`~._calls.Calls`: outgoing calls waiting for replies;
 * :mod:`._dispatch`: the one path incoming calls take to their handlers;
-* :class:`~._sync_calls.SyncCalls`: blocking calls on thread-driven links;
+* :class:`~._sync_pool.SyncPool`: blocking calls on connections the calling
+  threads drive, :class:`~._sync_serving.SyncServing`: the threads serving
+  such connections here, :class:`~._busy_poll.BusyPoll`: how both wait;
 * :class:`~._registry.Registry`: what the layers above plug in;
 * :class:`~._activity.Activity`: what is in flight, for graceful shutdown;
 * :class:`~._liveness.Liveness`: the failure detector and the lost workers.
@@ -56,14 +58,16 @@ from .._transport._frames import Meta as Meta
 from .._worker import WorkerInfo, check_worker_name
 from . import _dispatch, _doctor, _join, _shutdown
 from ._activity import Activity
+from ._busy_poll import BusyPoll
 from ._calls import Calls, send_control
-from ._context import WireContext
 from ._links import Links
 from ._liveness import PING, Liveness, on_ping
 from ._p2p import Mailbox, send_one_way
 from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
 from ._started import Started
-from ._sync_calls import NOT_TAKEN, SyncCalls
+from ._sync_pool import NOT_TAKEN, SyncPool, channel_limit
+from ._sync_serving import SyncServing
+from ._wire import WireContext
 
 __all__ = ["AUTO", "Agent"]
 
@@ -138,7 +142,11 @@ class Agent:
             self.calls = Calls(self)
             self.activity = Activity(self.loop, self._no_calls)
             self.links = Links(self)
-            self.sync = SyncCalls(self)
+            limit = channel_limit(self)
+            spin = float(self.options.busy_poll_us) * 1e-6 if limit else 0.0
+            self.busy_poll = BusyPoll(spin, self.activity, self.loop)
+            self.sync = SyncPool(self, limit, self.busy_poll)
+            self.sync_serving = SyncServing(self, limit, self.busy_poll)
             self.liveness = Liveness(self)
             self.registry.add_handler(PING, on_ping)
             for path in BUILTIN_EXTENSIONS:
@@ -418,7 +426,7 @@ class Agent:
         where: tuple[Any, Any] | None = None,
     ) -> Started | Future[Any]:
         """:meth:`call` for a caller that will block on the reply: on a
-        thread-driven link when the call qualifies (see ``_sync_calls``).
+        thread-driven link when the call qualifies (see ``_sync_pool``).
         Returns once it is sent, with something whose ``wait()`` reads the
         reply's value on the calling thread, so the caller can work meanwhile
         (``start_blocking(...).wait()`` is a blocking call). Give up a
@@ -600,8 +608,13 @@ class Agent:
 
     def _stop_threads(self, wait: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=not wait)
-        sync = getattr(self, "sync", None)
-        if sync is not None:
-            sync.close()  # idempotent; a start that failed has not closed it
-            sync.join(None if wait else 1.0)
+        # (idempotent; a start that failed has not closed them)
+        for part in ("sync", "sync_serving", "busy_poll"):
+            closing = getattr(self, part, None)
+            if closing is not None:
+                closing.close()
+        serving = getattr(self, "sync_serving", None)
+        if serving is not None:
+            serving.join(None if wait else 1.0)
+            self.busy_poll.stop_watching()
         self._lt.stop()

@@ -32,7 +32,7 @@ from .._transport import Hooks, Link, LinkFactory, Peer, Transport, make_transpo
 from .._transport._frames import P2P, OutMessage
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["Links"]
 
@@ -42,7 +42,7 @@ _log = logging.getLogger(__name__)
 class Links:
     """One agent's transport and links (see the module docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentView) -> None:
         self._agent = agent
         self._loop = agent.loop
         self.transport: Transport = make_transport(
@@ -190,7 +190,7 @@ class Links:
         """A peer connected and passed the handshake (on the loop)."""
         agent = self._agent
         same_host = self._hosts.get(rank) == self._hosts.get(agent.rank)
-        if sync and agent.sync.serve(rank, name, make, same_host):
+        if sync and agent.sync_serving.serve(rank, name, make, same_host):
             return  # a thread of its own serves it
         mailbox = agent.mailbox
 

@@ -342,7 +342,12 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     if ipc is not None:
         fields = [*ipc[:2], -1, 0]  # no buffer: the CUDA IPC fields follow the device
     else:
-        fields = _array_fields(state, _tensor_bits(torch, data))
+        strided = _strided_span(data)
+        if strided is None:
+            fields = _array_fields(state, _tensor_bits(torch, data))
+        else:  # (the view's memory, its strides in place of the order)
+            fields = _array_fields(state, _tensor_bits(torch, strided[0]))
+            fields[1], fields[3] = list(data.shape), strided[1]
     is_parameter = isinstance(obj, torch.nn.Parameter)
     out = [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
     index = -1
@@ -355,6 +360,42 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     elif index >= 0:
         out.append(index)  # a 9th field: recorded for distributed autograd
     return out
+
+
+#: A strided view is sent with its strides when the memory it spans is under
+#: this many bytes or under twice its elements' (PyTorch sends a view's whole
+#: storage unless that is at least 8 KiB and twice the view; past both, the
+#: view arrives contiguous, as PyTorch's copy of it does).
+_STRIDED_SPAN_BYTES = 8 * 1024
+
+
+def _strided_span(data: Any) -> tuple[Any, list[int]] | None:
+    """For a non-contiguous CPU view ``data`` worth sending with its strides:
+    the 1-D span of memory its elements lie in, and its strides (else ``None``)."""
+    if data.is_contiguous() or data.numel() == 0 or data.is_conj() or data.is_neg():
+        return None
+    strides = list(data.stride())
+    span = 1 + sum((n - 1) * s for n, s in zip(data.shape, strides, strict=True))
+    if span * data.element_size() >= _STRIDED_SPAN_BYTES and span >= 2 * data.numel():
+        return None
+    return data.as_strided((span,), (1,)), strides
+
+
+def _strided_tensor(state: DecodeState, torch: Any, items: list[Any]) -> Any:
+    """A tensor sent with its strides (``items[4]``) over the span it covers."""
+    shape, strides = items[2], items[4]
+    _check_shape(shape, 0, "tensor")
+    if (
+        len(strides) != len(shape)
+        or not all(type(s) is int and s >= 0 for s in strides)
+        or not all(shape)
+    ):
+        raise SerializationError("malformed tensor payload: bad strides")
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    array = _array_from_fields(state, [items[1], [span], items[3], 0])
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).as_strided(shape, strides)
 
 
 def _dense(data: Any) -> Any:
@@ -469,6 +510,8 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
     try:
         if n > 10:  # the CUDA IPC hook's fields follow the device (it checks them)
             tensor = _tensor_from_ipc(state, torch, dtype, items)
+        elif type(items[4]) is list:
+            tensor = _strided_tensor(state, torch, items)
         else:
             array = _array_from_fields(state, items[1:5])
             if not array.flags.writeable:

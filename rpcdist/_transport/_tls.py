@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections import deque
 from typing import Any
 
 from .._errors import ConfigError
@@ -233,6 +234,26 @@ class TlsStream:
         except BlockingIOError:
             pass  # kept for the next send or flush
         return n
+
+    def send_queued(self, unsent: deque[memoryview]) -> None:
+        """Send the buffers of ``unsent`` (one :meth:`send` each: TLS has no
+        ``sendmsg``), dropping what went out, then the ciphertext still held.
+
+        Raises:
+            BlockingIOError: the socket is full; the rest stays in ``unsent``.
+            OSError: the connection or TLS failed.
+        """
+        try:
+            while unsent:
+                first = unsent[0]
+                n = self.send(first)
+                if n >= first.nbytes:
+                    unsent.popleft()
+                else:
+                    unsent[0] = first[n:]
+            self.flush()
+        except ssl.SSLError as e:
+            raise OSError(f"TLS: {e}") from e
 
     # ---------------------------------------------------------- handshake
 

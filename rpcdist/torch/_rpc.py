@@ -34,7 +34,7 @@ from ._constants import (
 )
 from ._futures import adopt
 from ._install import install
-from ._profile import enabled, profiled
+from ._profile import after, enabled, keep_profiling_future, profiled, set_node_id
 
 __all__ = [
     "BackendType",
@@ -290,6 +290,7 @@ def init_rpc(
         num_worker_threads=opts.num_worker_threads,
         options=opts.rpcdist_options,
     )
+    set_node_id(_api.get_worker_info().id)
 
 
 def rpc_sync(
@@ -308,7 +309,7 @@ def rpc_sync(
     call = functools.partial(
         _api.rpc_sync, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    return profiled("rpc_sync", to, func, call) if enabled() else call()
+    return profiled("rpc_sync", to, func, call)[0] if enabled() else call()
 
 
 def rpc_async(
@@ -327,8 +328,13 @@ def rpc_async(
     call = functools.partial(
         _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
-    return adopt(fut)  # (then() callbacks may block, as torch's)
+    if not enabled():
+        return adopt(call())
+    fut, profiling = profiled("rpc_async", to, func, call, until=_itself)
+    assert profiling is not None
+    return adopt(
+        after(fut, profiling)
+    )  # (complete once the range has ended, as torch's)  # (then() callbacks may block, as torch's)
 
 
 def remote(
@@ -347,7 +353,12 @@ def remote(
     call = functools.partial(
         _remote, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    return profiled("remote", to, func, call, until=_created) if enabled() else call()
+    if not enabled():
+        return call()
+    rref, profiling = profiled("rpc_remote", to, func, call, until=_created)
+    assert profiling is not None
+    keep_profiling_future(rref, profiling)  # (RRef._get_profiling_future)
+    return rref
 
 
 def _itself(fut: Future[Any]) -> Future[Any]:
