@@ -130,9 +130,9 @@ class AgentView(Protocol):
     workers: list[WorkerInfo]
     options: RpcOptions
     policy: CallablePolicy
+    codec_hooks: CodecHooks
     loop: asyncio.AbstractEventLoop
     registry: Registry
-    codec_hooks: CodecHooks
     mailbox: Mailbox
     executor: WorkerPool
     _store_server: Any
