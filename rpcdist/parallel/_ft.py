@@ -94,8 +94,8 @@ class FaultTolerance:
         self._adopted: set[str] = set()  # optimizers whose state a sharded object carries
         self._synced_qid = -1
         self._sizes: list[int] = []
-        #: This step's communication failed already (the vote will be ``ok=False``).
-        self.failed = False
+        # This step's communication failed already (the vote will be ok=False).
+        self._failed = False
         self._coord = connect(address, None)
         self._listener = listen(self._coord.getsockname()[0])
         self._cv = threading.Condition()
@@ -134,7 +134,7 @@ class FaultTolerance:
             raise ConfigError(f"FaultTolerance.register_state: {name!r} has no state_dict")
         self._states[name] = obj
 
-    def add_sharded(self, obj: Any) -> None:
+    def _add_sharded(self, obj: Any) -> None:
         """Take part ``obj`` (a ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``).
 
         Its ``_ft_grads()`` are averaged with the attached gradients and
@@ -190,7 +190,7 @@ class FaultTolerance:
         Raises:
             WorkerLostError: the coordinator went away.
         """
-        ok = not self.failed
+        ok = not self._failed
         self._point("before_allreduce")
         if ok:
             try:
@@ -199,7 +199,7 @@ class FaultTolerance:
                     obj._ft_prepare()
             except _FAILURES:
                 ok = False
-                self.fail()
+                self._fail()
         self._point("after_allreduce")
         batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
         epoch = getattr(self.sampler, "epoch", 0)
@@ -214,16 +214,16 @@ class FaultTolerance:
         if committed:
             self._committed += len(batch)
         self._apply(reply)
-        self.failed = False
+        self._failed = False
         self._point("after_commit")
         return committed
 
-    def fail(self) -> None:
+    def _fail(self) -> None:
         """Mark this step failed (it votes ``ok=False``) and close the mesh, so peers fail too."""
-        self.failed = True
+        self._failed = True
         self._drop_mesh()
 
-    def all_gather_frames(
+    def _all_gather_frames(
         self, header: dict[str, Any], arrays: list[np.ndarray[Any, Any]]
     ) -> dict[int, tuple[dict[str, Any], list[np.ndarray[Any, Any]]]]:
         """Every member's ``(header, arrays)``, by id, this rank's included (collective).
@@ -244,7 +244,7 @@ class FaultTolerance:
                 got[rid] = (theirs, unpack(theirs.pop("_arrays"), data))
         return got
 
-    def exchange(
+    def _all_gather(
         self, outgoing: np.ndarray[Any, Any], size: int
     ) -> dict[int, np.ndarray[Any, Any]]:
         """All-gather: send ``outgoing`` (float64) to every member, ``size`` floats from each.
@@ -261,7 +261,7 @@ class FaultTolerance:
         return got
 
     def _check_failed(self) -> None:
-        if self.failed:
+        if self._failed:
             raise WorkerLostError("fault tolerance: this step's communication failed already")
 
     def _reshard_objects(self) -> None:
@@ -269,7 +269,7 @@ class FaultTolerance:
             for obj in self._sharded:
                 obj._ft_reshard()
         except _FAILURES:
-            self.fail()  # the step votes ok=False; the next membership reshards again
+            self._fail()  # the step votes ok=False; the next membership reshards again
         else:
             self._synced_qid = self._qid
 
