@@ -107,13 +107,13 @@ class RpcOptions:
             same host, travel through a /dev/shm file instead of the stream;
             ``None`` turns this off. ``"auto"`` (the default): 1 MiB on the
             gRPC transport (where it saves two of three copies), off on the
-            TCP transport (whose socket path measured 3-4x faster than a
-            fresh /dev/shm file per message; docs/design.md).
+            TCP transport (whose socket path is faster than a fresh /dev/shm
+            file per message; docs/design.md).
         local_sockets: On the TCP transport, reach workers on the same host
             (same hostname and boot id, learnt at rendezvous) through a Unix
             socket in Linux's abstract namespace instead of loopback TCP: the
-            same frames and job-token hello, with about 1.7x the bulk bandwidth
-            and a cheaper send per message (docs/design.md). A peer whose
+            same frames and job-token hello, with more bulk bandwidth and a
+            cheaper send per message (docs/design.md). A peer whose
             socket cannot be reached (another network namespace) is dialled
             over TCP instead. Defaults to on unless ``RPCDIST_LOCAL_SOCKETS=0``;
             turn it off to measure the cross-host TCP path on one machine.

@@ -286,7 +286,7 @@ def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents
         return payload
 
     b.registry.add_handler("test.held_ack", held_ack)
-    acked = a._lt.submit(a.send_control(1, "test.held_ack", "ok"))
+    acked = a.submit(a.send_control(1, "test.held_ack", "ok"))
     try:
         _wait_until(lambda: a.statistics()["pending_calls"] == 1)
         assert not a.calls.busy()
@@ -534,3 +534,19 @@ def test_shutdown_closes_the_set_polling_threads_watch():
         watched = a.busy_poll.others
         assert watched is not None and not watched.closed
     assert watched.closed
+
+
+def test_agents_count_in_their_process_until_they_close():
+    """Polling is off while a process holds more than one agent: each agent
+    counts once, and no longer once it has shut down (else polling would
+    stay off for good)."""
+    from rpcdist._rpc._busy_poll import PROCESS
+
+    before = PROCESS.agents
+    with local_agents(2) as (a, b):
+        assert a.busy_poll is not b.busy_poll
+        assert PROCESS.agents == before + 2
+    assert PROCESS.agents == before
+    with local_agents(1):
+        assert PROCESS.agents == before + 1
+    assert PROCESS.agents == before

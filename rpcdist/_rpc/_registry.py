@@ -74,7 +74,8 @@ E = TypeVar("E", bound="Extension")
 BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
-    "rpcdist._rpc._cuda_ipc:install",
+    "rpcdist._rpc._devices:install",
+    "rpcdist.torch._extension:install",
     "rpcdist.torch._profile_ext:install",
 )
 

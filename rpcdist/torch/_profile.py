@@ -12,12 +12,13 @@ as ``node_id`` (nested calls nest the prefixes). The request and the events
 travel in the call's and reply's metadata (``_profile_ext``); with no
 profiler running, a call pays one check.
 
-Where PyTorch's behaviour is not reproduced: the callee profiles a function
-run on a pool thread (plain functions, ``remote`` of one); an ``async def``
-or ``@async_execution`` function (which rpcdist runs on its event loop or
-across threads) sends no events back. A call made inside a profiled
-function through rpcdist's own API (not ``rpcdist.torch.rpc``) ends that
-function's profile early.
+Where PyTorch's behaviour is not reproduced: an ``async def`` function
+(run on rpcdist's event loop, which serves every call) sends back no
+events; an ``@async_execution`` function sends
+its body's events (it runs on a pool thread) and its calls', not those of
+the callbacks that complete its Future later; and a call made inside a
+profiled function through rpcdist's own API (not ``rpcdist.torch.rpc``)
+ends that function's profile early.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: What the current thread's or task's next call or reply carries.
-_STATE: contextvars.ContextVar[_Request | _Serving | None] = contextvars.ContextVar(
+_STATE: contextvars.ContextVar[_Request | _Serving | _Deferred | None] = contextvars.ContextVar(
     "rpcdist_torch_profile", default=None
 )
 _lock = threading.Lock()
@@ -184,10 +185,16 @@ def profiled(
     ident = threading.get_ident()
     shapes, memory = _configs.get(ident, (False, False))
     token = next(_tokens)
-    with _lock:
-        session = _sessions.setdefault(ident, _Session())
-        _pending[token] = _Pending(session, key, time.time_ns() / 1000)
+    deferred = _STATE.get()
     with torch.autograd.profiler.record_function(key) as rf:
+        start = time.time_ns() / 1000  # (after the range's start: the callee's events follow it)
+        with _lock:
+            if isinstance(deferred, _Deferred):  # (made by a profiled async_execution body)
+                session = deferred.session
+            else:
+                session = _sessions.setdefault(ident, _Session())
+                deferred = None
+            _pending[token] = _Pending(session, key, start)
         reset = _STATE.set(_Request(token, shapes, memory))
         try:
             out = call()
@@ -208,6 +215,9 @@ def profiled(
 
         def ended(_: Future[Any]) -> None:
             _forget(token)
+            if deferred is not None:  # (its range's end is recorded past the body's profile)
+                with _lock:
+                    deferred.calls.append((key, start, time.time_ns() / 1000, ident))
             end.set_result(None)
 
         profiling = rf._call_end_callbacks_on_future(end)
@@ -223,16 +233,17 @@ def _forget(token: int) -> None:
 def after(fut: Future[Any], profiling: torch.futures.Future[None]) -> Future[Any]:
     """A Future completed as ``fut`` once ``profiling`` (the range's end) has."""
     out: Future[Any] = Future()
-
-    def copy(_: Any) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(fut.value())
-
-    profiling.add_done_callback(copy)
+    profiling.add_done_callback(lambda _: _copy(fut, out))
     return out
+
+
+def _copy(fut: Future[Any], out: Any) -> None:
+    """Complete ``out`` (an rpcdist or torch Future) as completed ``fut``."""
+    exc = fut.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(fut.value())
 
 
 def keep_profiling_future(rref: RRef[Any], profiling: torch.futures.Future[None]) -> None:
@@ -273,17 +284,7 @@ class _Serving:
 
     def _finish(self) -> list[Any]:
         self.prof.__exit__(None, None, None)
-        rank = self.agent.rank
-        rows = []
-        for e in self.prof.function_events or ():
-            r = e.time_range
-            node = e.node_id if e.node_id >= 0 else rank
-            shapes = [list(s) for s in e.input_shapes] if e.input_shapes else []
-            mem, seq = e.cpu_memory_usage, e.sequence_nr
-            rows.append(
-                [e.name, r.start, r.end, e.thread, node, shapes, mem, seq, bool(e.is_async)]
-            )
-        return rows
+        return _rows(self.prof, self.agent.rank)
 
     def __enter__(self) -> _Serving:
         self.prof.__enter__()
@@ -298,15 +299,99 @@ class _Serving:
             _STATE.reset(self.reset)
 
 
-def serving(ext: ProfileExtension, call: CallInfo, request: Any) -> _Serving | None:
+def _rows(prof: Any, rank: int) -> list[Any]:
+    """A finished profile's events as a reply carries them."""
+    rows = []
+    for e in prof.function_events or ():
+        r = e.time_range
+        node = e.node_id if e.node_id >= 0 else rank
+        shapes = [list(s) for s in e.input_shapes] if e.input_shapes else []
+        mem, seq = e.cpu_memory_usage, e.sequence_nr
+        rows.append([e.name, r.start, r.end, e.thread, node, shapes, mem, seq, bool(e.is_async)])
+    return rows
+
+
+class _Deferred:
+    """The profile of an incoming call handled on the event loop (an
+    ``@async_execution`` function, ``remote`` of one): the body of
+    ``rpcdist.torch``'s ``async_execution`` function, profiled on the pool
+    thread that runs it (:meth:`run`), and the calls it made, gathered as
+    they complete, until the reply leaves."""
+
+    __slots__ = ("agent", "calls", "memory", "reset", "rows", "session", "shapes", "t0", "token")
+
+    def __init__(self, agent: Agent, token: int, shapes: bool, memory: bool) -> None:
+        self.agent, self.token, self.shapes, self.memory = agent, token, shapes, memory
+        self.session = _Session()
+        self.rows: list[Any] = []
+        #: (range name, start, end, thread) of each profiled call the body made.
+        self.calls: list[tuple[str, float, float, int]] = []
+        self.t0 = time.time_ns() / 1000
+        self.reset: contextvars.Token[Any] | None = None
+
+    def run(self, body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``body(*args, **kwargs)`` under a legacy profile of this thread."""
+        if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+            return body(*args, **kwargs)
+        prof = _legacy.profile(record_shapes=self.shapes, profile_memory=self.memory)
+        self.t0 = time.time_ns() / 1000
+        prof.__enter__()
+        try:
+            return body(*args, **kwargs)
+        finally:
+            prof.__exit__(None, None, None)
+            self.rows = _rows(prof, self.agent.rank)
+
+    def meta(self) -> Meta | None:
+        """The reply's events: the body's, its calls' ranges and what their
+        callees sent back, relative to the body's start."""
+        rank, t0 = self.agent.rank, self.t0
+        rows = list(self.rows)
+        with _lock:
+            calls, batches = list(self.calls), list(self.session.batches)
+        for key, start, end, thread in calls:
+            rows.append([key, start - t0, end - t0, thread, rank, [], 0, -1, False])
+        for key, anchor, node, batch in batches:
+            base = min((r[1] for r in batch), default=0.0)
+            at = anchor - t0
+            for name, s, e, thread, row_node, *rest in batch:
+                full = f"{key}{_REMOTE_OP}{name}"
+                rows.append([full, at + s - base, at + e - base, thread, row_node, *rest])
+                if row_node < 0:
+                    rows[-1][4] = node
+        return {REPLY: [self.token, rows]}
+
+    def __enter__(self) -> _Deferred:
+        self.reset = _STATE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            self.session.closed = True
+        if self.reset is not None:
+            _STATE.reset(self.reset)
+
+
+def run_async_body(body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``rpcdist.torch``'s ``async_execution`` body: profiled when its call asked."""
+    state = _STATE.get()
+    if isinstance(state, _Deferred):
+        return state.run(body, args, kwargs)
+    return body(*args, **kwargs)
+
+
+def serving(ext: ProfileExtension, call: CallInfo, request: Any) -> _Serving | _Deferred | None:
     """The handler scope for a call that asks for the callee's events: a
-    legacy profile around its function, on the thread running it; ``None``
-    where the function runs elsewhere (on the event loop: ``async``
-    functions, ``@async_execution``) or a profile already runs here."""
-    if asyncio._get_running_loop() is not None or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+    legacy profile around its function, on the thread running it; on the
+    event loop (the function runs elsewhere), a :class:`_Deferred`; ``None``
+    where a profile already runs on this thread."""
+    token, shapes, memory = request
+    if asyncio._get_running_loop() is not None:
+        ext.activate(_source, _on_reply)
+        return _Deferred(call.agent, int(token), bool(shapes), bool(memory))
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
         return None
     ext.activate(_source, _on_reply)
-    token, shapes, memory = request
     prof = _legacy.profile(record_shapes=bool(shapes), profile_memory=bool(memory))
     return _Serving(call.agent, int(token), prof)
 
@@ -328,9 +413,9 @@ def _remote_events(session: _Session, records: Any, local: list[Any]) -> list[An
     events: list[Any] = []
     for key, anchor, node, rows in session.batches:
         at = anchor - start
-        ranges = [s for s in starts.get(key, ()) if s <= at]
-        if ranges:  # (after its range's start, whatever the clocks say)
-            at = max(at, max(ranges) + 1)
+        ranges = starts.get(key)
+        if ranges:  # (just after its range's start, whatever the clocks say)
+            at = max(at, min(ranges, key=lambda s: abs(s - at)) + 1)
         base = min((row[1] for row in rows), default=0.0)
         for name, s, e, thread, row_node, shapes, mem, seq, is_async in rows:
             full = f"{key}{_REMOTE_OP}{name}"
@@ -377,6 +462,23 @@ def _start_trace_noting_config(self: Any) -> None:
     _start_trace(self)
 
 
+_end_on_future: Any = torch.autograd.profiler.record_function._call_end_callbacks_on_future
+
+
+def _end_on_any_future(self: Any, fut: Any) -> Any:
+    """``record_function._call_end_callbacks_on_future`` taking an rpcdist
+    Future too (what ``rpc_async`` returns), as PyTorch programs pass it."""
+    if isinstance(fut, Future):
+        fut = _as_torch_future(fut)
+    return _end_on_future(self, fut)
+
+
+def _as_torch_future(fut: Future[Any]) -> torch.futures.Future[Any]:
+    out: torch.futures.Future[Any] = torch.futures.Future()
+    fut.add_done_callback(lambda f: _copy(f, out))
+    return out
+
+
 def _rref_profiling_future(self: Any) -> torch.futures.Future[None]:
     return profiling_future(self)
 
@@ -390,10 +492,13 @@ def set_node_id(rank: int) -> None:
 
 
 def install() -> None:
-    """Let torch's legacy profiler take in remote events, and give RRefs
+    """Let torch's legacy profiler take in remote events and
+    ``record_function`` end on rpcdist Futures, and give RRefs
     ``_get_profiling_future`` (idempotent)."""
     from .._rref._rref import RRef
 
     _legacy._parse_legacy_records = _parse_with_remote
     _legacy.profile._start_trace = _start_trace_noting_config
+    record_function: Any = torch.autograd.profiler.record_function
+    record_function._call_end_callbacks_on_future = _end_on_any_future
     RRef._get_profiling_future = _rref_profiling_future  # type: ignore[attr-defined]

@@ -250,6 +250,26 @@ def _check_init_args(backend: Any, opts: Any) -> RpcBackendOptions:
     return opts
 
 
+def _check_rank_given(init_method: str) -> None:
+    """Refuse, in torch's words, a rank that neither the call, the
+    ``init_method``'s query (``?rank=``) nor ``RANK`` gives.
+
+    Raises:
+        ValueError: no rank anywhere.
+    """
+    if "RANK" in os.environ or "rank=" in init_method.partition("?")[2]:
+        return
+    scheme = init_method.partition("://")[0]
+    missing = (
+        "environment variable RANK expected, but not set"
+        if scheme == "env"
+        else "rank parameter missing"
+    )
+    raise ValueError(
+        f"Error initializing torch.distributed using {scheme}:// rendezvous: {missing}"
+    )
+
+
 def init_rpc(
     name: str,
     backend: BackendType | None = None,
@@ -279,6 +299,8 @@ def init_rpc(
     opts = _check_init_args(backend, rpc_backend_options)
     install()
     r = None if rank is None or rank < 0 else rank
+    if r is None:
+        _check_rank_given(opts.init_method)
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
     init_method = _rendezvous(opts.init_method, r, world_size)
     _api.init_rpc(
@@ -329,12 +351,11 @@ def rpc_async(
         _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
     if not enabled():
-        return adopt(call())
-    fut, profiling = profiled("rpc_async", to, func, call, until=_itself)
+        return adopt(call())  # (then() callbacks may block, as torch's)
+    fut, profiling = profiled("rpc_async", to, func, call, until=_completion_of)
     assert profiling is not None
-    return adopt(
-        after(fut, profiling)
-    )  # (complete once the range has ended, as torch's)  # (then() callbacks may block, as torch's)
+    # Complete once the profiled range has ended, as torch's does.
+    return adopt(after(fut, profiling))
 
 
 def remote(
@@ -361,7 +382,8 @@ def remote(
     return rref
 
 
-def _itself(fut: Future[Any]) -> Future[Any]:
+def _completion_of(fut: Future[Any]) -> Future[Any]:
+    """When an ``rpc_async`` call is done: when its future is."""
     return fut
 
 
