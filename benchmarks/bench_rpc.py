@@ -125,6 +125,54 @@ def _rpcdist_worker(rank: int, init: str, quick: bool, transport: str, q: Any) -
         rpcdist.shutdown()
 
 
+def _echo_worker(rank: int, init: str, shm: bool, sizes: list[int], q: Any) -> None:
+    """Array echo over the default TCP transport, /dev/shm segments on or off."""
+    import rpcdist
+
+    opts = rpcdist.RpcOptions(shm_threshold_bytes=1 << 20 if shm else None)
+    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120, options=opts)
+    try:
+        if rank == 0:
+            echo = lambda x: rpcdist.rpc_sync("w1", bf.echo, args=(x,))  # noqa: E731
+            q.put({mb: _echo_gbps(echo, mb << 20, 5 if mb >= 64 else 10) for mb in sizes})
+    finally:
+        rpcdist.shutdown()
+
+
+def _memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / median(times) / 1e9
+
+
+def echo_table(rounds: int) -> str:
+    """One-way array echo GB/s with and without /dev/shm segments, against memcpy.
+
+    The two settings alternate launch by launch (``rounds`` each); a cell
+    is the median, so load on a shared machine falls on both alike.
+    """
+    sizes = [16, 64, 256]
+    got: dict[bool, list[dict[int, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for shm in (True, False):
+            with __import__("tempfile").TemporaryDirectory() as tmp:
+                got[shm].append(_run_pair(_echo_worker, (f"file://{tmp}/rdv", shm, sizes)))
+    rows = []
+    for mb in sizes:
+        on = median([r[mb] for r in got[True]])
+        off = median([r[mb] for r in got[False]])
+        mc = _memcpy_gbps(mb << 20)
+        rows.append([mb, on, off, mc, on / mc])
+    return table(
+        ["MB", "shm segments GB/s", "socket GB/s", "NumPy memcpy GB/s", "shm / memcpy"], rows
+    )
+
+
 # -------------------------------------------------------------- raw grpc.aio
 
 
@@ -282,7 +330,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer calls, no 256 MB")
     ap.add_argument("--repeats", type=int, default=3, help="independent runs; medians reported")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
+    ap.add_argument("--echo-only", action="store_true", help="only the large-array table; print")
     a = ap.parse_args()
+    if a.echo_only:
+        print(echo_table(a.repeats))
+        return
     with_torch = True
     try:
         import torch  # noqa: F401
