@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._transport._faulty import FaultInjector
+    from ._faults import FaultInjector
 
 __all__ = ["CALLABLE_POLICIES", "RpcOptions", "callable_entry", "is_loopback"]
 
@@ -119,8 +119,8 @@ class RpcOptions:
         local_sockets: On the TCP transport, reach workers on the same host
             (same hostname and boot id, learnt at rendezvous) through a Unix
             socket in Linux's abstract namespace instead of loopback TCP: the
-            same frames and job-token hello, with about 1.7x the bulk bandwidth
-            and a cheaper send per message (docs/design.md). A peer whose
+            same frames and job-token hello, with more bulk bandwidth and a
+            cheaper send per message (docs/design.md). A peer whose
             socket cannot be reached (another network namespace) is dialled
             over TCP instead. Defaults to on unless ``RPCDIST_LOCAL_SOCKETS=0``;
             turn it off to measure the cross-host TCP path on one machine.

@@ -112,9 +112,9 @@ def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     """As if more threads were runnable than the host has cores: rank 0's
     calls to rank 1 (each 2 ms long, well within the polling window) start
     polling and stop at once; rank 0 returns its counters after 20 of them."""
-    from rpcdist._rpc import _sync_calls
+    from rpcdist._rpc import _busy_poll
 
-    _sync_calls.crowded = lambda: True  # (what the polling loop reads)
+    _busy_poll.crowded = lambda: True  # (what the polling loop reads)
     rpcdist.init_rpc(
         f"w{rank}",
         rank,
@@ -140,9 +140,9 @@ def busy_polling_alternating(rank, world_size, init_method):
     one connection both ends' waits alternate short and long (the polling
     window is 20 ms). Returns both ends' polls and hits (the host's load is
     left out: other tests may share its cores)."""
-    from rpcdist._rpc import _sync_calls
+    from rpcdist._rpc import _busy_poll
 
-    _sync_calls.crowded = lambda: False
+    _busy_poll.crowded = lambda: False
     rpcdist.init_rpc(
         f"w{rank}",
         rank,

@@ -1,4 +1,4 @@
-"""``rpc_sync`` on connections the calling thread drives (``rpcdist._rpc._sync_calls``)."""
+"""``rpc_sync`` on connections the calling thread drives (``rpcdist._rpc._sync_pool``)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_a_dead_idle_connection_is_replaced(agents2):
     with as_current(a):
         assert rpcdist.rpc_sync("worker1", rf.no_args) == "ok"
 
-        served = list(b.sync._served)  # the callee's end, served by a thread
+        served = list(b.sync_serving._served)  # the callee's end, served by a thread
         assert len(served) == 1
         served[0].interrupt()  # as if the callee had closed it
         (idle,) = a.sync._free[1]
@@ -233,7 +233,7 @@ def test_the_callee_runs_a_plain_handler_on_the_connection_s_own_thread(agents2)
                 "rpcdist-worker-worker1"  # the loop's path: a pool thread
             )
         )
-    assert len(b.sync._served) == 1
+    assert len(b.sync_serving._served) == 1
 
 
 def test_handlers_on_served_connections_count_against_num_worker_threads():
@@ -287,7 +287,7 @@ def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents
         return payload
 
     b.registry.add_handler("test.held_ack", held_ack)
-    acked = a._lt.submit(a.send_control(1, "test.held_ack", "ok"))
+    acked = a.submit(a.send_control(1, "test.held_ack", "ok"))
     try:
         _wait_until(lambda: a.statistics()["pending_calls"] == 1)
         assert not a.calls.busy()
@@ -532,6 +532,22 @@ def test_an_abandoned_call_frees_its_connection_and_its_late_reply_is_dropped(ag
 
 def test_shutdown_closes_the_set_polling_threads_watch():
     with local_agents(2) as (a, _):
-        watched = a.sync._others
+        watched = a.busy_poll.others
         assert watched is not None and not watched.closed
     assert watched.closed
+
+
+def test_agents_count_in_their_process_until_they_close():
+    """Polling is off while a process holds more than one agent: each agent
+    counts once, and no longer once it has shut down (else polling would
+    stay off for good)."""
+    from rpcdist._rpc._busy_poll import PROCESS
+
+    before = PROCESS.agents
+    with local_agents(2) as (a, b):
+        assert a.busy_poll is not b.busy_poll
+        assert PROCESS.agents == before + 2
+    assert PROCESS.agents == before
+    with local_agents(1):
+        assert PROCESS.agents == before + 1
+    assert PROCESS.agents == before

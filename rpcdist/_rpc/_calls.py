@@ -32,10 +32,10 @@ from .._serialization import decode, exception_from_wire
 from .._transport import Link
 from .._transport._frames import REPLY, InMessage, OutMessage
 from . import _doctor
-from ._context import WireContext
+from ._wire import WireContext
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["Calls", "send_control"]
 
@@ -60,7 +60,7 @@ class _Pending:
 class Calls:
     """One agent's outgoing calls (see the module docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentView) -> None:
         self._agent = agent
         self._loop = agent.loop
         self._lock = threading.Lock()
@@ -144,10 +144,10 @@ class Calls:
 
         Saves the hop to the loop; the loop arms the call's timer afterwards
         (:meth:`_arm`). Only for a call made while none is in flight (under
-        load, one write per call would cost more than the hop saves: measured
-        -40% calls/s with 64 in flight); never while calls this agent handed
-        to the loop are still unsent (so one thread's calls keep their
-        order). Returns False, having done nothing, when not taken.
+        load, one write per call would cost more than the hop saves); never
+        while calls this agent handed to the loop are still unsent (so one
+        thread's calls keep their order). Returns False, having done nothing,
+        when not taken.
         """
         agent = self._agent
         link = agent.links.get(dst)
@@ -318,7 +318,7 @@ def _label(msg: OutMessage) -> str:
 
 
 async def send_control(
-    agent: Agent, dst: int, method: str, payload: Any, give_up_after: float | None
+    agent: AgentView, dst: int, method: str, payload: Any, give_up_after: float | None
 ) -> Any:
     """``agent.send_control``: an idempotent internal message, retried until
     acknowledged (on the loop).

@@ -39,12 +39,12 @@ from .._serialization._functions import resolve as _resolve
 from .._transport import Link
 from .._transport._frames import ERROR_REPLY, INTERNAL, REPLY, InMessage, OutMessage
 from ..functions import ASYNC_EXECUTION_ATTR
-from ._context import WireContext, _current, bind_agent, reset_agent
 from ._registry import CallInfo
+from ._wire import WireContext, bind_agent, bound_agent, reset_agent
 
 if TYPE_CHECKING:
     from .._worker import WorkerInfo
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = [
     "blocked_handler",
@@ -78,7 +78,7 @@ def resolve(name: str, policy: CallablePolicy | None = None) -> Callable[..., An
         CallPolicyError: the policy refuses it.
     """
     if policy is None:
-        agent = _current.get()
+        agent = bound_agent()
         policy = agent.policy if agent is not None else DEFAULT_POLICY
     return _resolve(name, policy)
 
@@ -119,7 +119,7 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         raise e
 
 
-def blocked_handler(agent: Agent, ident: int, waits_on: object) -> tuple[str, str]:
+def blocked_handler(agent: AgentView, ident: int, waits_on: object) -> tuple[str, str]:
     """What blocked thread ``ident``'s handler runs and what it waits on,
     for the handler pool's warnings (its ``describe`` hook; any thread, only
     when a warning or snapshot is made): the function of the innermost
@@ -152,7 +152,7 @@ def blocked_handler(agent: Agent, ident: int, waits_on: object) -> tuple[str, st
 
 
 async def call_user(
-    agent: Agent, fn: Callable[..., Any], label: str, args: Any, kwargs: Any
+    agent: AgentView, fn: Callable[..., Any], label: str, args: Any, kwargs: Any
 ) -> Any:
     """Run a user function by its kind (on the loop, in a handler's context)."""
     how = _kind_of(fn)
@@ -181,7 +181,7 @@ def _check_deadline(deadline: float | None, method: str, peer: str) -> None:
 
 
 def call_wire(
-    agent: Agent, peer: WorkerInfo, m: InMessage, *, off_loop: bool = False
+    agent: AgentView, peer: WorkerInfo, m: InMessage, *, off_loop: bool = False
 ) -> WireContext:
     """The wire context a received CALL is handled in (any thread), after
     handing its riders' fields to their extensions (``Registry.on_call``)."""
@@ -190,7 +190,7 @@ def call_wire(
     return wire
 
 
-def decode_call(agent: Agent, m: InMessage, wire: WireContext) -> tuple[Any, Any]:
+def decode_call(agent: AgentView, m: InMessage, wire: WireContext) -> tuple[Any, Any]:
     """A CALL's ``(args, kwargs)``.
 
     Raises:
@@ -205,7 +205,7 @@ def decode_call(agent: Agent, m: InMessage, wire: WireContext) -> tuple[Any, Any
 # ------------------------------------------------------------------ the loop
 
 
-def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
+def dispatch(agent: AgentView, link: Link, m: InMessage) -> None:
     """Start handling one CALL or INTERNAL message (on the loop).
 
     A plain function whose arguments need no gating goes straight to the
@@ -230,11 +230,11 @@ def dispatch(agent: Agent, link: Link, m: InMessage) -> None:
     agent.spawn(serve(agent, link, m))
 
 
-def _post_from_loop(agent: Agent, *job: Any) -> None:
+def _post_from_loop(agent: AgentView, *job: Any) -> None:
     post_handler(agent, *job, on_loop=True)
 
 
-def post_handler(agent: Agent, *job: Any, on_loop: bool = False) -> None:
+def post_handler(agent: AgentView, *job: Any, on_loop: bool = False) -> None:
     """Hand ``run_handler(agent, *job)`` to the pool from any thread; ``job``
     is ``(link, m, fn, args, kwargs, wire)``."""
     try:
@@ -247,7 +247,7 @@ def post_handler(agent: Agent, *job: Any, on_loop: bool = False) -> None:
 
 
 async def serve(
-    agent: Agent,
+    agent: AgentView,
     link: Link,
     m: InMessage,
     decoded: tuple[WireContext, Any, Any] | None = None,
@@ -315,7 +315,7 @@ async def serve(
 
 
 def run_handler(
-    agent: Agent,
+    agent: AgentView,
     link: Link,
     m: InMessage,
     fn: Callable[..., Any],
@@ -354,7 +354,7 @@ def run_handler(
 
 
 def reply_error_threadsafe(
-    agent: Agent, link: Link, m: InMessage, wire: WireContext, e: BaseException
+    agent: AgentView, link: Link, m: InMessage, wire: WireContext, e: BaseException
 ) -> None:
     """From a thread other than the loop's: answer ``m`` with error ``e``."""
     _reply_from_thread(agent, link, m, wire, ERROR_REPLY, *_encode_error(e))
@@ -382,7 +382,7 @@ def _reply(
 
 
 def _reply_from_thread(
-    agent: Agent,
+    agent: AgentView,
     link: Link,
     m: InMessage,
     wire: WireContext,
@@ -400,7 +400,7 @@ def _reply_from_thread(
     _after_reply(wire)
 
 
-def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
+def _reply_now(agent: AgentView, link: Link, reply: OutMessage) -> bool:
     """From a thread: send a reply straight away if the link allows.
 
     Saves one thread hop per call (the reply no longer waits for the loop)
@@ -420,7 +420,7 @@ def _reply_now(agent: Agent, link: Link, reply: OutMessage) -> bool:
 
 
 def _send_reply(
-    agent: Agent,
+    agent: AgentView,
     link: Link,
     m: InMessage,
     wire: WireContext,
@@ -443,7 +443,7 @@ def _after_reply(wire: WireContext) -> None:
             _log.exception("error after replying to a call from %s", wire.peer.name)
 
 
-def _send(agent: Agent, link: Link, reply: OutMessage) -> None:
+def _send(agent: AgentView, link: Link, reply: OutMessage) -> None:
     agent.activity.handler_done()
     if link.closed is not None:
         reply.dropped()

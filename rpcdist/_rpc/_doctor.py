@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["snapshot", "statistics", "summary"]
 
@@ -28,7 +28,7 @@ __all__ = ["snapshot", "statistics", "summary"]
 _SHOWN = 5
 
 
-def snapshot(agent: Agent) -> dict[str, Any]:
+def snapshot(agent: AgentView) -> dict[str, Any]:
     """What ``agent`` has outstanding now (any thread; plain data)."""
     now = time.monotonic()
     workers = agent.workers
@@ -113,7 +113,7 @@ def summary(info: dict[str, Any]) -> str:
     return "outstanding on " + repr(info.get("worker", "?")) + ": " + "; ".join(parts)
 
 
-def statistics(agent: Agent) -> dict[str, int]:
+def statistics(agent: AgentView) -> dict[str, int]:
     """``Agent.statistics()``: counters for tests and debugging; every gauge
     is 0 when idle."""
     activity = agent.activity
@@ -124,9 +124,9 @@ def statistics(agent: Agent) -> dict[str, int]:
         "calls_sent": activity.sent,
         "calls_handled": activity.handled,
         "direct_sync_calls": agent.sync.calls,
-        "busy_polls": agent.sync.polls,
-        "busy_poll_hits": agent.sync.polled,
-        "busy_poll_yields": agent.sync.yielded,
+        "busy_polls": agent.busy_poll.polls,
+        "busy_poll_hits": agent.busy_poll.hits,
+        "busy_poll_yields": agent.busy_poll.yields,
     }
     stats.update(agent.links.statistics())
     stats.update(agent.mailbox.statistics())

@@ -36,7 +36,7 @@ from . import _procview
 
 if TYPE_CHECKING:
     from .._store import RendezvousSpec, StoreClient, StoreServer
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = [
     "agree_names",
@@ -63,7 +63,7 @@ def _version() -> str:
 
 
 async def open_job_store(
-    agent: Agent, spec: RendezvousSpec
+    agent: AgentView, spec: RendezvousSpec
 ) -> tuple[StoreClient, StoreServer | None]:
     """Connect to (rank 0: serve) the job's store, over TLS when the job has
     certificates, guarded by the user's token or, without one, by a secret
@@ -84,7 +84,7 @@ async def open_job_store(
     return await open_store(spec, token=opts.token, timeout=opts.init_timeout, tls=tls)
 
 
-async def watching_refusals(agent: Agent, step: Awaitable[T]) -> T:
+async def watching_refusals(agent: AgentView, step: Awaitable[T]) -> T:
     """Await ``step``; if it times out, say how many calls the store refused
     and from where (a rank with a wrong token, another user's process...).
 
@@ -102,7 +102,7 @@ async def watching_refusals(agent: Agent, step: Awaitable[T]) -> T:
         raise RpcTimeoutError(f"{exc}; meanwhile {got.decode(errors='replace')}") from exc
 
 
-async def barrier(agent: Agent, name: str) -> None:
+async def barrier(agent: AgentView, name: str) -> None:
     """A store barrier of every worker, bounded by ``init_timeout`` (a
     timeout names the calls the store refused)."""
     store, n = agent.store, agent.world_size
@@ -119,7 +119,7 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
+async def join(agent: AgentView, published: dict[str, Any]) -> list[dict[str, Any]]:
     """Publish this worker (name, rank, host, what its transport needs to be
     dialled) and return every worker's entry, by rank.
 
@@ -147,7 +147,7 @@ async def join(agent: Agent, published: dict[str, Any]) -> list[dict[str, Any]]:
     return [msgpack.unpackb(e) for e in entries]
 
 
-async def check(agent: Agent, infos: list[dict[str, Any]]) -> None:
+async def check(agent: AgentView, infos: list[dict[str, Any]]) -> None:
     """Raises: ConfigError: duplicate names, or workers on different transports
     or wire protocols (rpcdist versions)."""
     other = next((i for i in infos if i.get("wire", 1) != WIRE_PROTOCOL), None)
@@ -174,7 +174,7 @@ async def check(agent: Agent, infos: list[dict[str, Any]]) -> None:
         )
 
 
-async def agree_names(agent: Agent, name: str, timeout: float) -> list[str]:
+async def agree_names(agent: AgentView, name: str, timeout: float) -> list[str]:
     """Every worker's new name, by rank (collective).
 
     Raises:

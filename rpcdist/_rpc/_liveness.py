@@ -64,7 +64,7 @@ from .._transport._frames import HEARTBEAT, P2P, OutMessage
 from . import _procview
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["PING", "Liveness"]
 
@@ -75,13 +75,13 @@ PING = "rpc.ping"
 #: Without a view of its process (another host), a silent peer is declared
 #: lost after this many ``peer_timeout``: long enough for the longest GIL
 #: holds measured (``docs/benchmarks.md``, "GIL holds": unpickling millions
-#: of objects held it up to 6.9 s), short enough to end a partition's calls.
+#: of objects), short enough to end a partition's calls.
 REMOTE_FACTOR = 4
 #: A probe's bound when the detector is off.
 _PROBE_LIMIT = 5.0
 
 
-async def on_ping(agent: Agent, src: Any, payload: Any) -> None:
+async def on_ping(agent: AgentView, src: Any, payload: Any) -> None:
     """Answer a probe (internal method ``PING``)."""
     return None
 
@@ -89,7 +89,7 @@ async def on_ping(agent: Agent, src: Any, payload: Any) -> None:
 class Liveness:
     """One agent's failure detector and lost-worker table (see the module docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentView) -> None:
         self._agent = agent
         self._loop = agent.loop
         opts = agent.options
@@ -174,6 +174,7 @@ class Liveness:
         agent.calls.fail_peer(rank, exc)
         agent.mailbox.fail_all(rank, WorkerLostError(str(exc)))
         agent.sync.drop_peer(rank)
+        agent.sync_serving.drop_peer(rank)
         agent.links.drop(rank, exc)
         for w in self._waiters:
             if not w.done():

@@ -46,15 +46,11 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .._errors import ConfigError
 from .._transport._frames import Meta
 from .._worker import WorkerInfo
-
-if TYPE_CHECKING:
-    from ._agent import Agent
-    from ._context import WireContext
 
 __all__ = [
     "BUILTIN_EXTENSIONS",
@@ -78,14 +74,19 @@ E = TypeVar("E", bound="Extension")
 BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
-    "rpcdist._rpc._cuda_ipc:install",
+    "rpcdist._rpc._devices:install",
+    "rpcdist.torch._extension:install",
+    "rpcdist.torch._profile_ext:install",
 )
 
-InternalHandler = Callable[["Agent", WorkerInfo, Any], Awaitable[Any]]
+# The registry sits below the agent and hands what it is given through: in
+# these signatures the first ``Any`` is the ``Agent`` and ``wire`` arguments
+# are ``WireContext`` objects (each plug-in declares its own parameter types).
+InternalHandler = Callable[[Any, WorkerInfo, Any], Awaitable[Any]]
 MetaSource = Callable[[], "Meta | None"]
-ReplyField = Callable[["Agent", WorkerInfo, Any], None]
-RiderTake = Callable[[int, "WireContext"], Any]
-RiderReceive = Callable[["Agent", WorkerInfo, Any, "WireContext"], None]
+ReplyField = Callable[[Any, WorkerInfo, Any], None]
+RiderTake = Callable[[int, Any], Any]
+RiderReceive = Callable[[Any, WorkerInfo, Any, Any], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +94,14 @@ class CallInfo:
     """What a handler scope knows of the incoming call it wraps.
 
     Attributes:
-        agent: The agent running the call.
+        agent: The agent running the call (an ``Agent``).
         peer: The caller.
         method: The function name or internal method.
         meta: The call's named extension fields (``None``: none).
         deadline: Its absolute deadline (``time.monotonic()``), if any.
     """
 
-    agent: Agent
+    agent: Any
     peer: WorkerInfo
     method: str
     meta: Meta | None
@@ -225,7 +226,7 @@ class Registry:
                 raise ConfigError(f"rider {name!r} is already registered")
             self.riders = {**self.riders, name: (take, receive)}
 
-    def ride(self, peer: int, wire: WireContext, meta: Meta | None) -> Meta | None:
+    def ride(self, peer: int, wire: Any, meta: Meta | None) -> Meta | None:
         """``meta`` with what the riders have for ``peer`` (a call's, any thread)."""
         for name, (take, _) in self.riders.items():
             value = take(peer, wire)
@@ -233,7 +234,7 @@ class Registry:
                 meta = {**meta, name: value} if meta else {name: value}
         return meta
 
-    def on_call(self, agent: Agent, peer: WorkerInfo, meta: Meta | None, wire: WireContext) -> None:
+    def on_call(self, agent: Any, peer: WorkerInfo, meta: Meta | None, wire: Any) -> None:
         """A call from ``peer`` arrived with ``meta`` (any thread, before its
         arguments are decoded): hand the riders' fields to their receivers."""
         if meta:
@@ -242,7 +243,7 @@ class Registry:
                 if value is not None:
                     receive(agent, peer, value, wire)
 
-    def on_reply(self, agent: Agent, peer: WorkerInfo, meta: Meta | None) -> None:
+    def on_reply(self, agent: Any, peer: WorkerInfo, meta: Meta | None) -> None:
         """A reply from ``peer`` arrived with ``meta`` (any thread, before it
         is decoded): run the handlers of the reply fields it carries."""
         if meta:

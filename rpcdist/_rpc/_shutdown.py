@@ -49,7 +49,7 @@ from .._worker import WorkerInfo
 from . import _doctor
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["barrier_live", "close", "gather_live", "log", "on_store", "shutdown"]
 
@@ -68,7 +68,7 @@ _LEAVE_LIMIT = 1.0
 _LEAVE_WAIT = 5.0
 
 
-async def shutdown(agent: Agent, graceful: bool, timeout: float | None) -> list[WorkerInfo]:
+async def shutdown(agent: AgentView, graceful: bool, timeout: float | None) -> list[WorkerInfo]:
     """Shut ``agent`` down (on its loop); see ``rpcdist.shutdown``.
 
     Returns the workers a graceful shutdown went on without.
@@ -111,7 +111,7 @@ async def shutdown(agent: Agent, graceful: bool, timeout: float | None) -> list[
     return skipped if ok else []
 
 
-async def _coordinated(agent: Agent, timeout: float | None, limit: float) -> set[int]:
+async def _coordinated(agent: AgentView, timeout: float | None, limit: float) -> set[int]:
     """Wait for every live worker to call ``shutdown``, then drain the
     extensions and quiesce within ``limit``, through the store; without it
     (rank 0 lost), only wait to be locally idle. Returns the lost workers that
@@ -149,11 +149,11 @@ async def _coordinated(agent: Agent, timeout: float | None, limit: float) -> set
     return set(agent.liveness.lost) - before - {0}
 
 
-def _store_lost(agent: Agent) -> bool:
+def _store_lost(agent: AgentView) -> bool:
     return agent.rank != 0 and agent.liveness.is_lost(0)
 
 
-async def _store_host_lost(agent: Agent) -> bool:
+async def _store_host_lost(agent: AgentView) -> bool:
     """After a store failure: whether rank 0 is (found) lost, waiting at most
     the detector's window for the verdict."""
     liveness = agent.liveness
@@ -170,7 +170,7 @@ async def _store_host_lost(agent: Agent) -> bool:
     return liveness.is_lost(0)
 
 
-async def barrier_live(agent: Agent, name: str, limit: float | None) -> None:
+async def barrier_live(agent: AgentView, name: str, limit: float | None) -> None:
     """A store barrier of the live workers (lost ones are not waited for).
 
     Raises:
@@ -181,7 +181,7 @@ async def barrier_live(agent: Agent, name: str, limit: float | None) -> None:
     await gather_live(agent, lambda r: f"{name}/{r}", limit)
 
 
-async def on_store(agent: Agent, aw: Awaitable[T]) -> T:
+async def on_store(agent: AgentView, aw: Awaitable[T]) -> T:
     """Await a store operation, failing it as soon as rank 0, which serves
     the store, is declared lost (a stopped store host never answers, and
     its gRPC connection stays open). Rank 0 is watched meanwhile (a link
@@ -212,7 +212,7 @@ async def on_store(agent: Agent, aw: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _local_idle(agent: Agent) -> None:
+async def _local_idle(agent: AgentView) -> None:
     """Without the store: wait (briefly) until nothing runs or is pending here."""
     activity = agent.activity
     activity.quiescing = True
@@ -225,7 +225,7 @@ async def _local_idle(agent: Agent) -> None:
 
 
 async def gather_live(
-    agent: Agent, key: Callable[[int], str], limit: float | None
+    agent: AgentView, key: Callable[[int], str], limit: float | None
 ) -> dict[int, bytes]:
     """Every live worker's value under ``key(rank)`` in the store (on the loop).
 
@@ -289,7 +289,7 @@ async def gather_live(
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
-async def _quiesce(agent: Agent) -> set[int]:
+async def _quiesce(agent: AgentView) -> set[int]:
     """Wait until no live worker has work in flight (two stable rounds).
 
     Returns the lost workers that reported the deciding round anyway (they
@@ -337,7 +337,7 @@ def _report_key(round_no: int, rank: int) -> str:
     return f"rpc/quiesce/{round_no}/{rank}"
 
 
-async def close(agent: Agent, *, graceful: bool = False, leave: bool = False) -> None:
+async def close(agent: AgentView, *, graceful: bool = False, leave: bool = False) -> None:
     """Close ``agent`` (on its loop): fail what is pending, end links and tasks,
     leave and close the store. ``leave``: tell rank 0's store we are done (rank
     0: wait for the others to be done with it, still watching them)."""
@@ -351,6 +351,8 @@ async def close(agent: Agent, *, graceful: bool = False, leave: bool = False) ->
     agent.closed = True
     agent.liveness.stop()
     agent.sync.close()
+    agent.sync_serving.close()
+    agent.busy_poll.close()
     agent.calls.fail_all(exc)
     agent.mailbox.fail_all(None, ClosedError(str(exc)))
     for ext in list(agent.registry.extensions.values()):
@@ -376,13 +378,13 @@ async def close(agent: Agent, *, graceful: bool = False, leave: bool = False) ->
         await agent._store_server.stop(1.0)
 
 
-async def _leave_store(agent: Agent) -> None:
+async def _leave_store(agent: AgentView) -> None:
     """Tell rank 0's store that this rank is done with it (not rank 0)."""
     if agent.rank != 0:
         await agent.store.set(f"rpc/left/{agent.rank}", b"1")
 
 
-async def _wait_for_leavers(agent: Agent) -> None:
+async def _wait_for_leavers(agent: AgentView) -> None:
     """Rank 0 serves the store: before closing, wait until every other live
     rank has said it is leaving (a rank lost meanwhile is not waited for)."""
     server = agent._store_server

@@ -3,13 +3,19 @@ reply read later on the same thread, so the caller works meanwhile."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .._transport._frames import OutMessage
-    from ._sync_calls import SyncCalls
 
 __all__ = ["Started", "abandon"]
+
+
+class _Pool(Protocol):
+    """Where a started call's reply is read (``_sync_pool.SyncPool``)."""
+
+    def finish(self, call: Started) -> Any: ...
+    def abandon(self, call: Started) -> None: ...
 
 
 class Started:
@@ -19,7 +25,7 @@ class Started:
     __slots__ = ("_calls", "chan", "done", "label", "msg", "sent", "started")
 
     def __init__(
-        self, calls: SyncCalls, chan: Any, msg: OutMessage, label: str, started: float
+        self, calls: _Pool, chan: Any, msg: OutMessage, label: str, started: float
     ) -> None:
         self._calls = calls
         self.chan = chan
@@ -39,12 +45,12 @@ class Started:
             RuntimeError: waited for (or abandoned) before.
             Exception: what the remote function raised.
         """
-        return self._calls._finish(self)
+        return self._calls.finish(self)
 
     def abandon(self) -> None:
         """No one will wait for the reply (an error came first): the agent's
         loop reads it and drops it. A no-op once waited for."""
-        self._calls._abandon(self)
+        self._calls.abandon(self)
 
 
 def abandon(calls: list[Any]) -> None:

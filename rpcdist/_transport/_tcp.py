@@ -11,22 +11,22 @@ ordered pair of workers, driven by the loop's reader/writer callbacks:
   which is received straight into its destination (a fresh array, or a
   buffer a collective posted in advance).
 
-Against grpc.aio this removes grpc's per-message cost (about 150 us of loop
-time per message here) and two of its three payload copies; docs/design.md
-has the measurements. The job token is checked in a hello exchanged before
-any frame. With TLS the socket is a :class:`~._tls.TlsStream` and the
-reading and writing of :mod:`._tcp_tls` take over.
+Against grpc.aio this removes grpc's per-message cost in loop time and two
+of its three payload copies (docs/benchmarks.md has the figures). The job token is checked in a hello exchanged before
+any frame. With TLS the socket is a :class:`~._tls.TlsStream` (the record
+layer, which moves ciphertext) and the link reads and writes through it with
+TLS's differences (:meth:`TcpLink._read_tls`, ``TlsStream.send_queued``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -62,6 +62,9 @@ _HELLO_MAX = 64 << 10
 _HANDSHAKE_TIMEOUT = 30.0
 #: Receive calls per readiness callback before yielding to other work.
 _READS_PER_WAKEUP = 16
+#: TLS receive calls per readiness callback (one record, 16 KiB, each at most).
+_TLS_READS_PER_WAKEUP = 256
+_TLS_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 #: ``poll`` takes a C int of milliseconds.
 _POLL_MAX_MS = (1 << 31) - 1
@@ -132,7 +135,7 @@ class TcpLink(Link):
         self._view = memoryview(self._stage)
         self._lo = self._hi = 0
         self._frames: list[rpc_pb2.Frame] = []
-        self._fi = self._need = 0
+        self._frame_index = self._need = 0
         self._dest = memoryview(b"")
         #: Largest envelope accepted (headers count towards a message's size).
         self._max_envelope = min(_MAX_ENVELOPE, options.max_message_bytes + (1 << 20))
@@ -156,12 +159,10 @@ class TcpLink(Link):
         self._fd = sock.fileno()
         self._threaded = threaded
         if not isinstance(sock, socket.socket):  # a _tls.TlsStream
-            from ._tcp_tls import read_tls, send_unsent_tls, write_out_tls
-
             self._tls = True
-            self._read = functools.partial(read_tls, self)  # type: ignore[method-assign]
-            self._send_unsent = functools.partial(send_unsent_tls, self)  # type: ignore[method-assign]
-            self._write_out = functools.partial(write_out_tls, self)  # type: ignore[method-assign]
+            self._read = self._read_tls  # type: ignore[method-assign]
+            self._send_unsent = self._send_unsent_tls  # type: ignore[method-assign]
+            self._write_out = self._write_out_tls  # type: ignore[method-assign]
         if threaded:
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
@@ -470,12 +471,7 @@ class TcpLink(Link):
                     n = sock.recv_into(self._dest, want)
                     if n == 0:
                         return self._eof()
-                    self.bulk_reads += 1
-                    self._dest = self._dest[n:]
-                    self._need -= n
-                    if not self._need:
-                        self._end_frame()
-                        self._process()
+                    self._received_direct(n)
                     if n < want:
                         return  # drained: the next bytes wake us again
                     continue
@@ -499,6 +495,74 @@ class TcpLink(Link):
         except BaseException as e:
             self._read_failed(e)
 
+    # ----------------------------------------------------------- TLS
+
+    def _send_unsent_tls(self) -> None:
+        """:meth:`_send_unsent` on TLS (``TlsStream.send_queued``)."""
+        self._sock.send_queued(self._unsent)
+
+    def _write_out_tls(self) -> None:
+        """:meth:`_write_out` on TLS: also while the stream holds ciphertext."""
+        sock: Any = self._sock
+        if not self._unsent and not self._queue and sock is not None and sock.out_pending():
+            sock.flush()
+        TcpLink._write_out(self)
+
+    def _read_tls(self) -> None:
+        """:meth:`_read` on a TLS socket (same staging, TLS's exceptions).
+
+        A receive returns at most one TLS record, so a short one does not
+        mean the socket is drained; bytes TLS has already decrypted do not
+        make the socket readable, so they are read before returning; and
+        each TLS call is made under the write lock, since one TLS connection
+        must not be driven by two threads at once (the loop reads while a
+        pool thread may write a reply).
+        """
+        sock: Any = self._sock
+        if sock is None:
+            return
+        lock = self._wlock
+        try:
+            for _ in range(_TLS_READS_PER_WAKEUP):
+                direct = self._need >= DIRECT_BYTES and self._lo == self._hi
+                if not direct:
+                    if self._lo == self._hi:
+                        self._lo = self._hi = 0
+                    elif self._hi == len(self._stage):
+                        self._compact()
+                with lock:
+                    if direct:
+                        n = sock.recv_into(self._dest, self._need)
+                    else:
+                        n = sock.recv_into(self._view[self._hi :])
+                if n == 0:
+                    return self._eof()
+                if direct:
+                    self._received_direct(n)
+                else:
+                    self._hi += n
+                    self.received_any = True
+                    self._process()
+                if self._sock is None:
+                    return
+            if not self._threaded and sock.pending():
+                self._loop.call_soon(self._on_readable)  # more is decrypted: go on soon
+        except _TLS_WOULD_BLOCK:
+            return
+        except ssl.SSLError as e:
+            self._end(WorkerLostError(f"TLS failed on the connection to {self.label}: {e}"))
+        except BaseException as e:
+            self._read_failed(e)
+
+    def _received_direct(self, n: int) -> None:
+        """``n`` bytes of the current payload landed in its destination."""
+        self.bulk_reads += 1
+        self._dest = self._dest[n:]
+        self._need -= n
+        if not self._need:
+            self._end_frame()
+            self._process()
+
     def _read_failed(self, e: BaseException) -> None:
         if isinstance(e, RpcdistError):
             _log.warning("closing connection from %s: %s", self.label, e)
@@ -515,7 +579,7 @@ class TcpLink(Link):
             raise e
 
     def _eof(self) -> None:
-        if self._lo != self._hi or self._need or self._fi < len(self._frames):
+        if self._lo != self._hi or self._need or self._frame_index < len(self._frames):
             self._end(WorkerLostError(f"{self.label} closed the connection mid-message"))
         else:
             self._end(None)
@@ -540,8 +604,8 @@ class TcpLink(Link):
                     return
                 self._end_frame()
                 continue
-            if self._fi < len(self._frames):
-                f = self._frames[self._fi]
+            if self._frame_index < len(self._frames):
+                f = self._frames[self._frame_index]
                 self._dest = self._reasm.start_frame(f)
                 self._need = f.data_len
                 if not self._need:
@@ -579,13 +643,13 @@ class TcpLink(Link):
                 self._deliver(m)  # one small message: the common case at low load
                 continue
             self._frames = list(frames)
-            self._fi = 0
+            self._frame_index = 0
 
     def _end_frame(self) -> None:
-        f = self._frames[self._fi]
-        self._fi += 1
-        if self._fi == len(self._frames):
-            self._frames, self._fi = [], 0
+        f = self._frames[self._frame_index]
+        self._frame_index += 1
+        if self._frame_index == len(self._frames):
+            self._frames, self._frame_index = [], 0
         m = self._reasm.finish_frame(f)
         if m is not None:
             self._deliver(m)

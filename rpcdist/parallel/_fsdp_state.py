@@ -12,7 +12,7 @@ name, so it too reshards to any world size.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -21,20 +21,18 @@ from ..nn import IncompatibleKeys
 from ..tensor import Tensor
 from ..tensor._device import move_to
 from ._arrays import host
-
-if TYPE_CHECKING:
-    from ._fsdp import FullyShardedDataParallel
+from ._types import ShardedModel
 
 __all__ = ["full_state_dict", "load_optim", "load_state", "optim_state", "sharded_state_dict"]
 
 _KEY = "_fsdp_shards"
 
 
-def _buffers(model: FullyShardedDataParallel) -> list[tuple[str, Tensor]]:
+def _buffers(model: ShardedModel) -> list[tuple[str, Tensor]]:
     return model._orig_buffers
 
 
-def full_state_dict(model: FullyShardedDataParallel, rank0_only: bool) -> dict[str, Any]:
+def full_state_dict(model: ShardedModel, rank0_only: bool) -> dict[str, Any]:
     """Every parameter gathered (a collective on every rank) and every buffer, by name."""
     params: dict[str, Any] = {}
     for unit in model._shared.units:
@@ -49,7 +47,7 @@ def full_state_dict(model: FullyShardedDataParallel, rank0_only: bool) -> dict[s
     return out
 
 
-def sharded_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
+def sharded_state_dict(model: ShardedModel) -> dict[str, Any]:
     """This rank's shards (plus the buffers), without communication."""
     sh = model._shared
     shards = [np.array(host(u.shard.data)) for u in sh.units]
@@ -73,9 +71,7 @@ def _array(value: Any) -> Any:
     return value if hasattr(value, "shape") else np.asarray(value)
 
 
-def load_state(
-    model: FullyShardedDataParallel, sd: Mapping[str, Any], strict: bool
-) -> IncompatibleKeys:
+def load_state(model: ShardedModel, sd: Mapping[str, Any], strict: bool) -> IncompatibleKeys:
     """Load a full or a sharded state dict into ``model``'s shards and buffers.
 
     Raises:
@@ -137,9 +133,7 @@ def load_state(
     return IncompatibleKeys(missing, unexpected)
 
 
-def optim_state(
-    model: FullyShardedDataParallel, optimizer: Any, rank0_only: bool
-) -> dict[str, Any]:
+def optim_state(model: ShardedModel, optimizer: Any, rank0_only: bool) -> dict[str, Any]:
     """The optimizer's per-shard state gathered and split by original parameter name."""
     sh = model._shared
     state: dict[str, dict[str, Any]] = {}
@@ -162,7 +156,7 @@ def optim_state(
     return {"state": state, "param_groups": groups}
 
 
-def load_optim(model: FullyShardedDataParallel, optimizer: Any, saved: Mapping[str, Any]) -> None:
+def load_optim(model: ShardedModel, optimizer: Any, saved: Mapping[str, Any]) -> None:
     """Give ``optimizer`` this rank's slices of a state saved by :func:`optim_state`.
 
     Raises:

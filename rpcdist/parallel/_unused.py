@@ -7,16 +7,14 @@ the ranks that differ, and nobody waits on a collective the others skipped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import numpy as np
 
 from .. import collectives as dist
 from .._errors import AutogradError
 from ._arrays import global_rank
-
-if TYPE_CHECKING:
-    from ._reducer import Reducer
+from ._types import ReducerView
 
 __all__ = ["raise_unused"]
 
@@ -30,7 +28,7 @@ def _names(names: list[str]) -> str:
 
 
 def raise_unused(
-    reducer: Reducer, bad: list[int], counts: list[int], used: list[int], shadow: bool
+    reducer: ReducerView, bad: list[int], counts: list[int], used: list[int], shadow: bool
 ) -> NoReturn:
     """Gather every rank's flags and raise the error that names parameters and ranks.
 

@@ -1,8 +1,8 @@
 """``ZeroRedundancyOptimizer``: optimizer state sharded across ranks (ZeRO stage 1).
 
-The parameters of each dtype and device are laid end to end and the
-resulting range of elements is cut into ``p`` equal slices, one per rank
-(:func:`shard_ranges`). A rank owns its slice, which may start and end
+The parameters of each dtype and device are laid end to end, padded to a
+multiple of ``p`` and cut into ``p`` equal slices, one per rank: the
+scheme FSDP's units use too (:mod:`._flat`). A rank owns its slice, which may start and end
 inside parameters: for each parameter it overlaps, a *piece* (a flat view
 of that part of the parameter's data) is handed to an ordinary optimizer,
 so the rank holds optimizer state for ``1/p`` of the elements, whatever the
@@ -24,48 +24,25 @@ at any world size.
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import collectives as dist
 from .._errors import ConfigError
-from .._save import load, save
 from ..optim import Optimizer
 from ..tensor import Tensor, enable_grad
 from ._arrays import global_rank, group_size, host, xp_of
+from ._flat import FlatLayout, Range, shard_ranges
+from ._ft import FaultTolerance
 from ._join import Join, Joinable, JoinHook
+from ._zero_ft import ZeroFaultTolerance
 
 __all__ = ["ZeroRedundancyOptimizer", "shard_ranges"]
 
 _WHAT = "ZeroRedundancyOptimizer"
-Range = tuple[int, int]
-
-
-def shard_ranges(sizes: Sequence[int], kinds: Sequence[Hashable], world: int) -> list[list[Range]]:
-    """For each rank, for each parameter, the element range ``[lo, hi)`` it owns (pure).
-
-    Parameters of one kind are laid end to end and that range is cut into
-    ``world`` slices of equal size (within one element). An empty range is
-    ``(0, 0)``, except that rank 0 owns empty parameters whole.
-    """
-    out: list[list[Range]] = [[(0, 0)] * len(sizes) for _ in range(world)]
-    members: dict[Hashable, list[int]] = {}
-    for i, k in enumerate(kinds):
-        members.setdefault(k, []).append(i)
-    for idx in members.values():
-        total = sum(sizes[i] for i in idx)
-        bounds = [total * q // world for q in range(world + 1)]
-        off = 0
-        for i in idx:
-            for q in range(world):
-                lo, hi = max(off, bounds[q]), min(off + sizes[i], bounds[q + 1])
-                if lo < hi:
-                    out[q][i] = (lo - off, hi - off)
-            off += sizes[i]
-    return out
 
 
 def _owns(r: Range, size: int, rank: int) -> bool:
@@ -84,6 +61,12 @@ class ZeroRedundancyOptimizer(Joinable):
         parameters_as_bucket_view: Make the parameters views into one flat
             buffer per dtype and device, so the all-gather writes them in
             place instead of copying out.
+        fault_tolerance: A :class:`FaultTolerance`: no process group; the
+            slices are re-sharded over each step's members, each rank also
+            keeping its successor's (``docs/fault-tolerance.md``); the
+            update runs inside ``fault_tolerance.commit()`` (before the
+            vote, undone if the step does not commit) and ``step()`` then
+            adds nothing.
         **defaults: Options for ``optimizer_class``.
 
     Attributes:
@@ -104,13 +87,18 @@ class ZeroRedundancyOptimizer(Joinable):
         optimizer_class: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
         **defaults: Any,
     ) -> None:
         items = list(params)
         if not items:
             raise ConfigError(f"{_WHAT}: got an empty parameter list")
         self.process_group = process_group
-        self.rank, self.world = group_size(process_group, _WHAT)
+        self.fault_tolerance = fault_tolerance
+        if fault_tolerance is None:
+            self.rank, self.world = group_size(process_group, _WHAT)
+        else:  # the members of each step: see _zero_ft.py
+            self.rank, self.world = 0, 1
         self.optimizer_class = optimizer_class
         # The unsharded optimizer, never stepped: it fills in and checks every
         # group's options, and fixes the parameter order of state_dict().
@@ -131,6 +119,7 @@ class ZeroRedundancyOptimizer(Joinable):
         self._pieces: list[tuple[int, Tensor]] = []
         self.optim: Optimizer | None = self._local_optimizer(defaults)
         self._consolidated: dict[str, Any] | None = None
+        self._ft = None if fault_tolerance is None else ZeroFaultTolerance(self, fault_tolerance)
 
     def _local_optimizer(self, defaults: Mapping[str, Any]) -> Optimizer | None:
         position = {id(p): i for i, p in enumerate(self._params)}
@@ -153,28 +142,38 @@ class ZeroRedundancyOptimizer(Joinable):
     # ------------------------------------------------------------ gathering
 
     def _plan_gather(self, kinds: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """Per dtype and device: each rank's slice as (parameter, lo, hi, offset) parts."""
+        """Per dtype and device: its padded flat vector, and each rank's slice as parts.
+
+        A part is ``(parameter, lo, hi, offset in the rank's slice)``.
+        """
         members: dict[tuple[str, str], list[int]] = {}
         for i, k in enumerate(kinds):
             members.setdefault(k, []).append(i)
         plans = []
         for idx in members.values():
-            parts: list[list[tuple[int, int, int, int]]] = []
-            for q in range(self.world):
-                off, mine = 0, []
-                for i in idx:
+            layout = FlatLayout(sum(self._params[i].data.size for i in idx), self.world)
+            parts: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.world)]
+            starts, off = {}, 0
+            for i in idx:
+                starts[i] = off
+                for q in range(self.world):
                     lo, hi = self.ranges[q][i]
                     if hi > lo:
-                        mine.append((i, lo, hi, off))
-                        off += hi - lo
-                parts.append(mine)
+                        parts[q].append((i, lo, hi, off + lo - layout.bounds(q)[0]))
+                off += self._params[i].data.size
             first = self._params[idx[0]].data
-            xp = xp_of(first)
-            total = sum(self._params[i].data.size for i in idx)
-            whole = xp.empty(total, first.dtype)
-            bounds = [total * q // self.world for q in range(self.world + 1)]
-            slices = [whole[bounds[q] : bounds[q + 1]] for q in range(self.world)]
-            plans.append({"members": idx, "parts": parts, "whole": whole, "slices": slices})
+            whole = xp_of(first).zeros(layout.padded, first.dtype)
+            slices = [whole[slice(*layout.bounds(q))] for q in range(self.world)]
+            plans.append(
+                {
+                    "members": idx,
+                    "starts": starts,
+                    "layout": layout,
+                    "parts": parts,
+                    "whole": whole,
+                    "slices": slices,
+                }
+            )
         return plans
 
     def _bind_views(self) -> None:
@@ -225,7 +224,8 @@ class ZeroRedundancyOptimizer(Joinable):
         if closure is not None:
             with enable_grad():
                 loss = closure()
-        self._local_step()
+        if self._ft is None:  # with fault tolerance the step ran in commit() (_zero_ft.py)
+            self._local_step()
         return loss
 
     def _local_step(self) -> None:
@@ -259,49 +259,92 @@ class ZeroRedundancyOptimizer(Joinable):
                 keeps state that is not elementwise.
             CollectiveError: the gather failed.
         """
+        if self._ft is not None:
+            raise ConfigError(
+                f"{_WHAT}: consolidate_state_dict is not available with fault_tolerance; the "
+                "state is re-sharded among the live members (docs/fault-tolerance.md)"
+            )
         if not 0 <= to < self.world:
             raise ConfigError(f"consolidate_state_dict: to={to} is not in [0, {self.world})")
-        state: dict[int, Any] = {}
-        if self.optim is not None:
-            for i, piece in self._pieces:
-                st = self.optim.state.get(piece)
-                if st:
-                    state[i] = {k: host(v) if hasattr(v, "shape") else v for k, v in st.items()}
-        raw = io.BytesIO()
-        save({"state": state}, raw)
-        mine = np.frombuffer(raw.getvalue(), np.uint8)
-        sizes = [np.zeros(1, np.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, np.array([mine.size], np.int64), group=self.process_group)
+        metas = _all_gather_json(self._state_meta(), self.process_group, self.world)
+        bad = sorted(
+            {(i, k) for m in metas for i, st in m.items() for k, t in st.items() if t[0] == "x"}
+        )
+        if bad:
+            i, k = bad[0]
+            raise ConfigError(
+                f"{_WHAT}: state {k!r} of parameter {i} is neither a scalar nor one value per "
+                f"element; {self.optimizer_class.__name__} is not elementwise"
+            )
         dst = global_rank(self.process_group, to)
-        parts = [np.empty(int(s[0]), np.uint8) for s in sizes] if self.rank == to else None
-        dist.gather(mine, parts, dst=dst, group=self.process_group)
+        full: dict[int, dict[str, Any]] = {}
+        for m in metas:  # the scalars (e.g. Adam's step): the same on every piece
+            for i, st in m.items():
+                for k, (kind, value) in st.items():
+                    if kind == "s":
+                        full.setdefault(int(i), {})[k] = value
+        for plan in self._kinds:
+            for key, dtype in self._elementwise_keys(plan, metas):
+                whole = self._gather_state(plan, key, dtype, to, dst)
+                if whole is None:
+                    continue
+                for i in plan["members"]:
+                    if any(key in m.get(str(i), {}) for m in metas):
+                        at, p = plan["starts"][i], self._params[i]
+                        full.setdefault(i, {})[key] = whole[at : at + p.data.size].reshape(p.shape)
         self._consolidated = None
-        if parts is None:
+        if self.rank != to:
             return
-        shards = [load(io.BytesIO(part.tobytes()))["state"] for part in parts]
-        full = self._full.state_dict()  # groups with global indices; no state
-        full["state"] = {}
-        for i, p in enumerate(self._params):
-            held = [s[i] for s in shards if i in s]
-            if held:
-                full["state"][i] = self._join_pieces(i, p, held)
-        self._consolidated = full
+        sd = self._full.state_dict()  # groups with global indices; no state
+        sd["state"] = {i: full[i] for i in sorted(full)}
+        self._consolidated = sd
 
-    def _join_pieces(self, i: int, p: Tensor, held: list[dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, first in held[0].items():
-            values = [h[k] for h in held]
-            if getattr(first, "ndim", 0) == 1 and sum(v.size for v in values) == p.data.size:
-                out[k] = np.concatenate(values).reshape(p.shape)
-            elif getattr(first, "ndim", 0) == 0:
-                out[k] = first
-            else:
-                raise ConfigError(
-                    f"{_WHAT}: state {k!r} of parameter {i} has shape {first.shape}, "
-                    f"neither a scalar nor one value per element; "
-                    f"{self.optimizer_class.__name__} is not elementwise"
-                )
+    def _state_meta(self) -> dict[str, dict[str, tuple[str, Any]]]:
+        """Per held parameter and state key: ``("e", dtype)`` elementwise, ``("s", value)``
+        scalar, or ``("x", shape)`` neither."""
+        out: dict[str, dict[str, tuple[str, Any]]] = {}
+        if self.optim is None:
+            return out
+        mine = self.ranges[self.rank]
+        for i, piece in self._pieces:
+            st = self.optim.state.get(piece) or {}
+            lo, hi = mine[i]
+            for k, v in st.items():
+                if getattr(v, "ndim", 0) == 1 and v.size == hi - lo:
+                    out.setdefault(str(i), {})[k] = ("e", str(v.dtype))
+                elif getattr(v, "ndim", 0) == 0:
+                    value = v.item() if hasattr(v, "item") else v
+                    out.setdefault(str(i), {})[k] = ("s", value)
+                else:
+                    out.setdefault(str(i), {})[k] = ("x", list(v.shape))
         return out
+
+    @staticmethod
+    def _elementwise_keys(plan: dict[str, Any], metas: list[dict[str, Any]]) -> list[Any]:
+        keys = set()
+        for m in metas:
+            for i in plan["members"]:
+                for k, (kind, dtype) in m.get(str(i), {}).items():
+                    if kind == "e":
+                        keys.add((k, dtype))
+        return sorted(keys)
+
+    def _gather_state(
+        self, plan: dict[str, Any], key: str, dtype: str, to: int, dst: int
+    ) -> np.ndarray[Any, Any] | None:
+        """One elementwise state laid out as the kind's padded vector, gathered on ``to``."""
+        layout = plan["layout"]
+        mine = np.zeros(layout.shard, dtype)
+        pieces = dict(self._pieces)
+        for i, lo, hi, off in plan["parts"][self.rank]:
+            st = self.optim.state.get(pieces[i]) if self.optim is not None else None
+            if st and key in st:
+                mine[off : off + hi - lo] = host(st[key])
+        parts = (
+            [np.empty(layout.shard, dtype) for _ in range(self.world)] if self.rank == to else None
+        )
+        dist.gather(mine, parts, dst=dst, group=self.process_group)
+        return None if parts is None else np.concatenate(parts)
 
     def state_dict(self) -> dict[str, Any]:
         """The unsharded optimizer's state dict, on the rank ``consolidate_state_dict`` chose.
@@ -386,3 +429,16 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero._local_step()
+
+
+def _all_gather_json(obj: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
+    """Every rank's small JSON-able ``obj`` (two all-gathers: lengths, then bytes)."""
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = [np.zeros(1, np.int64) for _ in range(world)]
+    dist.all_gather(sizes, np.array([raw.size], np.int64), group=group)
+    n = max(int(s[0]) for s in sizes)
+    outs = [np.zeros(n, np.uint8) for _ in range(world)]
+    mine = np.zeros(n, np.uint8)
+    mine[: raw.size] = raw
+    dist.all_gather(outs, mine, group=group)
+    return [json.loads(o[: int(s[0])].tobytes()) for o, s in zip(outs, sizes)]

@@ -34,7 +34,7 @@ from ._constants import (
 )
 from ._futures import adopt
 from ._install import install
-from ._profile import enabled, profiled
+from ._profile import after, enabled, keep_profiling_future, profiled, set_node_id
 
 __all__ = [
     "BackendType",
@@ -250,6 +250,26 @@ def _check_init_args(backend: Any, opts: Any) -> RpcBackendOptions:
     return opts
 
 
+def _check_rank_given(init_method: str) -> None:
+    """Refuse, in torch's words, a rank that neither the call, the
+    ``init_method``'s query (``?rank=``) nor ``RANK`` gives.
+
+    Raises:
+        ValueError: no rank anywhere.
+    """
+    if "RANK" in os.environ or "rank=" in init_method.partition("?")[2]:
+        return
+    scheme = init_method.partition("://")[0]
+    missing = (
+        "environment variable RANK expected, but not set"
+        if scheme == "env"
+        else "rank parameter missing"
+    )
+    raise ValueError(
+        f"Error initializing torch.distributed using {scheme}:// rendezvous: {missing}"
+    )
+
+
 def init_rpc(
     name: str,
     backend: BackendType | None = None,
@@ -279,6 +299,8 @@ def init_rpc(
     opts = _check_init_args(backend, rpc_backend_options)
     install()
     r = None if rank is None or rank < 0 else rank
+    if r is None:
+        _check_rank_given(opts.init_method)
     timeout = None if not opts.rpc_timeout or opts.rpc_timeout <= 0 else float(opts.rpc_timeout)
     init_method = _rendezvous(opts.init_method, r, world_size)
     _api.init_rpc(
@@ -290,6 +312,7 @@ def init_rpc(
         num_worker_threads=opts.num_worker_threads,
         options=opts.rpcdist_options,
     )
+    set_node_id(_api.get_worker_info().id)
 
 
 def rpc_sync(
@@ -308,7 +331,7 @@ def rpc_sync(
     call = functools.partial(
         _api.rpc_sync, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    return profiled("rpc_sync", to, func, call) if enabled() else call()
+    return profiled("rpc_sync", to, func, call)[0] if enabled() else call()
 
 
 def rpc_async(
@@ -327,8 +350,12 @@ def rpc_async(
     call = functools.partial(
         _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    fut = profiled("rpc_async", to, func, call, until=_itself) if enabled() else call()
-    return adopt(fut)  # (then() callbacks may block, as torch's)
+    if not enabled():
+        return adopt(call())  # (then() callbacks may block, as torch's)
+    fut, profiling = profiled("rpc_async", to, func, call, until=_completion_of)
+    assert profiling is not None
+    # Complete once the profiled range has ended, as torch's does.
+    return adopt(after(fut, profiling))
 
 
 def remote(
@@ -347,10 +374,16 @@ def remote(
     call = functools.partial(
         _remote, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
-    return profiled("remote", to, func, call, until=_created) if enabled() else call()
+    if not enabled():
+        return call()
+    rref, profiling = profiled("rpc_remote", to, func, call, until=_created)
+    assert profiling is not None
+    keep_profiling_future(rref, profiling)  # (RRef._get_profiling_future)
+    return rref
 
 
-def _itself(fut: Future[Any]) -> Future[Any]:
+def _completion_of(fut: Future[Any]) -> Future[Any]:
+    """When an ``rpc_async`` call is done: when its future is."""
     return fut
 
 

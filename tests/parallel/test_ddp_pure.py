@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from rpcdist.parallel._bf16 import from_bf16, to_bf16
 from rpcdist.parallel._bucket import comm_overlap
 from rpcdist.parallel._buckets import BucketPlan, ParamSpec, plan_buckets
+from rpcdist.parallel._flat import FlatLayout, shard_ranges
 from rpcdist.parallel._powersgd import _orthonormalize
-from rpcdist.parallel._zero import shard_ranges
 
 MiB = 1 << 20
 
@@ -75,13 +75,17 @@ def test_zero_shards_split_elements_evenly_across_parameter_boundaries():
     for world in (2, 3, 4):
         ranges = shard_ranges(sizes, ["f4"] * 6, world)
         owned = [sum(hi - lo for lo, hi in r) for r in ranges]
-        assert max(owned) - min(owned) <= 1 and sum(owned) == sum(sizes)
+        layout = FlatLayout(sum(sizes), world)  # FSDP's padded slices: all but the last full
+        assert owned[:-1] == [layout.shard] * (world - 1) and sum(owned) == sum(sizes)
+        assert layout.shard - owned[-1] == layout.padded - sum(sizes) < world
         for i, n in enumerate(sizes):  # each parameter is cut into adjacent pieces
             pieces = sorted(r[i] for r in ranges if r[i][1] > r[i][0])
             assert pieces[0][0] == 0 and pieces[-1][1] == n
             assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
-    assert shard_ranges([3, 5], ["a", "b"], 2) == [[(0, 1), (0, 2)], [(1, 3), (2, 5)]]
+    assert shard_ranges([3, 5], ["a", "b"], 2) == [[(0, 2), (0, 3)], [(2, 3), (3, 5)]]
     assert shard_ranges([0, 4], ["a", "a"], 2) == [[(0, 0), (0, 2)], [(0, 0), (2, 4)]]
+    assert [FlatLayout(5, 3).owned(q) for q in range(3)] == [(0, 2), (2, 4), (4, 5)]
+    assert [FlatLayout(2, 4).owned(q) for q in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
 def test_bf16_is_the_top_half_of_float32_rounded_to_nearest_even():

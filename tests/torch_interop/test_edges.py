@@ -393,23 +393,84 @@ def test_a_programs_except_runtime_error_catches_timeouts_and_lost_workers(trans
     assert caught[1] in ("WorkerLostError", "ConnectError")
 
 
-def test_torchs_profiler_records_each_call_as_pytorch_rpc_names_it(agents):
+def _udf_with_ops() -> None:
+    with torch.autograd.profiler.record_function("##forward##"):
+        t = torch.add(torch.ones(1), torch.ones(1))
+        torch.mul(t, t).relu()
+
+
+def test_torchs_legacy_profiler_records_each_call_and_the_callees_events(agents):
+    from torch.autograd.profiler_legacy import profile
+
     with as_current(agents[0]):
-        with torch.autograd.profiler.profile() as prof:
+        with profile(record_shapes=True) as prof:
             rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
-            fut = rpc.rpc_async("worker2", time.sleep, args=(0.05,))
+            fut = rpc.rpc_async("worker2", _udf_with_ops)
             fut.wait()
             rref = rpc.remote("worker1", torch.ones, args=(2,))
             rref.to_here()
+            rref._get_profiling_future().wait()
         del rref
-    ranges = {e.name: e.cpu_time_total for e in prof.function_events if "#" in e.name}
-    assert set(ranges) == {
-        "rpc_sync#torch.add(worker0 -> worker1)",
-        "rpc_async#time.sleep(worker0 -> worker2)",
-        "remote#torch.ones(worker0 -> worker1)",
+    events = prof.function_events
+    # (PyTorch's tests take the first event naming the call: its own range)
+    assert not next(e for e in events if "rpc_sync" in e.name).is_remote
+    local = {e.name for e in events if "#" in e.name and not e.is_remote}
+    assert local == {
+        "rpc_sync#aten::add(worker0 -> worker1)",
+        "rpc_async#_udf_with_ops(worker0 -> worker2)",
+        "rpc_remote#aten::ones(worker0 -> worker1)",
     }
-    # the asynchronous call's range ends when its Future completes, not when it returns
-    assert ranges["rpc_async#time.sleep(worker0 -> worker2)"] >= 40_000  # (us)
+    remote = {e.name: e for e in events if e.is_remote}
+    key = "rpc_async#_udf_with_ops(worker0 -> worker2)#remote_op: "
+    for op in ("##forward##", "aten::add", "aten::mul", "aten::relu"):
+        assert remote[key + op].node_id == 2
+    assert "rpc_sync#aten::add(worker0 -> worker1)#remote_op: aten::add" in remote
+    assert "rpc_remote#aten::ones(worker0 -> worker1)#remote_op: aten::ones" in remote
+    # the callee ran with the caller's settings (shapes), its ranges nested as there
+    add = remote["rpc_sync#aten::add(worker0 -> worker1)#remote_op: aten::add"]
+    assert add.input_shapes[0] == [2]
+    forward = remote[key + "##forward##"]
+    assert {key + "aten::add", key + "aten::mul"} <= {c.name for c in forward.cpu_children}
+
+
+@rpc.functions.async_execution
+def _async_add(to, x, y):
+    return rpc.rpc_async(to, torch.add, args=(x, y))
+
+
+def test_an_async_execution_functions_calls_are_profiled_on_each_worker(agents):
+    from torch.autograd.profiler_legacy import profile
+
+    with as_current(agents[0]):
+        with profile() as prof:
+            fut = rpc.rpc_async("worker1", _async_add, args=("worker2", torch.ones(2), 1))
+            assert torch.equal(fut.wait(), torch.full((2,), 2.0))
+    remote = {e.name: e.node_id for e in prof.function_events if e.is_remote}
+    outer = "rpc_async#_async_add(worker0 -> worker1)#remote_op: "
+    nested = outer + "rpc_async#aten::add(worker1 -> worker2)"
+    assert remote[nested] == 1
+    assert remote[nested + "#remote_op: aten::add"] == 2
+
+
+def test_a_record_function_range_ends_with_an_rpc_future_once(agents):
+    from torch.autograd.profiler_legacy import profile
+
+    with as_current(agents[0]):
+        with profile() as prof:
+            with torch.autograd.profiler.record_function("foo") as rf:
+                fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+                ended = rf._call_end_callbacks_on_future(fut)
+                with pytest.raises(RuntimeError, match="can only be called once"):
+                    rf._call_end_callbacks_on_future(fut)
+            assert torch.equal(ended.wait(), torch.full((2,), 2.0))
+    assert [e.name for e in prof.function_events if e.name == "foo"] == ["foo"]
+
+
+def test_rpc_calls_are_not_profiled_under_kineto_as_in_pytorch(agents):
+    with as_current(agents[0]):
+        with torch.profiler.profile() as prof:
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    assert not [e for e in prof.events() if "rpc_sync" in e.name]
 
 
 def _sparse(seed: int) -> torch.Tensor:

@@ -47,6 +47,21 @@ def test_init_rpc_argument_types_are_refused_with_torchs_texts():
         rpc.TensorPipeRpcBackendOptions(rpc_timeout=datetime.timedelta())
 
 
+@pytest.mark.parametrize(
+    ("init_method", "why"),
+    [
+        ("file:///tmp/rpcdist-never-made", "file:// rendezvous: rank parameter missing"),
+        ("env://", "env:// rendezvous: environment variable RANK expected, but not set"),
+        ("tcp://127.0.0.1:1", "tcp:// rendezvous: rank parameter missing"),
+    ],
+)
+def test_a_missing_rank_is_refused_with_torchs_texts(init_method, why, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)
+    with pytest.raises(ValueError, match=f"^Error initializing torch.distributed using {why}$"):
+        rpc.init_rpc("w", rpc_backend_options=options)
+
+
 def test_calls_before_init_rpc_say_rpc_has_not_been_initialized():
     with pytest.raises(RuntimeError, match="^RPC has not been initialized"):
         rpc.rpc_sync("worker1", torch.add, args=(1, 1))

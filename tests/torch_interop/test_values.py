@@ -205,3 +205,41 @@ def test_a_sparse_tensor_a_peer_makes_up_is_refused(payload, why):
     header, buffers = encode([msgpack.ExtType(SPARSE_CODE, b""), payload], context=None)
     with pytest.raises(rpcdist.SerializationError, match=why):
         decode(header, buffers, context=None)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        torch.arange(25.0).reshape(5, 5).narrow(1, 2, 2),
+        torch.arange(12.0).reshape(3, 4).t(),
+        torch.arange(24).reshape(2, 3, 4).permute(2, 0, 1),
+        torch.arange(36.0).reshape(6, 6)[::2, 1::3],
+        torch.ones(1).expand(7),
+        torch.arange(25.0).reshape(5, 5).to(torch.bfloat16)[:, 1:3],
+    ],
+    ids=["narrow", "transpose", "permute", "steps", "expand", "bfloat16"],
+)
+def test_a_non_contiguous_view_keeps_its_strides_as_in_pytorch(view):
+    got = _back(view)
+    assert torch.equal(got, view)
+    assert got.stride() == view.stride() and not got.is_contiguous()
+
+
+def test_a_small_view_of_a_large_tensor_arrives_contiguous_with_only_its_elements():
+    # (PyTorch copies such a view before sending it: it arrives contiguous)
+    view = torch.arange(400_000.0).reshape(4000, 100)[:, :3]
+    header, buffers = encode(view, allow_pickle=False, context=None)
+    assert sum(memoryview(b).nbytes for b in buffers) == view.numel() * 4
+    got = decode(header, buffers, context=None)
+    assert torch.equal(got, view) and got.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "strides", [[5, 1, 1], [-5, 1], [5, 1.0], [50, 1]], ids=["rank", "negative", "float", "span"]
+)
+def test_strides_a_peer_makes_up_are_refused(strides):
+    header, buffers = encode(torch.arange(25.0).reshape(5, 5)[:, 2:4], context=None)
+    items = msgpack.unpackb(header, strict_map_key=False)
+    items[4] = strides
+    with pytest.raises(rpcdist.SerializationError, match="malformed|bytes"):
+        decode(msgpack.packb(items), buffers, context=None)

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from ...functions import async_execution as _mark
 from .._futures import as_future
+from .._profile import run_async_body
 
 __all__ = ["async_execution"]
 
@@ -27,7 +28,7 @@ def async_execution(fn: F) -> F:
 
     @functools.wraps(target)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return as_future(target(*args, **kwargs))
+        return as_future(run_async_body(target, args, kwargs))
 
     _mark(run)
     out: Any = kind(run) if kind is not None else run
