@@ -142,12 +142,10 @@ class Link:
         self._kick()
 
     def wants_shm(self, msg: OutMessage) -> bool:
-        """Whether ``msg``'s payload should travel in a /dev/shm file."""
-        return (
-            self._segments is not None
-            and not msg.shm_path
-            and msg.payload_bytes >= self._shm_threshold
-        )
+        """Whether ``msg``'s payload should travel in a /dev/shm segment."""
+        if self._segments is None or not msg.buffers or msg.shm_path:
+            return False  # (most calls: no out-of-band buffers, nothing to add up)
+        return msg.payload_bytes >= self._shm_threshold
 
     def _kick(self) -> None:
         """Start moving queued messages (the subclass's writer)."""
