@@ -26,33 +26,25 @@ import _bench_funcs as bf
 WINDOW = 64
 
 
-def _profile_loop(agent: Any) -> Any:
-    import cProfile
+def _on_loop(agent: Any, fn: Any) -> None:
+    """Run ``fn()`` on the agent's loop thread and wait for it."""
     import threading
 
+    done = threading.Event()
+    agent.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
+    done.wait(10)
+
+
+def _profile_loop(agent: Any) -> Any:
+    import cProfile
+
     prof = cProfile.Profile()
-    started = threading.Event()
-
-    def on() -> None:
-        prof.enable()
-        started.set()
-
-    agent.loop.call_soon_threadsafe(on)
-    started.wait(10)
+    _on_loop(agent, prof.enable)
     return prof
 
 
 def _stop_loop(agent: Any, prof: Any) -> None:
-    import threading
-
-    done = threading.Event()
-
-    def off() -> None:
-        prof.disable()
-        done.set()
-
-    agent.loop.call_soon_threadsafe(off)
-    done.wait(10)
+    _on_loop(agent, prof.disable)
 
 
 def _rows(prof: Any, calls: int, top: int) -> list[tuple[float, float, str]]:
