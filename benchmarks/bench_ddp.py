@@ -43,6 +43,10 @@ from rpcdist.testing import run_workers
 BATCH = 128
 MODELS = {"small": (784, 256, 256, 10), "large": (784, 1024, 1024, 10)}
 HOOKS = ["none", "fp16", "bf16", "powerSGD"]
+#: The ring's messages over loopback TCP (what two hosts would use): no Unix
+#: sockets, no /dev/shm segments.
+LOOPBACK_TCP = {"RPCDIST_LOCAL_SOCKETS": "0", "RPCDIST_SHM_THRESHOLD": "off"}
+HOOK_COLUMNS = ["backend", "hook", "MB sent per rank", "reduction", "step (ms)", "/ no hook"]
 
 
 def _data(rank: int, sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +95,14 @@ class _Counter:
 
 
 def rpcdist_worker(
-    rank: int, world: int, init: str, sizes: tuple[int, ...], hook: str, warmup: int, steps: int
+    rank: int,
+    world: int,
+    init: str,
+    sizes: tuple[int, ...],
+    hook: str,
+    warmup: int,
+    steps: int,
+    backend: str = "auto",
 ) -> Any:
     import rpcdist.tensor as rt
     from rpcdist import collectives as dist
@@ -100,7 +111,7 @@ def rpcdist_worker(
     from rpcdist.parallel import DistributedDataParallel as DDP
     from rpcdist.parallel import comm_hooks
 
-    dist.init_process_group(init_method=init, rank=rank, world_size=world, timeout=300)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=300)
     try:
         model = DDP(_rpcdist_mlp(sizes))
         state = None
@@ -239,15 +250,53 @@ def torch_alone(sizes: tuple[int, ...], warmup: int, steps: int) -> float:
 # --------------------------------------------------------------------- main
 
 
+def _hook_rows(warmup: int, steps: int) -> list[list[Any]]:
+    """Comm hooks on the large model at p=2, over shared memory and the ring over loopback TCP.
+
+    The hooks and backends are interleaved (each round runs every pair once;
+    a row is the median of the rounds), so a load that comes and goes on a
+    shared machine falls on every row alike.
+    """
+    sizes = MODELS["large"]
+    pairs = [(b, h) for b in ("shm", "ring") for h in HOOKS]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
+    for _ in range(3):
+        for backend, hook in pairs:
+            got = run_workers(
+                rpcdist_worker,
+                2,
+                args=(sizes, hook, warmup, steps, backend),
+                timeout=600,
+                env=LOOPBACK_TCP if backend == "ring" else None,
+            )
+            runs[backend, hook].append(got[0])
+    rows: list[list[Any]] = []
+    for backend, hook in pairs:
+        r = runs[backend, hook]
+        step = median([x["step"] for x in r]) * 1e3
+        base = median([x["step"] for x in runs[backend, "none"]]) * 1e3
+        name = hook
+        if hook == "powerSGD":
+            name = f"powerSGD rank 2 ({r[0]['powersgd_rate']:.0f}x on matrices)"
+        wire = r[0]["wire"] / 1e6
+        rows.append([backend, name, wire, runs[backend, "none"][0]["wire"] / 1e6 / wire, step])
+        rows[-1].append(step / base)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="p=2 only, one launch, fewer steps")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
     ap.add_argument("--p", default="2,4")
+    ap.add_argument("--hooks-only", action="store_true", help="only the comm hook table; print it")
     args = ap.parse_args()
     worlds = [2] if args.quick else [int(x) for x in args.p.split(",")]
     reps = 1 if args.quick else 3
     warmup, steps = (3, 10) if args.quick else (5, 40)
+    if args.hooks_only:
+        print(table(HOOK_COLUMNS, _hook_rows(warmup, steps)))
+        return
     torch_ok = have_torch_distributed()
     rows, overlap_rows = [], []
     for name, sizes in MODELS.items():
@@ -274,17 +323,7 @@ def main() -> None:
             hidden = median([e["hidden"] / e["comm"] for e in extra])
             overlap_rows.append([name, p, extra[0]["buckets"], comm, f"{hidden:.0%}", wait])
             print(f"{name} p={p}: rpcdist {ms:.2f} ms, torch {tms:.2f} ms", file=sys.stderr)
-    hook_rows = []
-    sizes = MODELS["large"]
-    for hook in HOOKS:
-        got = run_workers(rpcdist_worker, 2, args=(sizes, hook, warmup, steps), timeout=600)
-        r = got[0]
-        hook_rows.append([hook, r["wire"] / 1e6, r["step"] * 1e3])
-        if hook == "powerSGD":
-            hook_rows[-1][0] = f"powerSGD rank 2 ({r['powersgd_rate']:.0f}x on matrices)"
-    base = hook_rows[0][1]
-    for row in hook_rows:
-        row.insert(2, base / row[1])
+    hook_rows = _hook_rows(warmup, steps)
     zero_rows = []
     for p in worlds:
         z = run_workers(zero_worker, p, args=(sizes,), timeout=600)
@@ -313,8 +352,10 @@ def main() -> None:
             ["model", "p", "buckets", "reductions (ms)", "hidden", "after last gradient (ms)"],
             overlap_rows,
         )
-        + "\n\nComm hooks, large model, p=2: bytes each rank sends per step, and step time.\n\n"
-        + table(["hook", "MB sent per rank", "reduction", "step (ms)"], hook_rows)
+        + "\n\nComm hooks, large model, p=2, over shared memory (shm) and the TCP ring: "
+        "bytes each rank sends per step, step time (median of 3 interleaved launches) "
+        "and step time over the no-hook step's on the same backend.\n\n"
+        + table(HOOK_COLUMNS, hook_rows)
         + "\n\nZeroRedundancyOptimizer (Adam, large model): optimizer state per rank.\n\n"
         + table(
             ["p", "Adam state (MB)", "ZeRO max rank (MB)", "ZeRO min rank (MB)", "max / Adam"],

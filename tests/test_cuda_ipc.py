@@ -1,4 +1,4 @@
-"""CuPy arrays between workers of one host by CUDA IPC handle (rpcdist._rpc._cuda_ipc).
+"""CuPy arrays between workers of one host by CUDA IPC handle (rpcdist._device._cuda_ipc).
 
 These tests run without a GPU: a fake ``cupy`` module stands for the arrays
 and a fake runtime for the CUDA calls, with one "driver" whose memory both
@@ -23,7 +23,7 @@ from fake_cupy import FakeArray, install
 
 import rpcdist
 from rpcdist import RpcOptions, SerializationError
-from rpcdist._rpc import _cuda_ipc
+from rpcdist._device import _cuda_ipc
 from rpcdist.testing import as_current, local_agents
 
 
@@ -204,7 +204,7 @@ def test_small_arrays_always_take_the_host_path(pair: Any, monkeypatch: pytest.M
 def test_a_peer_that_cannot_map_keeps_the_host_path(
     fake_cupy: types.ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level("INFO", logger="rpcdist._rpc._cuda_ipc")
+    caplog.set_level("INFO", logger="rpcdist._device._cuda_ipc")
     driver = Driver()
     with local_agents(2, options=RpcOptions(token=None)) as (a, b):
         ext(a)._runtime = FakeRuntime(driver)

@@ -50,7 +50,7 @@ def _cases() -> list[Any]:
 def ipc_worker(rank: int, world: int, init: str, ipc: bool) -> dict[str, Any] | None:
     import cupy
 
-    from rpcdist._rpc import _cuda_ipc
+    from rpcdist._device import _cuda_ipc
 
     _cuda_ipc.IDLE = 1.0  # type: ignore[misc]  # retire idle blocks within the test
     rpcdist.init_rpc(

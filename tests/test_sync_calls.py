@@ -71,9 +71,10 @@ def test_turned_off_every_call_takes_the_loop():
         assert _direct(a) == 0
 
 
-def test_large_requests_and_replies_take_the_callers_connection(agents2):
-    a, _ = agents2
-    with as_current(a):
+def test_large_requests_and_replies_take_the_callers_connection():
+    # (With /dev/shm segments on, the default, requests of 1 MiB or more take the loop.)
+    opts = RpcOptions(token=None, shm_threshold_bytes=None)
+    with local_agents(2, options=opts) as (a, _), as_current(a):
         for n in (100 << 7, 9 << 17):  # 100 KiB and 9 MiB: one sendmsg, and many
             big = np.arange(n, dtype=np.float64)
             assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big,)), big)
@@ -286,7 +287,7 @@ def test_a_control_message_in_flight_keeps_no_call_off_its_own_connection(agents
         return payload
 
     b.registry.add_handler("test.held_ack", held_ack)
-    acked = a._lt.submit(a.send_control(1, "test.held_ack", "ok"))
+    acked = a.submit(a.send_control(1, "test.held_ack", "ok"))
     try:
         _wait_until(lambda: a.statistics()["pending_calls"] == 1)
         assert not a.calls.busy()
@@ -534,3 +535,19 @@ def test_shutdown_closes_the_set_polling_threads_watch():
         watched = a.busy_poll.others
         assert watched is not None and not watched.closed
     assert watched.closed
+
+
+def test_agents_count_in_their_process_until_they_close():
+    """Polling is off while a process holds more than one agent: each agent
+    counts once, and no longer once it has shut down (else polling would
+    stay off for good)."""
+    from rpcdist._rpc._busy_poll import PROCESS
+
+    before = PROCESS.agents
+    with local_agents(2) as (a, b):
+        assert a.busy_poll is not b.busy_poll
+        assert PROCESS.agents == before + 2
+    assert PROCESS.agents == before
+    with local_agents(1):
+        assert PROCESS.agents == before + 1
+    assert PROCESS.agents == before

@@ -16,7 +16,9 @@ object. The agent composes the pieces of this package:
 
 Graceful shutdown is in :mod:`._shutdown`; the job secret, the workers table
 and the init checks in :mod:`._join`; snapshots for hang diagnosis in
-:mod:`._doctor`.
+:mod:`._doctor`. Each piece sees the agent as an
+:class:`~._agent_view.AgentView` and never imports this module: the agent
+depends on its pieces, not the reverse.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .._options import RpcOptions
 from .._pool import WorkerPool
 from .._serialization import encode
 from .._serialization._functions import CallablePolicy, name_of
+from .._serialization._hooks import CodecHooks
 from .._store import parse_init_method
 from .._transport import Link
 from .._transport._frames import (
@@ -132,13 +135,15 @@ class Agent:
         self._wakeups: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.registry = Registry()
+        #: What this agent's extensions taught its codec (CUDA IPC, torch edges).
+        self.codec_hooks = CodecHooks()
         self.mailbox = Mailbox()
         # Threads last, so that a failure above leaves none behind.
         self.executor = WorkerPool(num_worker_threads, f"rpcdist-worker-{self.name}")
         self.executor.describe = functools.partial(_dispatch.blocked_handler, self)
-        self._lt = LoopThread(f"rpcdist-loop-{self.name}")
+        self._loop_thread = LoopThread(f"rpcdist-loop-{self.name}")
         try:
-            self.loop = self._lt.loop
+            self.loop = self._loop_thread.loop
             self.calls = Calls(self)
             self.activity = Activity(self.loop, self._no_calls)
             self.links = Links(self)
@@ -166,9 +171,9 @@ class Agent:
             ConfigError: duplicate worker names, or inconsistent settings.
         """
         try:
-            self._lt.run(self._start(), "init_rpc()")
+            self._loop_thread.run(self._start(), "init_rpc()")
         except BaseException:
-            self._lt.run(_shutdown.close(self, graceful=False, leave=True), "init_rpc()")
+            self._loop_thread.run(_shutdown.close(self, graceful=False, leave=True), "init_rpc()")
             self._stop_threads(wait=False)
             raise
         return self
@@ -409,7 +414,7 @@ class Agent:
         timeout: float | Unset | None = UNSET,
     ) -> Any:
         """Call ``func(*args, **kwargs)`` on ``to`` and wait; see ``rpcdist.rpc_sync``."""
-        self._lt.check_not_loop_thread("rpc_sync()")
+        self._loop_thread.check_not_loop_thread("rpc_sync()")
         peer, msg = self._user_call(to, func, args, kwargs, timeout)
         return self._begin(peer, msg).wait()
 
@@ -435,7 +440,7 @@ class Agent:
         Raises:
             WrongThreadError: called on the agent's loop thread.
         """
-        self._lt.check_not_loop_thread(f"a blocking call of {method!r}")
+        self._loop_thread.check_not_loop_thread(f"a blocking call of {method!r}")
         peer = self.worker(to)
         msg = self.request(
             peer,
@@ -502,7 +507,7 @@ class Agent:
 
         Waking a pool or user thread while the loop still has the rest of
         the callback to run makes that thread wait for the GIL: a second
-        wake-up, measured at several us each on the benchmark machine.
+        wake-up.
         """
         if link.after_read is None:
             fn(*args)
@@ -553,18 +558,18 @@ class Agent:
         if self.closed:
             coro.close()
             self.check_open()
-        return self._lt.run(coro, what)
+        return self._loop_thread.run(coro, what)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule a coroutine on the agent loop from any thread; a Future of its result."""
-        return self._lt.submit(coro)
+        return self._loop_thread.submit(coro)
 
     def in_loop_thread(self) -> bool:
-        return self._lt.in_loop_thread()
+        return self._loop_thread.in_loop_thread()
 
     def check_not_loop_thread(self, what: str) -> None:
         """Raises: WrongThreadError: called on the agent's loop thread."""
-        self._lt.check_not_loop_thread(what)
+        self._loop_thread.check_not_loop_thread(what)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a tracked background task on the loop (call on the loop)."""
@@ -595,10 +600,12 @@ class Agent:
         """
         if self.closed:
             return []
-        self._lt.check_not_loop_thread("shutdown()")
+        self._loop_thread.check_not_loop_thread("shutdown()")
         clean = False
         try:
-            skipped = self._lt.run(_shutdown.shutdown(self, graceful, timeout), "shutdown()")
+            skipped = self._loop_thread.run(
+                _shutdown.shutdown(self, graceful, timeout), "shutdown()"
+            )
             clean = graceful
             return skipped
         finally:
@@ -617,4 +624,4 @@ class Agent:
         if serving is not None:
             serving.join(None if wait else 1.0)
             self.busy_poll.stop_watching()
-        self._lt.stop()
+        self._loop_thread.stop()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .._options import RpcOptions
     from .._pool import WorkerPool
     from .._serialization._functions import CallablePolicy
+    from .._serialization._hooks import CodecHooks
     from .._transport import Link, LinkFactory, Peer, Transport
     from .._transport._frames import InMessage, OutMessage
     from .._worker import WorkerInfo
@@ -129,6 +130,7 @@ class AgentView(Protocol):
     workers: list[WorkerInfo]
     options: RpcOptions
     policy: CallablePolicy
+    codec_hooks: CodecHooks
     loop: asyncio.AbstractEventLoop
     registry: Registry
     mailbox: Mailbox

@@ -144,10 +144,10 @@ class Calls:
 
         Saves the hop to the loop; the loop arms the call's timer afterwards
         (:meth:`_arm`). Only for a call made while none is in flight (under
-        load, one write per call would cost more than the hop saves: measured
-        -40% calls/s with 64 in flight); never while calls this agent handed
-        to the loop are still unsent (so one thread's calls keep their
-        order). Returns False, having done nothing, when not taken.
+        load, one write per call would cost more than the hop saves); never
+        while calls this agent handed to the loop are still unsent (so one
+        thread's calls keep their order). Returns False, having done nothing,
+        when not taken.
         """
         agent = self._agent
         link = agent.links.get(dst)

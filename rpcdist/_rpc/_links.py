@@ -48,12 +48,15 @@ class Links:
         self.transport: Transport = make_transport(
             agent.loop, agent.options, rank=agent.rank, name=agent.name
         )
-        self._out: dict[int, Link] = {}
+        #: The outgoing link to each peer (made on first use), and the tasks
+        #: that run them.
+        self._dialled: dict[int, Link] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._in: set[Link] = set()
+        #: The links peers opened to us.
+        self._accepted: set[Link] = set()
         #: Incoming links of a peer's blocking calls that the loop serves (not
         #: watched: the peer's thread reads only replies on them).
-        self._in_sync: set[Link] = set()
+        self._accepted_sync: set[Link] = set()
         self._late: set[asyncio.Task[None]] = set()
         #: What each peer's transport published at rendezvous, and its host.
         self._info: dict[int, dict[str, Any]] = {}
@@ -96,11 +99,14 @@ class Links:
 
     def watched(self) -> list[Link]:
         """The links the failure detector watches (on the loop)."""
-        return [*self._out.values(), *(link for link in self._in if link not in self._in_sync)]
+        return [
+            *self._dialled.values(),
+            *(link for link in self._accepted if link not in self._accepted_sync),
+        ]
 
     def drop(self, rank: int, exc: RpcdistError) -> None:
         """End every link with worker ``rank`` now, with ``exc`` (on the loop)."""
-        for link in [self._out.get(rank), *self._in]:
+        for link in [self._dialled.get(rank), *self._accepted]:
             if link is not None and link.peer_rank == rank and link.closed is None:
                 try:
                     link.abort(exc)
@@ -111,7 +117,7 @@ class Links:
 
     def get(self, dst: int) -> Link | None:
         """The open link to ``dst``, if any (any thread; a hint)."""
-        link = self._out.get(dst)
+        link = self._dialled.get(dst)
         return link if link is not None and link.closed is None else None
 
     def send(self, dst: int, msg: OutMessage) -> None:
@@ -121,7 +127,7 @@ class Links:
             RpcdistError: the link is closed, the agent is shutting down, or a
                 fault rule failed the message.
         """
-        link = self._out.get(dst)
+        link = self._dialled.get(dst)
         if link is None or link.closed is not None:
             link = self.link(dst)
         link.send(msg)
@@ -132,7 +138,7 @@ class Links:
         Raises:
             ClosedError: the agent is shutting down.
         """
-        link = self._out.get(dst)
+        link = self._dialled.get(dst)
         if link is not None and link.closed is None:
             return link
         agent = self._agent
@@ -142,7 +148,7 @@ class Links:
             raise agent.liveness.error(dst)
         hooks = Hooks(on_message=agent.on_message, after_read=agent.flush_wakeups)
         link, run = self.transport.link(self.peer(dst), hooks)
-        self._out[dst] = link
+        self._dialled[dst] = link
         # A clean context: the link outlives the call that opened it, so it
         # must not inherit that call's deadline (or anything else).
         task = self._loop.create_task(self._run(dst, link, run), context=contextvars.Context())
@@ -165,8 +171,8 @@ class Links:
             # reached or refuses us now is gone for us.
             exc = WorkerLostError(f"cannot reach {link.label} any more: {e}")
             link.closed = exc
-            if self._out.get(dst) is link:
-                del self._out[dst]
+            if self._dialled.get(dst) is link:
+                del self._dialled[dst]
                 self._tasks.pop(dst, None)
             self._agent.calls.fail_peer(dst, exc)
             self._agent.liveness.declare(dst, str(exc))
@@ -177,8 +183,8 @@ class Links:
             exc = TransportError(f"link to {link.label} failed: {type(e).__name__}: {e}")
         if link.closed is None or not isinstance(link.closed, WorkerLostError):
             link.closed = exc
-        if self._out.get(dst) is link:
-            del self._out[dst]
+        if self._dialled.get(dst) is link:
+            del self._dialled[dst]
             self._tasks.pop(dst, None)
         self._agent.peer_failed(dst, exc)
         if cancelled:
@@ -199,9 +205,9 @@ class Links:
 
         hooks = Hooks(on_message=agent.on_message, alloc=alloc, after_read=agent.flush_wakeups)
         link = make(hooks, same_host=same_host)
-        self._in.add(link)
+        self._accepted.add(link)
         if sync:
-            self._in_sync.add(link)
+            self._accepted_sync.add(link)
         broken = False
         try:
             await link.run()
@@ -210,8 +216,8 @@ class Links:
             raise
         finally:
             link.closed = link.closed or WorkerLostError(f"stream from {link.label} ended")
-            self._in.discard(link)
-            self._in_sync.discard(link)
+            self._accepted.discard(link)
+            self._accepted_sync.discard(link)
             # A killed process's sockets close cleanly too: the end of a
             # peer's own link (while we run) means it is gone or going.
             if not agent.closed and not broken:
@@ -246,7 +252,7 @@ class Links:
     async def close(self, grace: float) -> None:
         """Half-close every outgoing link, end the rest, stop the transport (on the loop)."""
         await asyncio.gather(
-            *(link.aclose_write() for link in list(self._out.values())), return_exceptions=True
+            *(link.aclose_write() for link in list(self._dialled.values())), return_exceptions=True
         )
         tasks = [*self._tasks.values(), *self._late]
         for task in tasks:
@@ -256,7 +262,7 @@ class Links:
 
     def statistics(self) -> dict[str, int]:
         return {
-            "queued_frames": sum(link.queued() for link in list(self._out.values())),
-            "outgoing_streams": len(self._out),
-            "incoming_streams": len(self._in),
+            "queued_frames": sum(link.queued() for link in list(self._dialled.values())),
+            "outgoing_streams": len(self._dialled),
+            "incoming_streams": len(self._accepted),
         }

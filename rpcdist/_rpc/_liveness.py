@@ -75,7 +75,7 @@ PING = "rpc.ping"
 #: Without a view of its process (another host), a silent peer is declared
 #: lost after this many ``peer_timeout``: long enough for the longest GIL
 #: holds measured (``docs/benchmarks.md``, "GIL holds": unpickling millions
-#: of objects held it up to 6.9 s), short enough to end a partition's calls.
+#: of objects), short enough to end a partition's calls.
 REMOTE_FACTOR = 4
 #: A probe's bound when the detector is off.
 _PROBE_LIMIT = 5.0

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import RpcdistError
 
 if TYPE_CHECKING:
-    from ._agent import Agent
+    from ._agent_view import AgentView
 
 __all__ = ["ControlOutbox"]
 
@@ -40,7 +40,9 @@ _log = logging.getLogger(__name__)
 class ControlOutbox:
     """Items for internal method ``method``, batched per peer (see the module docstring)."""
 
-    def __init__(self, agent: Agent, method: str, *, delay: float = 0.0, batch: int = 256) -> None:
+    def __init__(
+        self, agent: AgentView, method: str, *, delay: float = 0.0, batch: int = 256
+    ) -> None:
         self._agent = agent
         self._method = method
         self._delay = delay

@@ -35,7 +35,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def _ns(kind: str) -> str:
+def _namespace(kind: str) -> str:
     try:
         return os.readlink(f"/proc/self/ns/{kind}")
     except OSError:
@@ -46,7 +46,7 @@ def seat() -> str:
     """Where this process can be seen from: boot id, pid and network
     namespaces (``""`` without ``/proc``: no second opinion then)."""
     boot = _read("/proc/sys/kernel/random/boot_id")
-    pid_ns, net_ns = _ns("pid"), _ns("net")
+    pid_ns, net_ns = _namespace("pid"), _namespace("net")
     if not (boot and pid_ns and net_ns):
         return ""
     return f"{boot}/{pid_ns}/{net_ns}"

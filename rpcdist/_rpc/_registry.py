@@ -74,8 +74,9 @@ E = TypeVar("E", bound="Extension")
 BUILTIN_EXTENSIONS = (
     "rpcdist._rref._extension:install",
     "rpcdist.autograd._extension:install",
-    "rpcdist._rpc._cuda_ipc:install",
-    "rpcdist.torch._profile_ext:install",
+    "rpcdist._rpc._devices:install",
+    "rpcdist.torch._extension:install",
+    "rpcdist.torch._extension:install_profiling",
 )
 
 # The registry sits below the agent and hands what it is given through: in

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._errors import RpcTimeoutError
+from .._serialization._hooks import CodecHooks
 from .._transport._frames import Meta
 from .._worker import WorkerInfo
 
@@ -86,6 +87,12 @@ class WireContext:
         self.off_loop = off_loop
         self.gates: list[Any] = []
         self.extra: dict[str, Any] = {}
+
+    @property
+    def codec_hooks(self) -> CodecHooks:
+        """The codec hooks the agent's extensions registered (see ``_serialization._hooks``)."""
+        hooks: CodecHooks = self.agent.codec_hooks
+        return hooks
 
     def abort(self) -> None:
         """The message will not be sent: undo what extensions did while encoding it.

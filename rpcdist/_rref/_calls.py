@@ -4,8 +4,8 @@ Requests go out as INTERNAL messages (``rref.remote``, ``rref.fetch``,
 ``rref.invoke``, ``rref.has_attr``; see :mod:`._rref_owner`), or, for plain
 functions and methods known to be plain, as plain calls that take the
 dispatcher's pool fast path; each reply completes an ``rpcdist.Future``.
-Nothing here imports the :class:`RRef` class itself: :func:`create` is handed
-its factory.
+Nothing here imports the :class:`RRef` class itself: an RRef is seen as an
+:class:`~._handle.RRefHandle`, and :func:`create` is handed its factory.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .._deadline import Unset, deadline_for
 from .._errors import (
@@ -35,7 +35,7 @@ from ._owner import CREATE, FETCH, REMOTE
 from ._protocol import Record
 
 if TYPE_CHECKING:
-    from ._rref import RRef
+    from ._handle import RRefHandle
 
 __all__ = [
     "OwnerCall",
@@ -47,12 +47,11 @@ __all__ = [
     "to_here_after_creation",
 ]
 
-Make = Callable[..., "RRef[Any]"]
-"""``make(ctx, rid, fork, owner, record, state)``: the RRef factory."""
+R = TypeVar("R", bound="RRefHandle")
 
 
 def call_owner(
-    rref: RRef[Any],
+    rref: RRefHandle,
     method: str,
     payload: Any,
     deadline: float | None,
@@ -139,7 +138,7 @@ class OwnerCall:
 
 
 def start_owner_call(
-    rref: RRef[Any],
+    rref: RRefHandle,
     method: str,
     payload: Any,
     deadline: float | None,
@@ -196,7 +195,7 @@ def _copy(out: Future[Any], fut: Future[Any]) -> None:
     out.set_result(fut.value()) if exc is None else out.set_exception(exc)
 
 
-def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -> Future[Any]:
+def to_here_after_creation(rref: RRefHandle, deadline: float | None, what: str) -> Future[Any]:
     """``to_here`` on a creator RRef whose ``remote()`` has not replied yet.
 
     The reply may bring a small copy of the value (made when it was created,
@@ -215,7 +214,7 @@ def to_here_after_creation(rref: RRef[Any], deadline: float | None, what: str) -
 
 
 def _after_creation(
-    rref: RRef[Any],
+    rref: RRefHandle,
     out: Future[Any],
     deadline: float | None,
     what: str,
@@ -278,7 +277,7 @@ def check_args(args: Any, kwargs: Any) -> None:
 
 
 def create(
-    make: Make,
+    make: Callable[..., R],
     ctx: RRefContext,
     owner: WorkerInfo,
     target: Any,
@@ -288,8 +287,9 @@ def create(
     what: str,
     keep: Any = None,
     plain: bool = False,
-) -> RRef[Any]:
-    """Send ``rref.remote`` to ``owner``; return the new RRef (from ``make``) at once.
+) -> R:
+    """Send ``rref.remote`` to ``owner``; return the new RRef (from ``make``, called
+    as ``make(ctx, rid, fork, owner, record, state)``) at once.
 
     ``target`` is a function name (``plain``: a plain function, not ``async def``
     nor ``@async_execution``) or ``[r0, r1, method name]``; ``keep`` is held
@@ -344,7 +344,7 @@ def _created(
     owner: WorkerInfo,
     fork: tuple[int, int] | None,
     rec: Record | None,
-    rref: RRef[Any] | None,
+    rref: RRefHandle | None,
     what: str,
     keep: Any,
     fut: Future[Any],

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .._deadline import Unset
 
 if TYPE_CHECKING:
-    from ._rref import RRef
+    from ._handle import RRefHandle
 
 __all__ = ["RRefProxy"]
 
@@ -24,7 +24,7 @@ class RRefProxy:
     __module__ = "rpcdist"
     __slots__ = ("_mode", "_rref", "_timeout")
 
-    def __init__(self, rref: RRef[Any], mode: str, timeout: float | Unset | None) -> None:
+    def __init__(self, rref: RRefHandle, mode: str, timeout: float | Unset | None) -> None:
         self._rref = rref
         self._mode = mode
         self._timeout = timeout

@@ -4,12 +4,12 @@ An array's header fields are ``[dtype.str, shape, buffer index, order]``; its
 bytes are one out-of-band buffer, a zero-copy view of C-contiguous (or
 Fortran-contiguous, ``order`` 1) data. torch is never imported to encode: a
 value can only be a tensor if torch is already loaded; CuPy is imported to
-encode only a CUDA tensor, and only once CUDA IPC is installed.
+encode only a CUDA tensor, and only for an agent with a CUDA IPC hook.
 
 CuPy arrays and CUDA tensors travel through host memory and are put back on a
 device at the receiver (CUDA tensors on the same device index as the sender's),
-unless the installed CUDA IPC hook (``rpcdist._rpc._cuda_ipc``) lends them by
-handle to a worker of the same host: a CuPy array's fields are then
+unless the agent's CUDA IPC hook (``rpcdist._device._cuda_ipc``, see
+``_hooks``) lends them by handle to a worker of the same host: a CuPy array's fields are then
 ``[dtype.str, shape, order, *the hook's fields]``, and a CUDA tensor's buffer
 index is -1 with the hook's fields after its device.
 """
@@ -20,7 +20,7 @@ import importlib
 import math
 import re
 import sys
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from ._extensions import (
     Unsupported,
     define,
 )
+from ._hooks import CupyIpcHook, TensorGradHook, hooks_of
 
 __all__: list[str] = []
 
@@ -212,46 +213,15 @@ def _initializing(module: Any) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
-class CupyIpcHook(Protocol):
-    """Sends large CuPy arrays between workers of one host by CUDA IPC handle
-    (installed by ``rpcdist._rpc._cuda_ipc``)."""
-
-    @property
-    def min_bytes(self) -> int:
-        """Smaller arrays are never lent."""
-        ...
-
-    def lend(self, context: object, array: Any) -> list[Any] | None:
-        """Fields that stand for C-contiguous ``array``, or ``None``: send its bytes."""
-        ...
-
-    def take(
-        self,
-        context: object,
-        fields: list[Any],
-        shape: tuple[int, ...],
-        dtype: Any,
-        out: Any = None,
-    ) -> Any:
-        """The array ``lend``'s fields stand for, on this worker's current device
-        (copied into ``out``, a C-contiguous CuPy array of that shape and dtype,
-        when given)."""
-        ...
-
-
-#: The installed hook (at most one).
-CUPY_IPC_HOOKS: list[CupyIpcHook] = []
-
-
 def _encode_cupy(state: EncodeState, obj: Any) -> list[Any]:
+    ipc = _cupy_ipc(state)
     if (
-        CUPY_IPC_HOOKS
-        and state.context is not None
+        ipc is not None
         and obj.dtype.kind in "biufc"
-        and obj.nbytes >= CUPY_IPC_HOOKS[0].min_bytes  # (before copying a strided one)
+        and obj.nbytes >= ipc.min_bytes  # (before copying a strided one)
     ):
         data, order = _contiguous(obj, sys.modules["cupy"].ascontiguousarray)
-        fields = CUPY_IPC_HOOKS[0].lend(state.context, data)
+        fields = ipc.lend(state.context, data)
         if fields is not None:  # [mark, dtype, shape, order, *the hook's fields]
             return [MARKS[CUPY], obj.dtype.str, list(obj.shape), order, *fields]
     cupy = sys.modules["cupy"]
@@ -275,14 +245,27 @@ def _decode_cupy(state: DecodeState, items: list[Any]) -> object:
         raise SerializationError(f"cannot place received CuPy array on the GPU: {exc}") from exc
 
 
+def _cupy_ipc(state: EncodeState | DecodeState) -> CupyIpcHook | None:
+    """The CUDA IPC hook of the agent the message belongs to, if it has one."""
+    hooks = hooks_of(state.context)
+    return None if hooks is None else hooks.cupy_ipc
+
+
+def _tensor_grad(state: EncodeState | DecodeState) -> TensorGradHook | None:
+    """The tensor-gradient hook of the agent the message belongs to, if it has one."""
+    hooks = hooks_of(state.context)
+    return None if hooks is None else hooks.tensor_grad
+
+
 def _decode_cupy_ipc(state: DecodeState, items: list[Any]) -> object:
-    if len(items) < 5 or not CUPY_IPC_HOOKS:
+    ipc = _cupy_ipc(state)
+    if len(items) < 5 or ipc is None:
         raise SerializationError("malformed CuPy array payload in message header")
     dtype = _dtype(items[1])
     shape, order = items[2], items[3]
     _check_shape(shape, order, "CuPy array")
     dims = tuple(shape[::-1]) if order else tuple(shape)
-    out = CUPY_IPC_HOOKS[0].take(state.context, items[4:], dims, dtype)
+    out = ipc.take(state.context, items[4:], dims, dtype)
     return out.T if order else out
 
 
@@ -294,23 +277,6 @@ def _find_cupy(obj: object) -> Handler | None:
 
 
 _SAME_SIZE_INT: Final = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-class TensorGradHook(Protocol):
-    """Records torch tensors that cross workers inside a distributed autograd
-    context (installed by ``rpcdist.torch``; the codec never imports torch)."""
-
-    def record(self, context: object, tensor: Any) -> int:
-        """The tensor's index in its message's send function, or -1: not recorded."""
-        ...
-
-    def attach(self, context: object, tensor: Any, index: int) -> Any:
-        """The received tensor as output ``index`` of its message's receive function."""
-        ...
-
-
-#: The installed hook (at most one), consulted for tensors that require grad.
-TENSOR_GRAD_HOOKS: list[TensorGradHook] = []
 
 
 #: Encoders of torch tensors of layouts other than dense (``rpcdist.torch``
@@ -351,8 +317,10 @@ def _encode_tensor(state: EncodeState, obj: Any) -> list[Any]:
     is_parameter = isinstance(obj, torch.nn.Parameter)
     out = [MARKS[TENSOR], *fields, dtype_name, bool(obj.requires_grad), is_parameter]
     index = -1
-    if obj.requires_grad and TENSOR_GRAD_HOOKS and state.context is not None:
-        index = TENSOR_GRAD_HOOKS[0].record(state.context, obj)
+    if obj.requires_grad:
+        grad_hook = _tensor_grad(state)
+        if grad_hook is not None:
+            index = grad_hook.record(state.context, obj)
     if device.type == "cuda":  # a 9th and 10th field: the index (or -1) and the device
         out += [index, f"cuda:{device.index if device.index is not None else 0}"]
         if ipc is not None:
@@ -429,9 +397,10 @@ _NO_CUPY: list[bool] = []
 def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
     """``[dtype, shape, fields]`` for dense CUDA tensor ``data`` sent by CUDA
     IPC (through a CuPy view of it), or ``None``: send it through host memory."""
-    if not CUPY_IPC_HOOKS or state.context is None or _NO_CUPY:
+    ipc = _cupy_ipc(state)
+    if ipc is None or _NO_CUPY:
         return None
-    if data.numel() * data.element_size() < CUPY_IPC_HOOKS[0].min_bytes:
+    if data.numel() * data.element_size() < ipc.min_bytes:
         return None  # (before asking CuPy for a view of it)
     cupy = sys.modules.get("cupy")
     if cupy is None:
@@ -449,7 +418,7 @@ def _lend_tensor(state: EncodeState, torch: Any, data: Any) -> list[Any] | None:
         _after_torch(torch, cupy, data.device.index)
     except Exception:
         return None
-    fields = CUPY_IPC_HOOKS[0].lend(state.context, array)
+    fields = ipc.lend(state.context, array)
     if fields is None:
         return None
     return [array.dtype.str, list(array.shape), fields]
@@ -460,8 +429,9 @@ def _cupy_view(cupy: Any, tensor: Any, index: int, dtype: Any = None) -> Any:
     of NumPy ``dtype`` (default: the tensor's own; same item size).
 
     Not ``cupy.from_dlpack``/``torch.from_dlpack``: their stream hand-off
-    cost ~60 and ~45 us a tensor on an H200, a quarter of a 16 MB tensor's
-    CUDA IPC time; ``_after_torch`` orders the streams instead."""
+    costs a large share of a tensor's CUDA IPC time (docs/benchmarks.md,
+    "Figures behind the code's choices"); ``_after_torch`` orders the
+    streams instead."""
     if dtype is None:
         dtype = np.dtype(str(tensor.dtype).removeprefix("torch."))
     if dtype.itemsize != tensor.element_size():
@@ -475,8 +445,9 @@ def _after_torch(torch: Any, cupy: Any, index: int) -> None:
     """Make what CuPy does next on device ``index`` come after what torch has
     queued there: nothing to do when both use the same stream (by default,
     the legacy default stream), else wait for torch's."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (0.1 us a call against
-    # 1.6 for torch.cuda.current_stream on an H200 host; kept by torch for its compiler)
+    # (the raw stream is a far cheaper call than torch.cuda.current_stream;
+    # torch keeps it for its compiler)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     ours = raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index):
         if ours != cupy.cuda.get_current_stream().ptr:
@@ -540,7 +511,8 @@ def _decode_tensor(state: DecodeState, items: list[Any]) -> object:
 
 def _tensor_from_ipc(state: DecodeState, torch: Any, dtype: Any, items: list[Any]) -> Any:
     """A CUDA tensor of ``dtype`` sent by CUDA IPC, on the sender's device index."""
-    if not CUPY_IPC_HOOKS:
+    ipc = _cupy_ipc(state)
+    if ipc is None:
         raise SerializationError("malformed tensor payload in message header")
     wire = _dtype(items[1])
     _check_shape(items[2], items[4], "tensor")
@@ -553,7 +525,7 @@ def _tensor_from_ipc(state: DecodeState, torch: Any, dtype: Any, items: list[Any
     shape = tuple(items[2])
     tensor, view = _cuda_empty(torch, cupy, shape, dtype, wire, int(index))
     with cupy.cuda.Device(int(index)):
-        CUPY_IPC_HOOKS[0].take(state.context, items[10:], shape, wire, view)
+        ipc.take(state.context, items[10:], shape, wire, view)
     return tensor
 
 
@@ -573,12 +545,14 @@ def _to_cuda(torch: Any, tensor: Any, device: str) -> Any:
 def _attach(state: DecodeState, tensor: Any, index: object) -> Any:
     if type(index) is not int or index < 0:
         raise SerializationError(f"malformed tensor payload: autograd index {index!r}")
-    if not TENSOR_GRAD_HOOKS:
+    grad_hook = _tensor_grad(state)
+    if grad_hook is None:
         raise SerializationError(
-            "a torch tensor recorded for distributed autograd arrived, but this worker has "
-            "not imported rpcdist.torch (import rpcdist.torch.rpc before init_rpc)"
+            "a torch tensor recorded for distributed autograd arrived, but this worker's "
+            "agent has no torch autograd hook (it arrived outside an RPC message, or the "
+            "agent was made without its built-in extensions)"
         )
-    return TENSOR_GRAD_HOOKS[0].attach(state.context, tensor, index)
+    return grad_hook.attach(state.context, tensor, index)
 
 
 def _find_tensor(obj: object) -> Handler | None:

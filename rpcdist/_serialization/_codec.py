@@ -10,7 +10,7 @@ import msgpack
 from .._errors import RpcdistError, SerializationError
 from . import _arrays, _builtins  # noqa: F401  (install their extensions)
 from ._errorpath import locate
-from ._extensions import DecodeState, EncodeState
+from ._extensions import STR_ERRORS, DecodeState, EncodeState
 
 __all__ = ["CODEC_VERSION", "decode", "encode"]
 
@@ -20,10 +20,7 @@ CODEC_VERSION: Final = 1
 Buffer = bytes | bytearray | memoryview
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
-#: Strings are UTF-8 on the wire; a lone surrogate (a str Python allows, e.g.
-#: from ``os.fsdecode`` or inside a NumPy unicode scalar) travels as its
-#: 3-byte form instead of failing, so every str round-trips exactly.
-_STR_ERRORS = "surrogatepass"
+_STR_ERRORS = STR_ERRORS
 
 
 def encode(

@@ -16,8 +16,11 @@ import threading
 import traceback
 from typing import Any
 
+import msgpack
+
 from .._errors import RemoteError, RpcdistError, SerializationError
 from ._exposure import is_program_module
+from ._extensions import STR_ERRORS, EncodeState
 
 __all__ = ["exception_from_wire", "exception_to_wire"]
 
@@ -32,20 +35,20 @@ def _text(exc: BaseException) -> str:
 
 
 def _encodable_args(exc: BaseException) -> tuple[Any, ...] | None:
-    from ._codec import encode  # encode needs this module; import late
-
     busy: set[int] = _local.__dict__.setdefault("busy", set())
     if id(exc) in busy:
         # The exception is inside its own args: fail the enclosing check.
         raise SerializationError("an exception's args contain the exception itself")
     busy.add(id(exc))
+    state = EncodeState(False, None)  # (as ``encode(args)`` does, which needs this module)
     try:
         args = exc.args
-        encode(args)
+        msgpack.packb(args, default=state.default, strict_types=True, unicode_errors=STR_ERRORS)
     except Exception:
         return None
     finally:
         busy.discard(id(exc))
+        state.failed = None  # (it holds the exception, whose traceback holds ``state``)
     return args
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "REGISTERED",
     "SET",
     "SLICE",
+    "STR_ERRORS",
     "TENSOR",
     "TUPLE",
     "WORKERINFO",
@@ -80,6 +81,10 @@ ELLIPSIS: Final = 19
 NPDTYPE: Final = 20
 FIRST_PLUGIN: Final = 32
 _CODES: Final = 64
+#: Strings are UTF-8 on the wire; a lone surrogate (a str Python allows, e.g.
+#: from ``os.fsdecode`` or inside a NumPy unicode scalar) travels as its
+#: 3-byte form instead of failing, so every str round-trips exactly.
+STR_ERRORS: Final = "surrogatepass"
 
 
 class Marker:

@@ -441,8 +441,8 @@ def _fresh(n: int) -> memoryview:
     """A writable buffer for ``n`` received bytes.
 
     NumPy's allocator asks the kernel for huge pages on large blocks, so
-    touching a fresh 64 MiB buffer costs a few milliseconds instead of the
-    tens a ``bytearray`` takes in 4 KiB page faults (measured; docs/design.md).
+    touching a fresh large buffer takes far fewer page faults than a
+    ``bytearray``'s 4 KiB pages (docs/design.md).
     """
     if n < (1 << 20):
         return memoryview(bytearray(n))

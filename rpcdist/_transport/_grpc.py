@@ -46,8 +46,8 @@ _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
-    # Large HTTP/2 frames and a wide flow-control window: measured +30-50%
-    # throughput for multi-megabyte arrays on loopback (docs/design.md).
+    # Large HTTP/2 frames and a wide flow-control window: more throughput for
+    # multi-megabyte arrays (docs/design.md).
     ("grpc.http2.max_frame_size", (16 << 20) - 1),
     ("grpc.http2.lookahead_bytes", 16 << 20),
 ]

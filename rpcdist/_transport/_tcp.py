@@ -11,9 +11,8 @@ ordered pair of workers, driven by the loop's reader/writer callbacks:
   which is received straight into its destination (a fresh array, or a
   buffer a collective posted in advance).
 
-Against grpc.aio this removes grpc's per-message cost (about 150 us of loop
-time per message here) and two of its three payload copies; docs/design.md
-has the measurements. The job token is checked in a hello exchanged before
+Against grpc.aio this removes grpc's per-message cost in loop time and two
+of its three payload copies (docs/benchmarks.md has the figures). The job token is checked in a hello exchanged before
 any frame. With TLS the socket is a :class:`~._tls.TlsStream` (the record
 layer, which moves ciphertext) and the link reads and writes through it with
 TLS's differences (:meth:`TcpLink._read_tls`, ``TlsStream.send_queued``).
@@ -136,7 +135,7 @@ class TcpLink(Link):
         self._view = memoryview(self._stage)
         self._lo = self._hi = 0
         self._frames: list[rpc_pb2.Frame] = []
-        self._fi = self._need = 0
+        self._frame_index = self._need = 0
         self._dest = memoryview(b"")
         #: Largest envelope accepted (headers count towards a message's size).
         self._max_envelope = min(_MAX_ENVELOPE, options.max_message_bytes + (1 << 20))
@@ -580,7 +579,7 @@ class TcpLink(Link):
             raise e
 
     def _eof(self) -> None:
-        if self._lo != self._hi or self._need or self._fi < len(self._frames):
+        if self._lo != self._hi or self._need or self._frame_index < len(self._frames):
             self._end(WorkerLostError(f"{self.label} closed the connection mid-message"))
         else:
             self._end(None)
@@ -605,8 +604,8 @@ class TcpLink(Link):
                     return
                 self._end_frame()
                 continue
-            if self._fi < len(self._frames):
-                f = self._frames[self._fi]
+            if self._frame_index < len(self._frames):
+                f = self._frames[self._frame_index]
                 self._dest = self._reasm.start_frame(f)
                 self._need = f.data_len
                 if not self._need:
@@ -644,13 +643,13 @@ class TcpLink(Link):
                 self._deliver(m)  # one small message: the common case at low load
                 continue
             self._frames = list(frames)
-            self._fi = 0
+            self._frame_index = 0
 
     def _end_frame(self) -> None:
-        f = self._frames[self._fi]
-        self._fi += 1
-        if self._fi == len(self._frames):
-            self._frames, self._fi = [], 0
+        f = self._frames[self._frame_index]
+        self._frame_index += 1
+        if self._frame_index == len(self._frames):
+            self._frames, self._frame_index = [], 0
         m = self._reasm.finish_frame(f)
         if m is not None:
             self._deliver(m)

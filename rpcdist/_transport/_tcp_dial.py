@@ -262,7 +262,9 @@ class TcpServer:
                 hello = await _recv_msg(loop, sock)
                 why = self._check(hello)
                 if why is not None:
-                    _log.warning("refused a connection claiming to be %s: %s", _who(hello), why)
+                    _log.warning(
+                        "refused a connection claiming to be %s: %s", _claimed_name(hello), why
+                    )
                     await _send_msg(loop, sock, {"error": why})
                     sock.close()
                     return
@@ -316,7 +318,7 @@ class TcpServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _who(hello: Any) -> str:
+def _claimed_name(hello: Any) -> str:
     if isinstance(hello, dict):
         return f"rank {hello.get('rank')!r} ({hello.get('name')!r})"
     return "an unknown peer"

@@ -13,15 +13,12 @@ connection.
 **Deviation, on measurement: TLS runs over memory buffers, not an
 ``ssl.SSLSocket``.** An ``SSLSocket`` makes one ``send`` system call per
 16 KiB TLS record and two ``recv`` calls per record received. :class:`TlsStream`
-drives an ``ssl.SSLObject`` through ``MemoryBIO`` buffers instead, moving
-ciphertext to and from the socket in chunks of up to 256 KiB (sends) and
-1 MiB (receives). Measured on the 2-core benchmark VM, 64 MB array echo
-between two workers over loopback TCP: 0.64-0.69 GB/s with ``SSLSocket``,
-0.95-1.02 GB/s with this (plaintext: 2.3-2.6 GB/s in the same runs); a bare
-Python loop of either kind, no rpcdist, measured 1.0-1.2 against 1.9 GB/s.
-What remains is the sender's own work, in one thread: encrypting (about 25
-ms per 64 MB here) and then copying into the kernel (about 20 ms).
-:class:`TlsStream` looks enough like a non-blocking socket (``recv_into``,
+(the record layer: it moves ciphertext) drives an ``ssl.SSLObject`` through
+``MemoryBIO`` buffers instead, moving ciphertext to and from the socket in
+chunks of up to 256 KiB (sends) and 1 MiB (receives), which moves bulk
+arrays faster. What remains is the sender's own work, in one thread:
+encrypting, then copying into the kernel (docs/benchmarks.md, "TLS on the
+plain-socket transport", has the figures). :class:`TlsStream` looks enough like a non-blocking socket (``recv_into``,
 ``send``, ``fileno``, ``shutdown``, ``close``; ``BlockingIOError`` when the
 socket would block) for :class:`~._tcp.TcpLink` and the handshake helpers
 to use it.

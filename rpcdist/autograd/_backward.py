@@ -41,84 +41,27 @@ from .._futures import Future
 from .._rpc._context import current_agent
 from .._rpc._started import Started, abandon
 from .._worker import WorkerInfo
-from ..tensor import AccumulateGrad, GraphTask, Node, Tensor
-from ._context import DistContext, DistRecv, DistSend
+from ..tensor import GraphTask, Node, Tensor
+from ._context import ContextTable, DistContext, DistRecv, DistSend, Key, PassState
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
-    from ._extension import AutogradExtension
 
-__all__ = ["GRADS", "PassState", "apply_grads", "backward_blocking", "on_reach"]
+__all__ = ["GRADS", "apply_grads", "backward_blocking", "on_reach"]
 
 #: Gradient messages are plain calls of :func:`apply_grads` (the dispatcher's
 #: fast path: no loop task on the receiver, and a blocking caller's link).
 GRADS = "rpcdist.autograd._backward:apply_grads"
 REACH = "autograd.reach"
-Key = tuple[int, int]
 
 _collect = threading.local()
 
 
-class PassState:
-    """One backward pass on one worker."""
-
-    def __init__(self, key: Key, roots: Sequence[Node] = (), retain: bool = False) -> None:
-        self.key = key
-        self.roots = list(roots)
-        self.retain = retain
-        self.lock = threading.Lock()
-        self.task: GraphTask | None = None
-        #: Set once the first gradient message here has set the task up.
-        self.ready: threading.Event | None = None
-        self.failed: BaseException | None = None
-        #: Receive function -> the start nodes from which it is reached.
-        self._reached_from: dict[Node, set[Node]] | None = None
-        self._overlapping: set[Node] = set()
-        #: Answers of ``autograd.reach`` here, by message id.
-        self.answers: dict[int, asyncio.Future[bool]] = {}
-
-    def analyse(self, ctx: DistContext) -> tuple[dict[Node, set[Node]], set[Node]]:
-        """``(receive function -> start nodes reaching it, overlapping start nodes)``."""
-        with self.lock:
-            if self._reached_from is None:
-                starts = [*self.roots, *ctx.sends.values()]
-                self._reached_from, self._overlapping = _analyse(starts)
-            return self._reached_from, self._overlapping
-
-
-def _analyse(starts: Sequence[Node]) -> tuple[dict[Node, set[Node]], set[Node]]:
-    """Walk from each start node: which receive functions it reaches, and
-    which start nodes share a non-leaf node with another (a pure function)."""
-    owner: dict[Node, Node] = {}
-    overlapping: set[Node] = set()
-    reached_from: dict[Node, set[Node]] = {}
-    for start in starts:
-        seen = {start}
-        stack = [start]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, DistRecv):
-                reached_from.setdefault(node, set()).add(start)
-                continue
-            for edge in node.next_edges:
-                if edge is None or edge[0] in seen:
-                    continue
-                child = edge[0]
-                seen.add(child)
-                if type(child) is AccumulateGrad:
-                    continue  # summed as gradients arrive: never waits
-                first = owner.setdefault(child, start)
-                if first is not start:
-                    overlapping.update((first, start))
-                stack.append(child)
-    return reached_from, overlapping
-
-
-def _ext(agent: Agent) -> AutogradExtension:
+def _ext(agent: Agent) -> ContextTable:
     found: Any = agent.registry.extensions.get("autograd")
     if found is None:
         raise AutogradError(f"the rpcdist agent {agent.name!r} has no distributed autograd")
-    ext: AutogradExtension = found
+    ext: ContextTable = found
     return ext
 
 
@@ -161,7 +104,7 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
 
     def send_back(node: Node, grads: list[Any]) -> None:
         assert isinstance(node, DistRecv)
-        run: _Run | None = getattr(_collect, "run", None)
+        run: _GradientMessages | None = getattr(_collect, "run", None)
         if run is None:
             raise AutogradError("internal: gradients for a receive function outside a pass")
         payload: Any = ((ctx.id, key, node.message_id, grads, retain), {})
@@ -170,7 +113,7 @@ def _make_callback(agent: Agent, ctx: DistContext, st: PassState) -> Any:
     return send_back
 
 
-class _Run:
+class _GradientMessages:
     """The gradient messages one ``execute`` sends. Each leaves as soon as it
     is made (the receiver works meanwhile, while this worker goes on with its
     own part), and the run's end reads every reply on this thread: on a
@@ -204,9 +147,9 @@ class _Run:
         abandon(calls)
 
 
-def _execute(task: GraphTask, seeds: list[tuple[Node, Any]]) -> _Run:
+def _execute(task: GraphTask, seeds: list[tuple[Node, Any]]) -> _GradientMessages:
     """``task.execute(seeds)``, collecting the gradient messages it sends."""
-    run = _collect.run = _Run()
+    run = _collect.run = _GradientMessages()
     try:
         task.execute(seeds)
     except BaseException:

@@ -13,15 +13,13 @@ The receiver makes it a non-leaf tensor whose ``grad_fn`` is the message's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import SerializationError
 from .._rpc._context import WireContext
 from .._serialization import register_extension
 from ..tensor import Tensor
-
-if TYPE_CHECKING:
-    from ._extension import AutogradExtension
+from ._context import ContextTable
 
 __all__ = ["TENSOR_CODE", "register_tensor_codec"]
 
@@ -29,13 +27,13 @@ __all__ = ["TENSOR_CODE", "register_tensor_codec"]
 TENSOR_CODE = 33
 
 
-def _extension(wire: WireContext) -> AutogradExtension:
+def _extension(wire: WireContext) -> ContextTable:
     ext: Any = wire.agent.registry.extensions.get("autograd")
     if ext is None:
         raise SerializationError(
             f"the rpcdist agent {wire.agent.name!r} has no distributed autograd installed"
         )
-    ext_typed: AutogradExtension = ext
+    ext_typed: ContextTable = ext
     return ext_typed
 
 

@@ -9,33 +9,44 @@ pass: it holds the :class:`DistSend` functions of tensors that left this
 worker and the :class:`DistRecv` functions of tensors that arrived, both
 keyed by message id, the gradients of this worker's leaves accumulated by
 backward passes, the workers it exchanged messages with (so that its
-release reaches them) and the state of backward passes (:mod:`._backward`).
+release reaches them) and the state of backward passes (:class:`PassState`,
+run by :mod:`._backward`).
+
+The bottom of this package: the backward pass, the tensor codec and the
+extension (:mod:`._extension`, which composes them) import this module, and
+it imports none of them; they see the extension as a :class:`ContextTable`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import AutogradError, ConfigError
-from ..tensor import RecvFunction, SendFunction
+from ..tensor import AccumulateGrad, GraphTask, Node, RecvFunction, SendFunction
 
 if TYPE_CHECKING:
     from ..tensor import Tensor
-    from ._backward import PassState
 
 __all__ = [
     "CURRENT",
+    "ContextTable",
     "DistContext",
     "DistRecv",
     "DistSend",
     "IdMaker",
+    "Key",
+    "PassState",
     "creator_of",
 ]
 
+#: A backward pass: ``(root rank, pass number)``.
+Key = tuple[int, int]
 _COUNTER_BITS = 48
 _MAX_RANK = (1 << 16) - 1
 
@@ -129,7 +140,7 @@ class DistContext:
         #: Workers this context exchanged messages with (its release reaches them).
         self.known: set[int] = set()
         #: Backward passes, by ``(root rank, pass number)``.
-        self.passes: dict[tuple[int, int], PassState] = {}
+        self.passes: dict[Key, PassState] = {}
         self._pass_numbers = itertools.count(1)
         #: Set once a pass ran without ``retain_graph``: the graph is freed.
         self.freed_by: str | None = None
@@ -183,3 +194,77 @@ class DistContext:
             f"<DistContext {self.id} creator={self.creator} sends={len(self.sends)} "
             f"recvs={len(self.recvs)} known={sorted(self.known)}>"
         )
+
+
+class PassState:
+    """One backward pass on one worker."""
+
+    def __init__(self, key: Key, roots: Sequence[Node] = (), retain: bool = False) -> None:
+        self.key = key
+        self.roots = list(roots)
+        self.retain = retain
+        self.lock = threading.Lock()
+        self.task: GraphTask | None = None
+        #: Set once the first gradient message here has set the task up.
+        self.ready: threading.Event | None = None
+        self.failed: BaseException | None = None
+        #: Receive function -> the start nodes from which it is reached.
+        self._reached_from: dict[Node, set[Node]] | None = None
+        self._overlapping: set[Node] = set()
+        #: Answers of ``autograd.reach`` here, by message id.
+        self.answers: dict[int, asyncio.Future[bool]] = {}
+
+    def analyse(self, ctx: DistContext) -> tuple[dict[Node, set[Node]], set[Node]]:
+        """``(receive function -> start nodes reaching it, overlapping start nodes)``."""
+        with self.lock:
+            if self._reached_from is None:
+                starts = [*self.roots, *ctx.sends.values()]
+                self._reached_from, self._overlapping = _analyse(starts)
+            return self._reached_from, self._overlapping
+
+
+def _analyse(starts: Sequence[Node]) -> tuple[dict[Node, set[Node]], set[Node]]:
+    """Walk from each start node: which receive functions it reaches, and
+    which start nodes share a non-leaf node with another (a pure function)."""
+    owner: dict[Node, Node] = {}
+    overlapping: set[Node] = set()
+    reached_from: dict[Node, set[Node]] = {}
+    for start in starts:
+        seen = {start}
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, DistRecv):
+                reached_from.setdefault(node, set()).add(start)
+                continue
+            for edge in node.next_edges:
+                if edge is None or edge[0] in seen:
+                    continue
+                child = edge[0]
+                seen.add(child)
+                if type(child) is AccumulateGrad:
+                    continue  # summed as gradients arrive: never waits
+                first = owner.setdefault(child, start)
+                if first is not start:
+                    overlapping.update((first, start))
+                stack.append(child)
+    return reached_from, overlapping
+
+
+class ContextTable(Protocol):
+    """What this package's parts use of the agent's autograd extension
+    (``_extension.AutogradExtension``)."""
+
+    ids: IdMaker
+
+    def context(self, context_id: int) -> DistContext:
+        """Context ``context_id``, made here on first sight."""
+        ...
+
+    def get(self, context_id: int, what: str) -> DistContext:
+        """Raises: AutogradError: no such context on this worker."""
+        ...
+
+    def forget_send(self, context_id: int, message_id: int) -> None:
+        """A message recorded in a send function was never sent (undo)."""
+        ...

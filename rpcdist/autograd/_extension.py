@@ -54,12 +54,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRADS",
-    "LOSS_BACKWARDS",
     "PING",
     "REACH",
     "RELEASE",
     "RREF_BACKWARD",
     "AutogradExtension",
+    "LossBackward",
+    "LossHook",
     "ext",
     "install",
 ]
@@ -73,10 +74,11 @@ RREF_BACKWARD = "autograd.rref_backward"
 PING = "autograd.ping"
 #: ``run(context_id, loss, retain_graph)``: a pass over another library's graph.
 LossBackward = Callable[[int, Any, bool], None]
-#: How ``RRef.backward`` runs from a loss this engine does not own: each hook
+#: How ``RRef.backward`` runs from a loss this engine does not own: a hook
 #: returns a ``LossBackward`` for the losses it knows, else ``None``
-#: (``rpcdist.torch`` installs one for torch tensors).
-LOSS_BACKWARDS: list[Callable[[Any], LossBackward | None]] = []
+#: (``rpcdist.torch`` registers one for torch tensors on every agent; see
+#: :meth:`AutogradExtension.add_loss_hook`).
+LossHook = Callable[[Any], LossBackward | None]
 #: Call metadata: releases riding on a call, and the reply's acknowledgement.
 RIDING = "ar"
 RELEASED = "ar+"
@@ -105,6 +107,15 @@ class AutogradExtension(BaseExtension):
         self._outbox = ControlOutbox(agent, RELEASE, delay=RELEASE_DELAY, batch=RELEASE_BATCH)
         self._lease_timer: asyncio.TimerHandle | None = None
         self.released = 0
+        #: Asked in order for a loss of another library (replaced whole).
+        self.loss_hooks: tuple[LossHook, ...] = ()
+
+    def add_loss_hook(self, hook: LossHook) -> None:
+        """Let ``RRef.backward`` on this agent run from the losses ``hook``
+        knows (idempotent)."""
+        with self._lock:
+            if hook not in self.loss_hooks:
+                self.loss_hooks = (*self.loss_hooks, hook)
 
     # ------------------------------------------------------------ contexts
 
@@ -340,7 +351,7 @@ async def _on_rref_backward(agent: Agent, src: WorkerInfo, payload: list[Any]) -
     rref, context_id, retain_graph = payload
     loss = rref.local_value()
     _check_loss(loss)
-    for hook in LOSS_BACKWARDS:
+    for hook in ext(agent).loss_hooks:
         run = hook(loss)
         if run is not None:  # a loss of another library's: its own pass
             await agent.loop.run_in_executor(

@@ -30,7 +30,7 @@ from ._nccl import nccl_supports, setup_nccl, use_nccl
 from ._ops import NUMPY_XP, Meta, ReduceOp, Xp, flat, is_cupy, xp_for
 
 if TYPE_CHECKING:
-    from ._group import ProcessGroup
+    from ._types import GroupView
 
 __all__ = [
     "Engine",
@@ -197,7 +197,7 @@ class HostEngine:
 
     device = False
 
-    def __init__(self, inner: Any, group: ProcessGroup) -> None:
+    def __init__(self, inner: Any, group: GroupView) -> None:
         self.inner = inner
         self.name: str = getattr(inner, "name", "local")
         self._group = group
@@ -289,7 +289,7 @@ class NcclEngineOps:
     device = True
     name = "nccl"
 
-    def __init__(self, nccl: Any, group: ProcessGroup, stream: Any, device: int) -> None:
+    def __init__(self, nccl: Any, group: GroupView, stream: Any, device: int) -> None:
         self._nccl = nccl
         self._group = group
         self._stream = stream
@@ -345,7 +345,7 @@ _LOCAL = LocalOps()
 
 
 def engine_for(
-    g: ProcessGroup,
+    g: GroupView,
     kind: str,
     xp: Xp,
     dtype: Any,

@@ -31,9 +31,10 @@ from ._ring import ag_step, chain_neighbours, lane_count, rs_step, split, tree_c
 
 __all__ = ["RingEngine"]
 
-#: Lane (chunk) size of the pipelined ring and chain algorithms. Measured on
-#: the TCP transport (p = 2 and 4, 16-64 MB): 4 MiB beat 1 and 8 MiB, and
-#: reducing on the loop beat handing each chunk to a thread (docs/design.md).
+#: Lane (chunk) size of the pipelined ring and chain algorithms, chosen by
+#: measurement on the TCP transport against smaller and larger lanes, as
+#: reducing on the loop was against handing each chunk to a thread
+#: (docs/design.md).
 CHUNK_BYTES = 4 << 20
 #: Lanes in flight at once.
 LANES_IN_FLIGHT = 4

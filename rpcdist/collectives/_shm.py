@@ -60,8 +60,8 @@ SLOTS = 4
 SLOT_BYTES = int(os.environ.get("RPCDIST_SHM_SLOT_BYTES", 4 << 20))
 #: Bytes a round moves when every rank has a core: small rounds stay in cache.
 #: With more ranks than cores each sync costs context switches, so rounds then
-#: use the whole slot (measured: p=2 on 2 cores, 64 MB: 4.7 GB/s with 1 MiB
-#: rounds, 4.1 with 4 MiB; p=4: 1.2 with 1 MiB, 2.7 with 4 MiB).
+#: use the whole slot (the figures: docs/benchmarks.md, "Figures behind the
+#: code's choices").
 ROUND_BYTES = 1 << 20
 _CTRL = 16384
 #: Bytes of the control block holding its owner's setup nonce (the probe's).

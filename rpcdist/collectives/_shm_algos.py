@@ -26,11 +26,8 @@ every size in larger groups, the buffer is instead copied down whole (a host
 copy of it for the call's length), reduced by the host algorithm and copied
 back: two device operations (``reduces_on_host``; the copies are
 ``HostEngine``'s). Where processes share one GPU, each device
-operation also waits its turn on it. Measured on an H100 shared by the
-ranks (all-reduce, host path against staged): two ranks, 350 against 870
-us at 4 KB, 350 against 600 at 256 KB, but 880 against 510 at 1 MB and
-10.3 against 6.4 ms at 16 MB; four ranks, 660 against 1,650 us at 4 KB,
-1.06 against 2.24 ms at 1 MB, 12.6 against 30.0 ms at 16 MB.
+operation also waits its turn on it. How the two paths compare, by size
+and group, is in docs/benchmarks.md ("Figures behind the code's choices").
 
 The other collectives are one-phase rounds: writers copy their pieces into
 their slots, a sync, readers copy them out; the next round's writes ride

@@ -3,9 +3,9 @@
 A training step of a small recurrent model allocates and frees tens of
 megabytes of large temporaries (gate activations, logits, their gradients).
 glibc serves them from fresh ``mmap``\\ s or from a heap it trims back after
-every step, so each step touches new pages: on the 2-core benchmark VM the
-language-model step of ``benchmarks/bench_tensor.py`` took ~4,500 minor page
-faults and ~7 ms of system time per step, more than its arithmetic.
+every step, so each step touches new pages: the language-model step of
+``benchmarks/bench_tensor.py`` spent more time faulting them in than on its
+arithmetic (docs/benchmarks.md, "Figures behind the code's choices").
 
 :func:`empty` hands out arrays from a small pool instead. An array of the
 pool is reused once nothing but the pool refers to it: its reference count

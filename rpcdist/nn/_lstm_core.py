@@ -1,14 +1,14 @@
 """The arithmetic of one LSTM layer over a whole sequence: forward and full BPTT.
 
 Array-module generic (NumPy or CuPy). Where the time goes, and what this
-layout does about it (measured on the 2-core benchmark VM, hidden 128, batch
-20, float32):
+layout does about it (the figures behind each choice: docs/benchmarks.md,
+"Figures behind the code's choices"):
 
 - **One small GEMM per step is the floor.** ``W_hh @ h`` computed as
-  ``(4H, H) @ (H, B)`` takes ~16 µs where ``h @ W_hh.T`` as ``(B, H) @ (H, 4H)``
-  takes ~22 µs, and backward's ``W_hh.T @ d`` likewise (~18 µs against ~21):
-  so a step works on *feature-major* blocks, gates ``(4H, B)`` and states
-  ``(H, B)``, each contiguous (strided blocks make every elementwise call 3-4x
+  ``(4H, H) @ (H, B)`` is faster than ``h @ W_hh.T`` as ``(B, H) @ (H, 4H)``,
+  and backward's ``W_hh.T @ d`` likewise: so a step works on
+  *feature-major* blocks, gates ``(4H, B)`` and states ``(H, B)``, each
+  contiguous (strided blocks make every elementwise call several times
   slower).
 - **Few elementwise calls per step.** The gates are kept in the order
   ``o, i, f, g`` in a per-step block of ``5H`` rows whose last ``H`` rows hold
@@ -21,8 +21,8 @@ layout does about it (measured on the 2-core benchmark VM, hidden 128, batch
   The backward's local derivatives are computed for the whole sequence at
   once, before its loop.
 - **Whole-sequence work goes to big GEMMs.** The input projection of all
-  steps is one GEMM (~115 GMAC/s here, against ~80 for the per-step ones,
-  so folding it into the steps measured slower at hidden 256); the weight
+  steps is one GEMM (a big GEMM runs faster per element than the per-step
+  ones, so folding it into the steps measured slower); the weight
   gradients and the input gradient are one GEMM each over all steps, after
   the recurrence.
 - **No fresh memory per step.** Large buffers come from :mod:`._buffers`.
@@ -110,7 +110,7 @@ def layer_forward(
     prod = xp.empty((2 * hidden, batch), dtype=dt)
     ig, fc = prod[:h1], prod[h1:]
     hs = states[:, :hidden]
-    # Per-step views made up front: indexing in the loop costs ~2 us a step.
+    # Per-step views made up front: indexing in the loop costs time every step.
     steps_views = zip(
         list(states[:steps]),
         list(acts[:steps, :h4]),

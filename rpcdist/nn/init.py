@@ -19,11 +19,11 @@ __all__ = [
 ]
 
 
-def _gen(generator: Generator | None) -> Generator:
+def _generator_or_default(generator: Generator | None) -> Generator:
     return generator if generator is not None else default_generator()
 
 
-def _fans(t: Tensor) -> tuple[int, int]:
+def _fan_in_and_out(t: Tensor) -> tuple[int, int]:
     if t.ndim < 2:
         raise ConfigError(f"fan in/out need at least 2 dimensions, got shape {t.shape}")
     receptive = math.prod(t.shape[2:])
@@ -52,7 +52,9 @@ def uniform_(
     t: Tensor, a: float = 0.0, b: float = 1.0, *, generator: Generator | None = None
 ) -> Tensor:
     """Fill ``t`` with draws from ``U(a, b)``; returns ``t``."""
-    t.data[...] = _gen(generator).uniform(t.shape, low=a, high=b, dtype=t.dtype, device=t.device)
+    t.data[...] = _generator_or_default(generator).uniform(
+        t.shape, low=a, high=b, dtype=t.dtype, device=t.device
+    )
     return t
 
 
@@ -60,7 +62,7 @@ def normal_(
     t: Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Generator | None = None
 ) -> Tensor:
     """Fill ``t`` with draws from ``N(mean, std**2)``; returns ``t``."""
-    t.data[...] = _gen(generator).normal(
+    t.data[...] = _generator_or_default(generator).normal(
         t.shape, mean=mean, std=std, dtype=t.dtype, device=t.device
     )
     return t
@@ -95,7 +97,7 @@ def kaiming_uniform_(
     Raises:
         ConfigError: unknown ``mode`` or nonlinearity, or ``t`` below 2-D.
     """
-    fan_in, fan_out = _fans(t)
+    fan_in, fan_out = _fan_in_and_out(t)
     if mode not in ("fan_in", "fan_out"):
         raise ConfigError(f"mode must be 'fan_in' or 'fan_out', got {mode!r}")
     fan = fan_in if mode == "fan_in" else fan_out
@@ -105,6 +107,6 @@ def kaiming_uniform_(
 
 def xavier_uniform_(t: Tensor, gain: float = 1.0, *, generator: Generator | None = None) -> Tensor:
     """Glorot initialisation: ``U(-b, b)`` with ``b = gain * sqrt(6 / (fan_in + fan_out))``."""
-    fan_in, fan_out = _fans(t)
+    fan_in, fan_out = _fan_in_and_out(t)
     bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
     return uniform_(t, -bound, bound, generator=generator)

@@ -21,8 +21,8 @@ class Scratch:
 
     An update written as expressions allocates a fresh array per operation
     and parameter; for large parameters each is new pages to fault in and
-    zero (Adam on 16.8 M float32 parameters: 104-137 ms per step as
-    expressions, 40-56 ms with one scratch buffer, the same bits). The
+    zero, which costs more than the arithmetic (docs/benchmarks.md,
+    "Figures behind the code's choices"; the same bits either way). The
     buffers live for one step only, so they add nothing between steps.
     """
 

@@ -30,9 +30,11 @@ from .._errors import ConfigError
 from ..nn import Module
 from ..tensor import Tensor, is_grad_enabled
 from ._arrays import group_size, xp_of
+from ._fsdp_ft import FsdpFaultTolerance
 from ._fsdp_policy import MixedPrecision, WrapPolicy, as_wrap_policy, resolve_mixed_precision
 from ._fsdp_state import full_state_dict, load_optim, load_state, optim_state, sharded_state_dict
 from ._fsdp_unit import FlatUnit, Shared, Slot
+from ._ft import FaultTolerance
 from ._join import Join, Joinable, JoinHook
 from ._sync import broadcast_tensors, check_same_model, describe
 
@@ -69,6 +71,10 @@ class FullyShardedDataParallel(Module, Joinable):
         mixed_precision: None, ``"float16"``, ``"bfloat16"`` or a
             :class:`MixedPrecision`: communicate parameters and gradients in
             that precision; the shards stay in their own dtype.
+        fault_tolerance: A :class:`FaultTolerance`: no process group; the
+            shards are re-sharded over each step's members, each rank also
+            keeping its successor's shard; gradients are averaged by
+            ``fault_tolerance.commit()`` (``docs/fault-tolerance.md``).
 
     Raises:
         ConfigError: bad arguments, this process is not in the group, the
@@ -85,6 +91,7 @@ class FullyShardedDataParallel(Module, Joinable):
         auto_wrap_policy: Callable[[Module, int], bool] | None = None,
         sharding_strategy: str = "full_shard",
         mixed_precision: str | MixedPrecision | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
@@ -97,14 +104,21 @@ class FullyShardedDataParallel(Module, Joinable):
                 f"got {sharding_strategy!r}"
             )
         wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
-        rank, world = group_size(process_group, _WHAT)
         mp = resolve_mixed_precision(mixed_precision)
         params = list(module.named_parameters())
         buffers = list(module.named_buffers())
-        check_same_model(
-            describe(params, "parameter") + describe(buffers, "buffer"), process_group, _WHAT
-        )
-        broadcast_tensors([p for _, p in params] + [b for _, b in buffers], 0, process_group)
+        if fault_tolerance is not None:  # the members of each step: see _fsdp_ft.py
+            if mp is not None or sharding_strategy == "no_shard":
+                raise ConfigError(
+                    f"{_WHAT}: fault_tolerance takes neither mixed_precision nor 'no_shard'"
+                )
+            rank, world = 0, 1  # until the first quorum; every rank holds everything
+        else:
+            rank, world = group_size(process_group, _WHAT)
+            check_same_model(
+                describe(params, "parameter") + describe(buffers, "buffer"), process_group, _WHAT
+            )
+            broadcast_tensors([p for _, p in params] + [b for _, b in buffers], 0, process_group)
         first = next((t.data for _, t in params + buffers), None)
         shared = Shared(
             process_group, rank, world, sharding_strategy, mp, np if first is None else xp_of(first)
@@ -131,6 +145,10 @@ class FullyShardedDataParallel(Module, Joinable):
         self._param_names = [n for n, _ in params]
         self._orig_buffers = buffers
         self._divide_by_initial_world_size = True
+        self.fault_tolerance = fault_tolerance
+        if fault_tolerance is not None:
+            shared.ft = fault_tolerance
+            FsdpFaultTolerance(self, fault_tolerance)
 
     def _setup(
         self, module: Module, shared: Shared, names: dict[int, str], claimed: set[int], root: bool

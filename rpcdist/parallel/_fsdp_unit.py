@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import collectives as dist
+from .._errors import WorkerLostError
 from ..nn import Module, Parameter
 from ..tensor import Function, Tensor
 from ..tensor._engine import queue_callback
@@ -72,6 +73,7 @@ class Shared:
     gathers: int = 0
     prefetches: int = 0
     reductions: int = 0
+    ft: Any = None  # a FaultTolerance: gathers and averages go over its mesh (_fsdp_ft.py)
 
     @property
     def sharded(self) -> bool:
@@ -114,6 +116,7 @@ class FlatUnit:
         self._comm: Any = None
         self.state = "free" if shared.sharded else "ready"
         self.acc: Any = None  # full-size gradient summed under no_sync
+        self.ft_flat: Any = None  # fault-tolerant mode: this step's local flat gradient
 
     # ----------------------------------------------------------------- gather
     def _buffer(self) -> Any:
@@ -144,6 +147,9 @@ class FlatUnit:
     def _all_gather(self, buf: Any) -> tuple[Any, Any]:
         """Launch the all-gather of the shard (in the communication dtype) into ``buf``."""
         sh = self.shared
+        if sh.ft is not None:
+            self._ft_gather(self.shard.data, buf)
+            return buf, _Done()
         low = _comm_dtype(sh.mp.param_dtype) if sh.mp else None
         data = self.shard.data
         if low is None:
@@ -269,6 +275,11 @@ class FlatUnit:
             flat = from_bf16(to_bf16(flat))
         elif low is not None:
             flat = flat.astype(low)
+        if sh.ft is not None:  # averaged by ft.commit() with the other units' (_fsdp_ft.py)
+            self.ft_flat = self.xp.array(flat[: self.numel])
+            if in_buffer:
+                self.free()
+            return
         sh.drain()  # launched one unit ago: done by now; frees its flat gradient
         if not in_buffer:
             sh.track(flat.nbytes)
@@ -331,6 +342,10 @@ class FlatUnit:
         """All-gather a shard-sized array into the unpadded full vector."""
         if not self.shared.sharded:
             return piece[: self.numel].copy()
+        if self.shared.ft is not None:
+            full = self.xp.empty(self.padded, piece.dtype)
+            self._ft_gather(piece, full, raising=True)
+            return full[: self.numel]
         n = self.shard_size
         full = self.xp.empty(self.padded, piece.dtype)
         outs = [full[i * n : (i + 1) * n] for i in range(self.shared.world)]
@@ -341,7 +356,35 @@ class FlatUnit:
         """This rank's shard of an unpadded full vector."""
         padded = self.xp.zeros(self.padded, full.dtype)
         padded[: self.numel] = self.xp.asarray(full)
+        if self.shared.ft is not None:
+            return self.xp.concatenate([padded[slice(*b)] for b in self.ft_bounds()])
         return padded[slice(*self._bounds())].copy()
+
+    def ft_bounds(self) -> list[tuple[int, int]]:
+        """Fault-tolerant mode: the padded slices the shard holds (own, then successor's)."""
+        sh = self.shared
+        ranks = [sh.rank] if sh.world == 1 else [sh.rank, (sh.rank + 1) % sh.world]
+        return [self.layout.bounds(q) for q in ranks]
+
+    def _ft_gather(self, piece: Any, out: Any, raising: bool = False) -> None:
+        """Fault-tolerant mode: every member's own slice into ``out`` over the mesh.
+
+        A failure marks the step failed (zeros in ``out``; the vote will be
+        ``ok=False``) unless ``raising``.
+        """
+        ft, n = self.shared.ft, self.shard_size
+        mine = np.asarray(piece[:n], np.float64)
+        try:
+            got = ft._all_gather(mine, n)
+        except (OSError, WorkerLostError):
+            if raising:
+                raise
+            ft._fail()
+            out[...] = 0
+            return
+        for rid, data in got.items():
+            q = ft.members.index(rid)
+            out[q * n : (q + 1) * n] = data
 
     def _bounds(self) -> tuple[int, int]:
         return self.layout.bounds(self.shared.rank if self.shared.sharded else 0)
@@ -349,6 +392,13 @@ class FlatUnit:
     @property
     def on_gpu(self) -> bool:
         return is_cupy(self.shard.data)
+
+
+class _Done:
+    """The finished work of a synchronous gather."""
+
+    def wait(self) -> None:
+        pass
 
 
 class _Unflatten(Function):

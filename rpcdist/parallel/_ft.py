@@ -34,7 +34,7 @@ import numpy as np
 from .._errors import ConfigError, WorkerLostError
 from .._save import load, save
 from ..tensor import Tensor, default_generator
-from ._ft_wire import connect, listen, recv_frame, recv_into, send_frame
+from ._ft_wire import connect, listen, pack, recv_frame, recv_into, send_frame, unpack
 
 __all__ = ["FaultTolerance"]
 
@@ -90,6 +90,12 @@ class FaultTolerance:
         self.recoveries: list[tuple[int, list[int]]] = []
         self._states: dict[str, Any] = {}
         self._params: list[Tensor] = []
+        self._sharded: list[Any] = []  # ZeRO / FSDP objects in this mode
+        self._adopted: set[str] = set()  # optimizers whose state a sharded object carries
+        self._synced_qid = -1
+        self._sizes: list[int] = []
+        # This step's communication failed already (the vote will be ok=False).
+        self._failed = False
         self._coord = connect(address, None)
         self._listener = listen(self._coord.getsockname()[0])
         self._cv = threading.Condition()
@@ -113,10 +119,36 @@ class FaultTolerance:
     # -- what the training loop calls -------------------------------------------------
 
     def register_state(self, name: str, obj: Any) -> None:
-        """Carry ``obj.state_dict()`` to replacements (a module, an optimizer)."""
+        """Carry ``obj.state_dict()`` to replacements (a module, an optimizer).
+
+        An optimizer over a ``FullyShardedDataParallel`` model's shards (or a
+        ``ZeroRedundancyOptimizer``) has sharded state: it is re-sharded from
+        the members' slices, and only its options travel this way.
+        """
+        how = {c._ft_adopts(obj) for c in self._sharded}
+        if "whole" in how:
+            return  # a sharded object itself: re-sharded, not sent
+        if "options" in how:
+            self._adopted.add(name)
         if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
             raise ConfigError(f"FaultTolerance.register_state: {name!r} has no state_dict")
         self._states[name] = obj
+
+    def _add_sharded(self, obj: Any) -> None:
+        """Take part ``obj`` (a ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``).
+
+        Its ``_ft_grads()`` are averaged with the attached gradients and
+        handed back to ``_ft_write``, then ``_ft_prepare()`` runs before the
+        vote and ``_ft_finish(committed)`` after it; ``_ft_reshard()`` runs
+        on every member at the first step after each change of membership.
+        """
+        self._sharded.append(obj)
+        for name, st in list(self._states.items()):
+            how = obj._ft_adopts(st)
+            if how == "whole":
+                del self._states[name]
+            elif how == "options":
+                self._adopted.add(name)
 
     def attach(self, params: list[Tensor]) -> None:
         """The parameters whose gradients :meth:`commit` averages (DDP calls this)."""
@@ -140,6 +172,8 @@ class FaultTolerance:
             with contextlib.suppress(*_FAILURES):  # a joiner that died is the coordinator's
                 self._send_state(rid)
         self._send_to = []
+        if self._qid != self._synced_qid:
+            self._reshard_objects()
         if self.sampler is None:
             return None
         self._batch = self._next_batch()
@@ -156,13 +190,16 @@ class FaultTolerance:
         Raises:
             WorkerLostError: the coordinator went away.
         """
-        ok, avg = True, None
+        ok = not self._failed
         self._point("before_allreduce")
-        try:
-            avg = self._allreduce(self._flat_grads())
-        except _FAILURES:
-            ok = False
-            self._drop_mesh()
+        if ok:
+            try:
+                self._write_grads(self._allreduce(self._flat_grads()))
+                for obj in self._sharded:  # e.g. ZeRO's step and all-gather, undone if no commit
+                    obj._ft_prepare()
+            except _FAILURES:
+                ok = False
+                self._fail()
         self._point("after_allreduce")
         batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
         epoch = getattr(self.sampler, "epoch", 0)
@@ -172,13 +209,69 @@ class FaultTolerance:
         )
         reply = self._coord_reply()
         committed = bool(reply["commit"])
-        if committed and avg is not None:
-            self._write_grads(avg)
+        for obj in self._sharded:
+            obj._ft_finish(committed)
         if committed:
             self._committed += len(batch)
         self._apply(reply)
+        self._failed = False
         self._point("after_commit")
         return committed
+
+    def _fail(self) -> None:
+        """Mark this step failed (it votes ``ok=False``) and close the mesh, so peers fail too."""
+        self._failed = True
+        self._drop_mesh()
+
+    def _all_gather_frames(
+        self, header: dict[str, Any], arrays: list[np.ndarray[Any, Any]]
+    ) -> dict[int, tuple[dict[str, Any], list[np.ndarray[Any, Any]]]]:
+        """Every member's ``(header, arrays)``, by id, this rank's included (collective).
+
+        Raises:
+            WorkerLostError, OSError: a member failed, or this step already had.
+        """
+        got = {self.id: (header, list(arrays))}
+        if self.world_size == 1:
+            return got
+        self._check_failed()
+        specs, payload = pack(arrays)
+        mesh = self._peers()
+        head = dict(header, _arrays=specs)
+        with self._sending([(send_frame, (sock, head, payload)) for sock in mesh.values()]):
+            for rid, sock in mesh.items():
+                theirs, data = recv_frame(sock)
+                got[rid] = (theirs, unpack(theirs.pop("_arrays"), data))
+        return got
+
+    def _all_gather(
+        self, outgoing: np.ndarray[Any, Any], size: int
+    ) -> dict[int, np.ndarray[Any, Any]]:
+        """All-gather: send ``outgoing`` (float64) to every member, ``size`` floats from each.
+
+        Raises:
+            WorkerLostError, OSError: a member failed, or this step already had.
+        """
+        if self.world_size == 1:
+            return {self.id: outgoing}
+        self._check_failed()
+        others = [m for m in self.members if m != self.id]
+        got = self._exchange({m: outgoing for m in others}, {m: size for m in others})
+        got[self.id] = outgoing
+        return got
+
+    def _check_failed(self) -> None:
+        if self._failed:
+            raise WorkerLostError("fault tolerance: this step's communication failed already")
+
+    def _reshard_objects(self) -> None:
+        try:
+            for obj in self._sharded:
+                obj._ft_reshard()
+        except _FAILURES:
+            self._fail()  # the step votes ok=False; the next membership reshards again
+        else:
+            self._synced_qid = self._qid
 
     def close(self) -> None:
         """Leave: close the connections (the others go on without this rank)."""
@@ -247,11 +340,17 @@ class FaultTolerance:
         out: dict[str, Any] = {
             "step": self.step,
             "rng": default_generator().get_state(),
-            "objects": {n: o.state_dict() for n, o in self._states.items()},
+            "objects": {n: self._object_state(n, o) for n, o in self._states.items()},
         }
         if self.sampler is not None:
             out["sampler"] = self.sampler.state_dict()
         return out
+
+    def _object_state(self, name: str, obj: Any) -> Any:
+        sd = obj.state_dict()
+        if name in self._adopted:  # the sharded object carries the state itself
+            return {"state": {}, "param_groups": sd["param_groups"]}
+        return sd
 
     def _send_state(self, rid: int) -> None:
         buf = io.BytesIO()
@@ -340,33 +439,46 @@ class FaultTolerance:
             s.close()
 
     def _exchange(
-        self, outgoing: dict[int, np.ndarray[Any, Any]], shapes: dict[int, int]
+        self,
+        outgoing: dict[int, np.ndarray[Any, Any]],
+        shapes: dict[int, int],
+        into: dict[int, np.ndarray[Any, Any]] | None = None,
     ) -> dict[int, np.ndarray[Any, Any]]:
-        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from each."""
+        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from
+        each (into ``into[peer]``, a contiguous float64 view, where given)."""
         mesh = self._peers()
-        assert self._pool is not None
-        sends = [
-            self._pool.submit(mesh[rid].sendall, np.ascontiguousarray(arr).data.cast("B"))
+        jobs = [
+            (mesh[rid].sendall, (np.ascontiguousarray(arr).data.cast("B"),))
             for rid, arr in outgoing.items()
         ]
         got = {}
-        try:
+        with self._sending(jobs):
             for rid, n in shapes.items():
-                buf = np.empty(n, np.float64)
+                buf = np.empty(n, np.float64) if into is None else into[rid]
                 recv_into(mesh[rid], buf.data.cast("B"))
                 got[rid] = buf
+        return got
+
+    @contextlib.contextmanager
+    def _sending(self, jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Iterator[None]:
+        """Run the sends on the pool while the body receives; then wait for them (raising
+        a send's error only if the body did not raise its own)."""
+        assert self._pool is not None
+        sends = [self._pool.submit(fn, *args) for fn, args in jobs]
+        try:
+            yield
         finally:
             for f in sends:
                 with contextlib.suppress(Exception):
                     f.result(timeout=self.timeout)
         for f in sends:
             f.result(timeout=0)
-        return got
 
     def _allreduce(self, flat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The average over the members, in place in ``flat`` (returned)."""
         n = self.world_size
         if n == 1:
-            return flat.copy()
+            return flat
         bounds = np.linspace(0, flat.size, n + 1).astype(int)
         chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
         me = self.rank
@@ -379,24 +491,37 @@ class FaultTolerance:
             total += chunk[me] if m == self.id else got[m]
         total /= n
         self._point("mid_allreduce")
-        parts = self._exchange({m: total for m in others}, {m: chunk[idx[m]].size for m in others})
-        parts[self.id] = total
-        return np.concatenate([parts[m] for m in self.members])
+        chunk[me][...] = total  # the others' averages land straight in their chunks
+        into = {m: chunk[idx[m]] for m in others}
+        self._exchange({m: total for m in others}, {m: c.size for m, c in into.items()}, into)
+        return flat
 
     def _flat_grads(self) -> np.ndarray[Any, Any]:
-        arrays = []
+        """A new float64 vector of this rank's gradients: one copy of each (the average is
+        made in place in it, and the parameters' ``.grad`` views it where dtypes agree)."""
+        extra = [obj._ft_grads() for obj in self._sharded]
+        self._sizes = [a.size for a in extra]
+        flat = np.empty(sum(self._sizes) + sum(p.data.size for p in self._params), np.float64)
+        at = 0
+        for a in extra:
+            flat[at : at + a.size] = a
+            at += a.size
         for p in self._params:
-            g = p.grad
-            arrays.append(
-                np.zeros(p.data.size, np.float64)
-                if g is None
-                else np.asarray(g.data, np.float64).ravel()
-            )
-        return np.concatenate(arrays) if arrays else np.zeros(0, np.float64)
+            size, g = p.data.size, p.grad
+            if g is None:
+                flat[at : at + size] = 0
+            else:
+                flat[at : at + size] = g.data.reshape(-1)
+            at += size
+        return flat
 
     def _write_grads(self, avg: np.ndarray[Any, Any]) -> None:
         at = 0
+        for obj, size in zip(self._sharded, self._sizes, strict=True):
+            obj._ft_write(avg[at : at + size])
+            at += size
         for p in self._params:
             size = p.data.size
-            p.grad = Tensor(avg[at : at + size].reshape(p.data.shape).astype(p.data.dtype))
+            view = avg[at : at + size].reshape(p.data.shape)
+            p.grad = Tensor._wrap(view.astype(p.data.dtype, copy=False))
             at += size

@@ -217,7 +217,7 @@ class FaultToleranceCoordinator:
         survivors = sorted(self._members)
         joiners = sorted(self._joiners)
         members = sorted(survivors + joiners)
-        if members != survivors or self._round_lost:
+        if members != survivors or not commit:  # a new mesh after every failed round
             self._qid += 1
         self._members, self._joiners = members, []
         self._votes, self._round_lost, self._deadline = {}, False, None

@@ -2,7 +2,7 @@
 
 A frame is ``!II`` (header length, payload length), the header (UTF-8 JSON
 object) and the payload. No pickle: state travels as ``rpcdist.save``'s
-``.npz`` bytes.
+``.npz`` bytes, or as raw arrays named in the header (:func:`pack`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import socket
 import struct
 from typing import Any
 
+import numpy as np
+
 from .._errors import WorkerLostError
 
-__all__ = ["connect", "listen", "recv_frame", "recv_into", "send_frame"]
+__all__ = ["connect", "listen", "pack", "recv_frame", "recv_into", "send_frame", "unpack"]
 
 _HEAD = struct.Struct("!II")
 
@@ -71,3 +73,19 @@ def listen(host: str) -> socket.socket:
     """A listening TCP socket on ``host`` and a free port."""
     sock = socket.create_server((host, 0), backlog=64)
     return sock
+
+
+def pack(arrays: list[Any]) -> tuple[list[list[Any]], bytes]:
+    """Arrays as ``[[dtype, count], ...]`` and their bytes laid end to end."""
+    specs = [[str(a.dtype), int(a.size)] for a in arrays]
+    return specs, b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+def unpack(specs: list[list[Any]], payload: Any) -> list[Any]:
+    """The arrays :func:`pack` laid out (flat; views of ``payload``)."""
+    out, at = [], 0
+    for dtype, count in specs:
+        dt = np.dtype(dtype)
+        out.append(np.frombuffer(payload, dt, int(count), at))
+        at += dt.itemsize * int(count)
+    return out

@@ -1,20 +1,22 @@
 """Shared types at the bottom of the package: what one module needs to know of another's object.
 
-The helpers that report a reducer's errors and save an FSDP model's state
-take these protocols instead of importing the classes, so the class's
+The helpers that report a reducer's errors, save an FSDP model's state or
+re-shard a model or a ZeRO optimizer in the fault-tolerant mode take these
+protocols instead of importing the classes, so the class's
 module depends on its helpers and never the reverse.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .. import collectives as dist
+    from ..optim import Optimizer
     from ..tensor import Tensor
     from ._fsdp_unit import Shared
 
-__all__ = ["ReducerView", "ShardedModel"]
+__all__ = ["ReducerView", "ShardedModel", "ZeroView"]
 
 
 class ReducerView(Protocol):
@@ -34,3 +36,17 @@ class ShardedModel(Protocol):
     _shared: Shared
     _param_names: list[str]
     _orig_buffers: list[tuple[str, Tensor]]
+
+
+class ZeroView(Protocol):
+    """What :mod:`._zero_ft` reads and sets of a ``ZeroRedundancyOptimizer``."""
+
+    _params: list[Tensor]
+    _pieces: list[tuple[int, Tensor]]
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
+    optimizer_class: type[Optimizer]
+    optim: Optimizer | None
+    rank: int
+    world: int
+    ranges: list[list[tuple[int, int]]]

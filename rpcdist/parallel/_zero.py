@@ -36,7 +36,9 @@ from ..optim import Optimizer
 from ..tensor import Tensor, enable_grad
 from ._arrays import global_rank, group_size, host, xp_of
 from ._flat import FlatLayout, Range, shard_ranges
+from ._ft import FaultTolerance
 from ._join import Join, Joinable, JoinHook
+from ._zero_ft import ZeroFaultTolerance
 
 __all__ = ["ZeroRedundancyOptimizer", "shard_ranges"]
 
@@ -59,6 +61,12 @@ class ZeroRedundancyOptimizer(Joinable):
         parameters_as_bucket_view: Make the parameters views into one flat
             buffer per dtype and device, so the all-gather writes them in
             place instead of copying out.
+        fault_tolerance: A :class:`FaultTolerance`: no process group; the
+            slices are re-sharded over each step's members, each rank also
+            keeping its successor's (``docs/fault-tolerance.md``); the
+            update runs inside ``fault_tolerance.commit()`` (before the
+            vote, undone if the step does not commit) and ``step()`` then
+            adds nothing.
         **defaults: Options for ``optimizer_class``.
 
     Attributes:
@@ -79,13 +87,18 @@ class ZeroRedundancyOptimizer(Joinable):
         optimizer_class: type[Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
         **defaults: Any,
     ) -> None:
         items = list(params)
         if not items:
             raise ConfigError(f"{_WHAT}: got an empty parameter list")
         self.process_group = process_group
-        self.rank, self.world = group_size(process_group, _WHAT)
+        self.fault_tolerance = fault_tolerance
+        if fault_tolerance is None:
+            self.rank, self.world = group_size(process_group, _WHAT)
+        else:  # the members of each step: see _zero_ft.py
+            self.rank, self.world = 0, 1
         self.optimizer_class = optimizer_class
         # The unsharded optimizer, never stepped: it fills in and checks every
         # group's options, and fixes the parameter order of state_dict().
@@ -106,6 +119,7 @@ class ZeroRedundancyOptimizer(Joinable):
         self._pieces: list[tuple[int, Tensor]] = []
         self.optim: Optimizer | None = self._local_optimizer(defaults)
         self._consolidated: dict[str, Any] | None = None
+        self._ft = None if fault_tolerance is None else ZeroFaultTolerance(self, fault_tolerance)
 
     def _local_optimizer(self, defaults: Mapping[str, Any]) -> Optimizer | None:
         position = {id(p): i for i, p in enumerate(self._params)}
@@ -210,7 +224,8 @@ class ZeroRedundancyOptimizer(Joinable):
         if closure is not None:
             with enable_grad():
                 loss = closure()
-        self._local_step()
+        if self._ft is None:  # with fault tolerance the step ran in commit() (_zero_ft.py)
+            self._local_step()
         return loss
 
     def _local_step(self) -> None:
@@ -244,6 +259,11 @@ class ZeroRedundancyOptimizer(Joinable):
                 keeps state that is not elementwise.
             CollectiveError: the gather failed.
         """
+        if self._ft is not None:
+            raise ConfigError(
+                f"{_WHAT}: consolidate_state_dict is not available with fault_tolerance; the "
+                "state is re-sharded among the live members (docs/fault-tolerance.md)"
+            )
         if not 0 <= to < self.world:
             raise ConfigError(f"consolidate_state_dict: to={to} is not in [0, {self.world})")
         metas = _all_gather_json(self._state_meta(), self.process_group, self.world)

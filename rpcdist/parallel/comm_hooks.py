@@ -10,7 +10,8 @@ group, or ``None`` for DDP's own group::
 
 Bytes each rank sends per bucket of n float32 values, against the default
 all-reduce's ``2(p-1)/p * 4n``: ``fp16_compress_hook`` and
-``bf16_compress_hook`` half of it; ``powerSGD_hook`` ``(a+b) * rank``
+``bf16_compress_hook`` half of it between hosts (on shared memory they
+are the plain all-reduce: see there); ``powerSGD_hook`` ``(a+b) * rank``
 instead of ``a * b`` for each ``a x b`` matrix (1-D tensors go uncompressed).
 
 A hook runs on the thread running backward. It must issue every collective
@@ -33,7 +34,7 @@ from typing import Any
 from .. import collectives as dist
 from .._futures import Future
 from ._arrays import future_of, xp_of
-from ._bf16 import from_bf16, to_bf16
+from ._bf16 import from_bf16, from_fp16, to_bf16, to_fp16
 from ._bucket import GradBucket
 from ._powersgd import PowerSGDState, powerSGD_hook
 
@@ -67,17 +68,19 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
 
 
 class _Codec:
-    """How a compressing hook puts float32 values on the wire and back."""
+    """How a compressing hook puts float32 values on the wire (``uint16``) and back.
 
-    header = 0  # wire elements in front of each block
+    Each block carries ``header`` wire elements in front of its values.
+    """
 
-    def __init__(self, wire: Any) -> None:
-        self.wire = wire
+    header = 0
 
-    def encode(self, a: Any) -> Any:
+    def encode(self, a: Any, out: Any, scale: float) -> None:
+        """Write ``a * scale`` (with its header) into ``out``."""
         raise NotImplementedError
 
-    def decode(self, w: Any) -> Any:
+    def decode(self, w: Any, out: Any) -> None:
+        """Write the values of block ``w`` into ``out`` (float32)."""
         raise NotImplementedError
 
 
@@ -85,33 +88,31 @@ class _Fp16(_Codec):
     """float16 with a power-of-two scale per block, carried in the block's first element.
 
     The scale puts the block's largest magnitude near 2**14, so gradients
-    (often 1e-5 and below) do not fall into float16's subnormal range,
-    where they would lose precision (and where NumPy's conversion is about
-    30 times slower).
+    (often 1e-5 and below) do not fall into float16's subnormal range and
+    large ones do not overflow (PyTorch's hook turns values beyond 65504
+    into infinity). Infinity and NaN in a block stay infinity and NaN, so
+    a gradient scaler still sees them.
     """
 
     header = 1
 
-    def encode(self, a: Any) -> Any:
-        xp = xp_of(a)
-        out = xp.empty(a.size + 1, xp.float16)
-        big = float(xp.abs(a).max()) if a.size else 0.0
+    def encode(self, a: Any, out: Any, scale: float) -> None:
+        big = max(float(a.max()), -float(a.min())) if a.size else 0.0
         e = 0 if not 0 < big < math.inf else max(-60, min(60, math.floor(math.log2(2**14 / big))))
-        out[0] = e
-        out[1:] = a * (2.0**e)
-        return out
+        out[:1] = xp_of(out).float16(e).view(xp_of(out).uint16)
+        to_fp16(a, out[1:], scale * 2.0**e)
 
-    def decode(self, w: Any) -> Any:
-        xp = xp_of(w)
-        return xp.multiply(w[1:], 2.0 ** -float(w[0]), dtype=xp.float32)
+    def decode(self, w: Any, out: Any) -> None:
+        e = float(w[:1].view(xp_of(w).float16)[0])
+        from_fp16(w[1:], out, 2.0**-e)
 
 
 class _Bf16(_Codec):
-    def encode(self, a: Any) -> Any:
-        return to_bf16(a)
+    def encode(self, a: Any, out: Any, scale: float) -> None:
+        to_bf16(a, out, scale)
 
-    def decode(self, w: Any) -> Any:
-        return from_bf16(w)
+    def decode(self, w: Any, out: Any) -> None:
+        from_bf16(w, out)
 
 
 def _compressed_average(
@@ -120,11 +121,12 @@ def _compressed_average(
     """Average ``bucket`` with compressed values on the wire, summing in float32.
 
     An all-reduce would add in the wire type (slow and lossy for float16 in
-    NumPy; impossible for emulated bfloat16). Instead an all-to-all sends
-    slice ``q`` of every rank's pre-divided, encoded values to rank ``q``,
-    which decodes them and sums in float32 in rank order; an all-gather
-    returns the encoded sums. That is the bytes of a ring all-reduce in the
-    wire type (plus a header per block), and the same result on every rank.
+    NumPy; impossible for bfloat16). Instead an all-to-all sends slice ``q``
+    of every rank's values, divided by the group size as they are encoded,
+    to rank ``q``, which decodes them and sums in float32 in rank order; an
+    all-gather returns the encoded sums, decoded straight into the bucket.
+    That is the bytes of a ring all-reduce in the wire type (plus a header
+    per block), and the same result on every rank.
     """
     buf = bucket.buffer()
     xp = xp_of(buf)
@@ -132,63 +134,83 @@ def _compressed_average(
     me = dist.get_rank(group)
     bounds = [n * q // p for q in range(p + 1)]
     sizes = [bounds[q + 1] - bounds[q] for q in range(p)]
-    scaled = xp.multiply(buf, 1.0 / p, dtype=xp.float32)
-    send = [codec.encode(scaled[bounds[q] : bounds[q + 1]]) for q in range(p)]
-    recv = [xp.empty(sizes[me] + h, codec.wire) for _ in range(p)]
-    mine = xp.empty(sizes[me] + h, codec.wire)
+    send = [xp.empty(s + h, xp.uint16) for s in sizes]
+    for q in range(p):
+        codec.encode(buf[bounds[q] : bounds[q + 1]], send[q], 1.0 / p)
+    recv = [xp.empty(sizes[me] + h, xp.uint16) for _ in range(p)]
+    mine = xp.empty(sizes[me] + h, xp.uint16)
     first = future_of(dist.all_to_all(recv, send, group=group, async_op=True))
 
     def reduce_slice(f: Future[Any]) -> None:
         f.value()
-        acc = codec.decode(recv[0]).astype(xp.float32, copy=True)
-        for part in recv[1:]:
-            acc += codec.decode(part)
-        mine[...] = codec.encode(acc)
+        acc = buf[bounds[me] : bounds[me + 1]]  # this rank's slice is not read again
+        part = xp.empty_like(acc)
+        codec.decode(recv[0], acc)
+        for w in recv[1:]:
+            codec.decode(w, part)
+            acc += part
+        codec.encode(acc, mine, 1.0)
 
     reduced = first.then(reduce_slice)  # runs before the all-gather below reads ``mine``
-    slices = [xp.empty(s + h, codec.wire) for s in sizes]
+    slices = [xp.empty(s + h, xp.uint16) for s in sizes]
     second = future_of(dist.all_gather(slices, mine, group=group, async_op=True))
 
     def widen(f: Future[Any]) -> Any:
         f.value()
         reduced.value()
         for q in range(p):
-            buf[bounds[q] : bounds[q + 1]] = codec.decode(slices[q])
+            codec.decode(slices[q], buf[bounds[q] : bounds[q + 1]])
         return buf
 
     return second.then(widen)
+
+
+def _on_shared_memory(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` reduces NumPy buffers through shared memory (one host)."""
+    return dist.get_backend(group) == "shm"
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
     """Average the bucket with float16 on the wire: half the bytes, about 3 significant digits.
 
     Values are divided by the group size, scaled by a power of two per
-    block (so small gradients do not become float16 subnormals; the scale
-    travels with the block) and rounded to float16. The additions are done
-    in float32, and the average comes back as float16, widened into the
-    buffer (see ``_compressed_average``).
+    block (so small gradients do not become float16 subnormals and large
+    ones do not overflow; the scale travels with the block) and rounded to
+    nearest float16. The additions are done in float32, and the average
+    comes back as float16, widened into the buffer (see
+    ``_compressed_average``).
+
+    On shared memory (``get_backend(group) == "shm"``: every rank on one
+    host) it is the plain float32 all-reduce: there, moving the bytes costs
+    less than converting them, so compression would only slow the step and
+    lose precision.
 
     Returns:
         A Future of the buffer holding the averaged values.
     """
-    codec = _Fp16(xp_of(bucket.buffer()).float16)
-    return _compressed_average(_group(process_group, bucket), bucket, codec)
+    group = _group(process_group, bucket)
+    if _on_shared_memory(group):
+        return allreduce_hook(group, bucket)
+    return _compressed_average(group, bucket, _Fp16())
 
 
 def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Any]:
-    """Average the bucket with bfloat16 on the wire (emulated: see below).
+    """Average the bucket with bfloat16 on the wire: half the bytes, about 2 significant digits.
 
-    NumPy has no bfloat16, so a value travels as the top 16 bits of its
-    float32, *truncated* (rounded toward zero; relative error below 2**-7),
-    in a ``uint16`` array. No collective can add those, so the additions
-    are done in float32 after widening, as for ``fp16_compress_hook``: half
-    the bytes of the float32 all-reduce, the same result on every rank.
+    Values are rounded to the nearest bfloat16 (ties to even, as
+    ``ml_dtypes.bfloat16`` and hardware do) and travel as their bits in a
+    ``uint16`` array. No collective can add those, so the additions are
+    done in float32 after widening, as for ``fp16_compress_hook``: half the
+    bytes of the float32 all-reduce, the same result on every rank. On
+    shared memory it is the plain all-reduce, as ``fp16_compress_hook``.
 
     Returns:
         A Future of the buffer holding the averaged values.
     """
-    codec = _Bf16(xp_of(bucket.buffer()).uint16)
-    return _compressed_average(_group(process_group, bucket), bucket, codec)
+    group = _group(process_group, bucket)
+    if _on_shared_memory(group):
+        return allreduce_hook(group, bucket)
+    return _compressed_average(group, bucket, _Bf16())
 
 
 for _name in ("PowerSGDState", "powerSGD_hook"):

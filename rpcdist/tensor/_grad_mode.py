@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 __all__ = ["enable_grad", "is_grad_enabled", "no_grad", "set_grad_enabled"]
 
 _GRAD_ENABLED: ContextVar[bool] = ContextVar("rpcdist_grad_enabled", default=True)
-_F = TypeVar("_F", bound=Callable[..., Any])
+_Func = TypeVar("_Func", bound=Callable[..., Any])
 
 
 def is_grad_enabled() -> bool:
@@ -48,7 +48,7 @@ class set_grad_enabled:
     ) -> None:
         _GRAD_ENABLED.reset(self._tokens.pop())
 
-    def __call__(self, func: _F) -> _F:
+    def __call__(self, func: _Func) -> _Func:
         mode = self._mode
 
         @functools.wraps(func)

@@ -13,7 +13,7 @@ __all__ = ["erf"]
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 _SERIES_TERMS = 64
-_CF_TERMS = 60
+_CONTINUED_FRACTION_TERMS = 60
 _SPLIT = 3.0
 
 
@@ -47,7 +47,7 @@ def _erf_fallback(xp: Any, x: Any) -> Any:
     series = _TWO_OVER_SQRT_PI * xp.exp(-x2) * total
     xl = xp.where(small, _SPLIT, ax).astype(x.dtype, copy=False)
     t = xl.copy()
-    for k in range(_CF_TERMS, 0, -1):
+    for k in range(_CONTINUED_FRACTION_TERMS, 0, -1):
         t = xl + (0.5 * k) / t
     tail = 1.0 - _INV_SQRT_PI * xp.exp(-xl * xl) / t
     out[...] = xp.where(small, series, tail)

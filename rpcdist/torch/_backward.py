@@ -36,13 +36,13 @@ from .._deadline import UNSET, current_deadline, deadline_for
 from .._errors import AutogradError, ConfigError, RpcTimeoutError, WorkerLostError
 from .._rpc._context import current_agent
 from ..autograd._context import CURRENT
-from ..autograd._extension import LOSS_BACKWARDS, ext
+from ..autograd._extension import ext
 from ._edges import ANCHOR_ATTR, TorchRecv, TorchState, state
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
 
-__all__ = ["APPLY", "apply_grad", "backward", "deliverer", "install", "leaves_of"]
+__all__ = ["APPLY", "apply_grad", "backward", "backward_from_loss", "deliverer", "leaves_of"]
 
 #: Gradient messages are plain calls of :func:`apply_grad`.
 APPLY = "rpcdist.torch._backward:apply_grad"
@@ -52,9 +52,8 @@ _ROOT_LOCK = threading.Lock()
 
 #: The entry to torch's engine below ``torch.autograd.backward`` and ``grad``
 #: (torch 2.3 and later; ``None``: those are used). It skips their argument
-#: handling, 7 µs of a root pass and 25 µs of a 784-256-10 MLP's part here,
-#: and ``grad``'s check of given output gradients, which imports sympy (0.4 s)
-#: the first time. (:func:`_partial` checks a received gradient's shape first,
+#: handling, a visible part of a small pass, and ``grad``'s check of given
+#: output gradients, which imports sympy the first time. (:func:`_partial` checks a received gradient's shape first,
 #: so that a misfit is an ``AutogradError`` naming both shapes.)
 _RUN_ENGINE: Callable[..., tuple[torch.Tensor, ...]] | None = getattr(
     getattr(torch.autograd, "graph", None), "_engine_run_backward", None
@@ -168,7 +167,7 @@ def _on_node(rank: int, exc: BaseException) -> AutogradError:
     kind = type(exc)
     if not isinstance(exc, AutogradError) and kind is not Exception:
         try:
-            return _both(kind)(message)  # type: ignore[arg-type]  # classes hash
+            return _autograd_error_like(kind)(message)  # type: ignore[arg-type]  # classes hash
         except TypeError:  # a layout or a constructor that does not mix
             pass
     return AutogradError(message)
@@ -189,7 +188,7 @@ def _node_errors(rank: int) -> Iterator[None]:
 
 
 @functools.cache
-def _both(kind: type[BaseException]) -> type[AutogradError]:
+def _autograd_error_like(kind: type[BaseException]) -> type[AutogradError]:
     return type(kind.__name__, (AutogradError, kind), {"__module__": kind.__module__})
 
 
@@ -307,16 +306,6 @@ def apply_grad(context_id: int, message_id: int, index: int, grad: torch.Tensor)
         CURRENT.reset(token)
 
 
-def _rref_loss(loss: Any) -> Callable[[int, Any, bool], None] | None:
-    """``RRef.backward``'s pass for a torch loss (see ``LOSS_BACKWARDS``)."""
-    return _backward_from if isinstance(loss, torch.Tensor) else None
-
-
-def _backward_from(context_id: int, loss: torch.Tensor, retain_graph: bool) -> None:
+def backward_from_loss(context_id: int, loss: torch.Tensor, retain_graph: bool) -> None:
+    """``RRef.backward``'s pass for a torch loss (see ``_extension``)."""
     backward(context_id, [loss], retain_graph)
-
-
-def install() -> None:
-    """Let ``RRef.backward`` run from torch losses (idempotent)."""
-    if _rref_loss not in LOSS_BACKWARDS:
-        LOSS_BACKWARDS.append(_rref_loss)

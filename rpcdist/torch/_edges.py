@@ -1,7 +1,7 @@
 """Send and receive edges of torch tensors that cross workers inside a context.
 
-The codec asks this module (through ``_serialization._arrays.TENSOR_GRAD_HOOKS``)
-about every torch tensor that requires grad. Inside a distributed autograd
+The codec asks this module (through the tensor-gradient hook ``_extension``
+registers on every agent's codec) about every torch tensor that requires grad. Inside a distributed autograd
 context (the message's metadata carries ``"ad"``) the sender keeps the tensor
 in the message's :class:`TorchSend` (its gradient will come back to it) and
 the tensor travels with its index there; the receiver makes it the output of
@@ -19,13 +19,13 @@ rpcdist's own release protocol.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._errors import SerializationError
 from .._rpc._context import WireContext
-from .._serialization._arrays import TENSOR_GRAD_HOOKS
 from ..autograd._extension import ext
 
 if TYPE_CHECKING:
@@ -33,11 +33,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ANCHOR_ATTR",
+    "Deliverer",
     "RecvFunction",
+    "TensorEdges",
     "TorchRecv",
     "TorchSend",
     "TorchState",
-    "install",
     "receive",
     "state",
 ]
@@ -180,8 +181,18 @@ def receive(anchor: torch.Tensor, tensor: torch.Tensor, deliver: Any, index: int
     return out
 
 
-class _Hook:
-    """What the codec calls for torch tensors that require grad."""
+#: ``deliverer(agent, context_id, recv)``: what a receive function calls with
+#: its gradient (``_backward.deliverer``: send it home and wait).
+Deliverer = Callable[[Any, int, TorchRecv], Callable[[int, Any], None]]
+
+
+class TensorEdges:
+    """What an agent's codec calls for torch tensors that require grad (its
+    tensor-gradient hook, see ``_serialization._hooks.TensorGradHook``);
+    ``deliverer`` makes the receive functions' gradient senders."""
+
+    def __init__(self, deliverer: Deliverer) -> None:
+        self._deliverer = deliverer
 
     def record(self, context: object, tensor: Any) -> int:
         wire = context
@@ -231,21 +242,10 @@ class _Hook:
             recv = st.recvs.get(message_id)
             if recv is None:
                 recv = st.recvs[message_id] = TorchRecv(message_id, peer)
-        from ._backward import deliverer  # here: _backward imports this module
-
         with torch.enable_grad():
-            return receive(recv.anchor, tensor, deliverer(agent, context_id, recv), index)
+            return receive(recv.anchor, tensor, self._deliverer(agent, context_id, recv), index)
 
 
 def _forget(st: TorchState, message_id: int) -> None:
     with st.lock:
         st.sends.pop(message_id, None)
-
-
-_HOOK = _Hook()
-
-
-def install() -> None:
-    """Teach the codec torch autograd edges (idempotent)."""
-    if _HOOK not in TENSOR_GRAD_HOOKS:
-        TENSOR_GRAD_HOOKS.append(_HOOK)

@@ -144,7 +144,9 @@ def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
     return [f.value() for f in futs]
 
 
-def _also_ours(theirs: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
+def _accepting_rpcdist_futures(
+    theirs: Callable[..., Any], ours: Callable[..., Any]
+) -> Callable[..., Any]:
     """``theirs``, handing a list that holds an rpcdist Future to ``ours``."""
 
     @functools.wraps(theirs)
@@ -163,6 +165,6 @@ def install() -> None:
     Futures (idempotent)."""
     tf = torch.futures
     if not hasattr(tf.wait_all, "_rpcdist_wraps"):
-        tf.wait_all = _also_ours(tf.wait_all, wait_all)
+        tf.wait_all = _accepting_rpcdist_futures(tf.wait_all, wait_all)
     if not hasattr(tf.collect_all, "_rpcdist_wraps"):
-        tf.collect_all = _also_ours(tf.collect_all, collect_all)
+        tf.collect_all = _accepting_rpcdist_futures(tf.collect_all, collect_all)

@@ -40,8 +40,8 @@ class _FunctionalSGD:
     """``torch.optim.SGD``'s step through its functional form (``torch.optim.sgd.sgd``).
 
     Making the first ``torch.optim`` optimizer of a process imports
-    ``torch._dynamo`` (1.5 s to import, more to tear down at exit, measured
-    here); the functional form needs none of it. PyTorch's own
+    ``torch._dynamo`` (seconds to import, more to tear down at exit); the
+    functional form needs none of it. PyTorch's own
     DistributedOptimizer maps SGD to a functional optimizer for the same
     kind of reason. Same arithmetic, same state (``momentum_buffer``).
     """

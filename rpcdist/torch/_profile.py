@@ -180,7 +180,7 @@ def _func_name(func: Any) -> str:
 def _extension(agent: Agent) -> ProfileExtension:
     ext = agent.registry.extensions.get(NAME)
     if not isinstance(ext, ProfileExtension):
-        ext = _install_ext(agent)
+        ext = _install_ext(agent, serving)
     ext.activate(_source, _on_reply)
     return ext
 

@@ -20,7 +20,7 @@ from .._worker import WorkerInfo
 
 __all__ = ["REMOTE_MODULE_CODE", "RemoteModule", "install"]
 
-_RM = TypeVar("_RM", bound="RemoteModule")
+_RemoteModuleT = TypeVar("_RemoteModuleT", bound="RemoteModule")
 
 #: Codec extension code of RemoteModules.
 REMOTE_MODULE_CODE = 35
@@ -189,7 +189,7 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
         """The RRef to the module itself."""
         return self.module_rref
 
-    def train(self: _RM, mode: bool = True) -> _RM:
+    def train(self: _RemoteModuleT, mode: bool = True) -> _RemoteModuleT:
         """Set the module's training mode on its owner (``eval()``: ``train(False)``)."""
         # (through the module's RRef: the module stays there, nothing comes back)
         done = self.module_rref.remote().train(bool(mode))._confirmed

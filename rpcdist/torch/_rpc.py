@@ -351,12 +351,11 @@ def rpc_async(
         _api.rpc_async, to, func, args=_args(args), kwargs=kwargs, timeout=_timeout(timeout)
     )
     if not enabled():
-        return adopt(call())
-    fut, profiling = profiled("rpc_async", to, func, call, until=_itself)
+        return adopt(call())  # (then() callbacks may block, as torch's)
+    fut, profiling = profiled("rpc_async", to, func, call, until=_completion_of)
     assert profiling is not None
-    return adopt(
-        after(fut, profiling)
-    )  # (complete once the range has ended, as torch's)  # (then() callbacks may block, as torch's)
+    # Complete once the profiled range has ended, as torch's does.
+    return adopt(after(fut, profiling))
 
 
 def remote(
@@ -383,7 +382,8 @@ def remote(
     return rref
 
 
-def _itself(fut: Future[Any]) -> Future[Any]:
+def _completion_of(fut: Future[Any]) -> Future[Any]:
+    """When an ``rpc_async`` call is done: when its future is."""
     return fut
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from .._errors import SerializationError
-from .._rpc._context import WireContext
 from .._serialization import register_extension, register_type
-from .._serialization._arrays import TENSOR_GRAD_HOOKS, TENSOR_LAYOUTS
+from .._serialization._arrays import TENSOR_LAYOUTS
+from .._serialization._hooks import TensorGradHook, hooks_of
 from .._serialization._plugins import register_family, register_variant
 
 __all__ = ["install"]
@@ -99,12 +99,19 @@ def _decode_return(payload: Any, wire: Any) -> tuple[Any, ...]:
     return cls(values)  # (a wrong field count raises: the codec says it cannot decode it)
 
 
+def _grad_hook(wire: Any) -> TensorGradHook | None:
+    """The tensor-gradient hook of the agent the message belongs to, if any."""
+    hooks = hooks_of(wire)
+    return None if hooks is None else hooks.tensor_grad
+
+
 def _encode_sparse(t: torch.Tensor, wire: Any) -> list[Any]:
     # Inside a distributed autograd context a sparse tensor that requires grad
     # records its send edge as a dense one does (index >= 0; -1: none).
     index = -1
-    if t.requires_grad and TENSOR_GRAD_HOOKS and isinstance(wire, WireContext):
-        index = TENSOR_GRAD_HOOKS[0].record(wire, t)
+    grad_hook = _grad_hook(wire) if t.requires_grad else None
+    if grad_hook is not None:
+        index = grad_hook.record(wire, t)
     d = t.detach()
     return [d._indices(), d._values(), list(d.shape), d.is_coalesced(), t.requires_grad, index]
 
@@ -113,6 +120,7 @@ def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
     if not (isinstance(payload, list) and len(payload) == 6):
         raise SerializationError("malformed sparse tensor payload")
     indices, values, shape, coalesced, requires_grad, index = payload
+    grad_hook = _grad_hook(wire)
     if not (
         isinstance(indices, torch.Tensor)
         and isinstance(values, torch.Tensor)
@@ -123,7 +131,7 @@ def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
         and type(coalesced) is bool
         and type(requires_grad) is bool
         and type(index) is int
-        and (index < 0 or (requires_grad and TENSOR_GRAD_HOOKS))
+        and (index < 0 or (requires_grad and grad_hook is not None))
     ):
         raise SerializationError("malformed sparse tensor payload")
     try:
@@ -132,8 +140,9 @@ def _decode_sparse(payload: Any, wire: Any) -> torch.Tensor:
         )
     except RuntimeError as e:
         raise SerializationError(f"received an invalid sparse tensor: {e}") from e
-    if index >= 0:  # the receive edge of a tensor sent inside an autograd context
-        return TENSOR_GRAD_HOOKS[0].attach(wire, out, index)  # type: ignore[no-any-return]
+    if index >= 0 and grad_hook is not None:  # the receive edge of a tensor sent
+        edge: torch.Tensor = grad_hook.attach(wire, out, index)  # inside a context
+        return edge
     return out.requires_grad_(requires_grad)
 
 

@@ -272,6 +272,34 @@ def hook_cases(rank: int, world: int, init_method: str) -> dict[str, Any]:
     return out
 
 
+def hook_wire_cases(rank: int, world: int, init_method: str, backend: str) -> dict[str, Any]:
+    """The compressing hooks over one backend: shared memory skips the cast, the ring does not."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    out: dict[str, Any] = {"backend": dist.get_backend()}
+    sent: list[Any] = []
+    real = dist.all_to_all
+
+    def spy(outs: Any, ins: Any, *a: Any, **k: Any) -> Any:
+        sent.extend(i.dtype.str for i in ins)
+        return real(outs, ins, *a, **k)
+
+    dist.all_to_all = spy  # type: ignore[assignment]
+    try:
+        for name, hook in [
+            ("fp16", (None, comm_hooks.fp16_compress_hook)),
+            ("bf16", (None, comm_hooks.bf16_compress_hook)),
+        ]:
+            out[name] = one_backward(rank, hook)[1]
+    finally:
+        dist.all_to_all = real  # type: ignore[assignment]
+    out["wire_dtypes"] = sorted(set(sent))
+    out["bf16_train"] = train(
+        rank, 3, hook=(None, comm_hooks.bf16_compress_hook)
+    ).module.state_dict()
+    dist.destroy_process_group()
+    return out
+
+
 # ----------------------------------------------------- unused, errors, buffers
 
 

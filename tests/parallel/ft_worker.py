@@ -10,6 +10,9 @@ and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
 be killed from outside. It writes ``OUT/started<id>-<restart count>`` once it asked to join.
 With ``FT_HOLD=<step>`` it waits at that step
 until ``OUT/go`` exists (so a test can have a replacement join mid-run).
+``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
+``ZeroRedundancyOptimizer``) or ``fsdp`` (a fault-tolerant
+``FullyShardedDataParallel``); the last two also save their shards.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from rpcdist.data import DistributedSampler
 from rpcdist.nn import functional as F
 from rpcdist.parallel import DistributedDataParallel as DDP
 from rpcdist.parallel import FaultTolerance
+from rpcdist.parallel import FullyShardedDataParallel as FSDP
+from rpcdist.parallel import ZeroRedundancyOptimizer as ZeRO
 
 F64 = np.float64
 N, IN, HID, OUT, B = 90, 6, 16, 3, 4
@@ -80,8 +85,19 @@ def main(argv: list[str]) -> int:
     ft = FaultTolerance(
         sampler=sampler, batch_size=B, timeout=float(os.environ.get("FT_TIMEOUT", "20")), hook=hook
     )
-    net = DDP(model(me + 1), fault_tolerance=ft)  # different on purpose: the first quorum heals
-    opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    mode = os.environ.get("FT_MODE", "ddp")
+    # Each rank's model differs on purpose: the first quorum heals them from the lowest id.
+    net: nn.Module
+    if mode == "fsdp":
+        net = FSDP(model(me + 1), fault_tolerance=ft)
+    else:
+        net = DDP(model(me + 1), fault_tolerance=ft)
+    if mode == "zero":
+        opt: optim.Optimizer | ZeRO = ZeRO(
+            net.parameters(), optim.SGD, fault_tolerance=ft, lr=0.1, momentum=0.9
+        )
+    else:
+        opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     ft.register_state("optim", opt)
     restarts = os.environ.get("RPCDIST_RESTART_COUNT", "0")
     open(os.path.join(out, f"started{me}-{restarts}"), "w").close()  # joining: sent
@@ -97,14 +113,35 @@ def main(argv: list[str]) -> int:
         if ft.commit():
             opt.step()
             log.write(
-                f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module)} {float(loss.item())!r}\n"
+                f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module) if mode != 'fsdp' else '-'} {float(loss.item())!r}\n"
             )
             log.flush()
-    state = {
-        "params": net.module.state_dict(),
-        "optim": opt.state_dict(),
-        "sampler": sampler.state_dict(),
-    }
+    state: dict[str, object] = {"sampler": sampler.state_dict()}
+    if mode == "ddp":
+        state.update(params=net.module.state_dict(), optim=opt.state_dict())
+    elif mode == "zero":
+        assert isinstance(opt, ZeRO) and opt._ft is not None
+        pieces = opt._ft.pieces  # (parameter, lo, hi, piece) of the two slices held here
+        assert opt.optim is not None
+        state.update(
+            world=ft.world_size,
+            rank=ft.rank,
+            params=net.module.state_dict(),
+            pieces=np.array([[i, lo, hi] for i, lo, hi, _ in pieces], np.int64),
+            momentum=np.concatenate(
+                [opt.optim.state[t]["momentum_buffer"].ravel() for *_, t in pieces]
+            ),
+        )
+    else:
+        assert isinstance(net, FSDP) and isinstance(opt, optim.Optimizer)
+        units = net._shared.units
+        state.update(
+            world=ft.world_size,
+            rank=ft.rank,
+            params=net.state_dict("full", rank0_only=False),
+            shard=np.concatenate([u.shard.data for u in units]),
+            momentum=np.concatenate([opt.state[u.shard]["momentum_buffer"] for u in units]),
+        )
     rpcdist.save(state, os.path.join(out, f"rank{me}.npz"))
     ft.close()
     return 0

@@ -104,6 +104,30 @@ def test_comm_hooks():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "ring"])
+def test_compressing_hooks_per_backend(backend):
+    results = run_workers(dw.hook_wire_cases, 2, args=(backend,), timeout=100)
+    r0, r1 = results
+    exact = oracle_grads(2)
+    scale = max(float(np.abs(v).max()) for v in exact.values())
+    for r in results:
+        assert r["backend"] == backend
+        if backend == "shm":  # the plain float32 all-reduce: no cast, no all-to-all
+            assert r["wire_dtypes"] == []
+            same(r["fp16"], exact)
+            same(r["bf16"], exact)
+        else:  # 16-bit values on the wire, summed in float32
+            assert r["wire_dtypes"] == ["<u2"]
+            same(r["fp16"], exact, rtol=0, atol=2e-3 * scale)
+            same(r["bf16"], exact, rtol=0, atol=1e-2 * scale)
+    for key in ("fp16", "bf16"):
+        for k in r0[key]:
+            assert np.array_equal(r0[key][k], r1[key][k]), (key, k)
+    identical(results, "bf16_train")
+    same(r0["bf16_train"], dw.oracle(3, 2)[0].state_dict(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.timeout(120)
 def test_unused_parameters_misuse_and_buffers():
     results = run_workers(dw.unused_and_errors, 2, timeout=100)
     r0, r1 = results

@@ -88,7 +88,7 @@ def test_zero_shards_split_elements_evenly_across_parameter_boundaries():
     assert [FlatLayout(2, 4).owned(q) for q in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
-def test_bf16_is_the_truncated_top_half_of_float32():
+def test_bf16_is_the_top_half_of_float32_rounded_to_nearest_even():
     x = np.array([1.0, -2.5, 3.140625, 0.0, np.inf, -np.inf, 2.0**-130], np.float32)
     h = to_bf16(x)
     assert h.dtype == np.uint16 and h.shape == x.shape
@@ -96,15 +96,16 @@ def test_bf16_is_the_truncated_top_half_of_float32():
     np.testing.assert_array_equal(h, x.view(np.uint32) >> 16)
     ulp = np.float32(2.0**-7)  # bfloat16 spacing at 1.0
     below = np.nextafter(np.float32(1 + ulp), np.float32(0))
-    assert from_bf16(to_bf16(np.array([below])))[0] == 1.0  # toward zero
-    assert from_bf16(to_bf16(np.array([-below])))[0] == -1.0
+    assert from_bf16(to_bf16(np.array([below])))[0] == 1 + ulp  # to nearest
+    assert from_bf16(to_bf16(np.array([-below])))[0] == -(1 + ulp)
+    tie = np.array([1 + ulp / 2, 1 + 3 * ulp / 2], np.float32)  # halfway: to the even one
+    np.testing.assert_array_equal(from_bf16(to_bf16(tie)), [1.0, 1 + 2 * ulp])
     assert np.isnan(from_bf16(to_bf16(np.array([np.nan], np.float32))))[0]
     rng = np.random.default_rng(0)
     y = rng.standard_normal((40, 25)).astype(np.float32)
     back = from_bf16(to_bf16(y))
     assert back.shape == y.shape
-    assert (np.abs(back) <= np.abs(y)).all()
-    assert (np.abs(back - y) / np.abs(y)).max() < 2.0**-7
+    assert (np.abs(back - y) / np.abs(y)).max() <= 2.0**-8
     out = np.empty_like(y)
     assert from_bf16(to_bf16(y), out=out) is out
 

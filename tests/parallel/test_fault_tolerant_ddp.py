@@ -68,6 +68,15 @@ class Ranks:
             assert self.procs[rank].poll() is None, f"rank {rank} exited early"
             time.sleep(0.01)
 
+    def replace(self, rank: int, survivors: list[int]) -> None:
+        """Once the members are ``survivors``, start ``rank``'s replacement (same id, same
+        program, no checkpoint); release the rank holding the job once it asked to join."""
+        assert self.coord.wait_for(lambda c: c.members() == survivors, 60)
+        joins = sum(e[1] == "join" for e in self.coord.events)
+        self.start(rank)
+        assert self.coord.wait_for(lambda c: sum(e[1] == "join" for e in c.events) > joins, 60)
+        (self.out / "go").touch()
+
     def signal(self, rank: int, sig: int) -> None:
         self.procs[rank].send_signal(sig)
 
@@ -95,6 +104,17 @@ def job(tmp_path: Path, world: int, steps: int, timeout: float = 30.0) -> Iterat
         coord.close()
 
 
+def kill_one_of_three(tmp_path: Path, steps: int, step: int, point: str) -> Any:
+    """Ranks 0-2 train ``steps`` steps; rank 1 is killed (-9) at ``point`` of ``step``."""
+    with job(tmp_path, 3, steps=steps) as ranks:
+        for r in range(3):
+            ranks.start(r, kill=f"{step}:{point}" if r == 1 else None)
+        ranks.marker(1, step)
+        ranks.signal(1, signal.SIGKILL)
+        ranks.wait([0, 2])
+    return ranks.coord
+
+
 def logs(out: Path, rank: int) -> list[tuple[int, str, str, float]]:
     lines = (out / f"rank{rank}.log").read_text().split()
     return [
@@ -106,6 +126,11 @@ def logs(out: Path, rank: int) -> list[tuple[int, str, str, float]]:
 def replay(commits: list[tuple[int, list[tuple[int, list[int]]]]]) -> Any:
     """One process, the same arithmetic: per committed step, the members' gradients
     summed in member order and divided by their number, then the same SGD."""
+    return replay_with_optim(commits)[0]
+
+
+def replay_with_optim(commits: list[tuple[int, list[tuple[int, list[int]]]]]) -> Any:
+    """:func:`replay`'s model and its optimizer."""
     model = fw.model(1)  # the first quorum heals everyone from the lowest id (0)
     params = list(model.parameters())
     opt = optim.SGD(params, lr=0.1, momentum=0.9)
@@ -119,7 +144,7 @@ def replay(commits: list[tuple[int, list[tuple[int, list[int]]]]]) -> Any:
         for t, p in zip(total, params, strict=True):
             p.grad = rt.Tensor(t / len(batches))
         opt.step()
-    return model
+    return model, opt
 
 
 def check_survivors(out: Path, survivors: list[int], coord: FaultToleranceCoordinator) -> None:
@@ -142,13 +167,7 @@ def check_survivors(out: Path, survivors: list[int], coord: FaultToleranceCoordi
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("point", ["before_allreduce", "mid_allreduce", "after_allreduce"])
 def test_kill_one_of_three_mid_step(tmp_path, point):
-    with job(tmp_path, 3, steps=14) as ranks:
-        for r in range(3):
-            ranks.start(r, kill=f"5:{point}" if r == 1 else None)
-        ranks.marker(1, 5)
-        ranks.signal(1, signal.SIGKILL)
-        ranks.wait([0, 2])
-        coord = ranks.coord
+    coord = kill_one_of_three(tmp_path, 14, 5, point)
     assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
     assert len(coord.commits) == 14
     # Step 6 (index 5) is the redone one: the lost rank's gradient is not in it.
@@ -171,20 +190,10 @@ def test_two_kills_in_a_row_a_replacement_and_exact_coverage(tmp_path):
         ranks.signal(3, signal.SIGKILL)
         ranks.marker(2, 5)
         ranks.signal(2, signal.SIGKILL)
-        assert ranks.coord.wait_for(lambda c: c.members() == [0, 1], 60)
-        joins = len([e for e in ranks.coord.events if e[1] == "join"])
-        ranks.start(3)  # the replacement: same id, same program, no checkpoint
-        # Rank 0 holds the job at step 12 until the replacement has asked to join.
-        assert ranks.coord.wait_for(lambda c: sum(e[1] == "join" for e in c.events) > joins, 60)
-        (tmp_path / "go").touch()
+        ranks.replace(3, survivors=[0, 1])
         ranks.wait([0, 1, 3])
         coord = ranks.coord
-    worlds = [len(b) for _, b in coord.commits]
-    assert worlds[:4] == [4] * 4 and 2 in worlds and worlds[-1] == 3
-    check_survivors(tmp_path, [0, 1, 3], coord)
-    # The replacement's whole state equals the survivors', bit for bit.
-    a, b = (rpcdist.load(str(tmp_path / f"rank{r}.npz")) for r in (0, 3))
-    assert_same_tree(a["params"], b["params"])
+    a, b = check_replacement(tmp_path, coord, 4, [0, 1, 3], 3)
     assert_same_tree(a["optim"], b["optim"])
     assert a["sampler"]["start"] == b["sampler"]["start"]
     assert a["sampler"]["epoch"] == b["sampler"]["epoch"]
@@ -194,6 +203,20 @@ def test_two_kills_in_a_row_a_replacement_and_exact_coverage(tmp_path):
     seen = coord.seen(0)
     assert sorted(seen) == list(range(fw.N)), "a sample of epoch 0 was never trained on"
     assert sum(seen.values()) - fw.N < 4, "samples seen twice beyond the last round's padding"
+
+
+def check_replacement(
+    out: Path, coord: FaultToleranceCoordinator, world: int, final: list[int], new: int
+) -> tuple[Any, Any]:
+    """Four steps at ``world``, two members at some point, ``final`` at the end, trained as
+    the oracle; the replacement ``new``'s parameters equal rank 0's bit for bit. Returns
+    rank 0's and the replacement's saved states."""
+    worlds = [len(b) for _, b in coord.commits]
+    assert worlds[:4] == [world] * 4 and 2 in worlds and worlds[-1] == len(final)
+    check_survivors(out, final, coord)
+    a, b = (rpcdist.load(str(out / f"rank{r}.npz")) for r in (0, new))
+    assert_same_tree(a["params"], b["params"])
+    return a, b
 
 
 def assert_same_tree(a: Any, b: Any) -> None:

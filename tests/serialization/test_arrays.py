@@ -18,6 +18,7 @@ from fake_cupy import FakeArray, install
 
 from rpcdist._errors import SerializationError
 from rpcdist._serialization import _arrays, decode, encode
+from rpcdist._serialization._hooks import CodecHooks
 
 from ._helpers import roundtrip, same
 
@@ -254,7 +255,8 @@ def test_a_tensor_sent_by_cuda_ipc_gives_the_hook_every_field_after_its_device(
     copy straight into the tensor it returns."""
     torch = pytest.importorskip("torch")
     hook = _StubIpcHook(np.arange(6, dtype=np.float32))
-    monkeypatch.setattr(_arrays, "CUPY_IPC_HOOKS", [hook])
+    context = types.SimpleNamespace(codec_hooks=CodecHooks())  # (an agent's message)
+    context.codec_hooks.set_cupy_ipc(hook)
     fake_cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())  # type: ignore[attr-defined]
 
     def cpu_empty(torch: Any, cupy: Any, shape: Any, dtype: Any, wire: Any, index: int) -> Any:
@@ -268,14 +270,14 @@ def test_a_tensor_sent_by_cuda_ipc_gives_the_hook_every_field_after_its_device(
     # as a sender on cuda:0 writes it: no buffer, then the index, device, fields
     items[1:5] = [np.dtype(np.float32).str, [2, 3], -1, 0]
     ipc_header = msgpack.packb([*items, -1, "cuda:0", *fields], use_bin_type=True)
-    out = decode(ipc_header, [])
+    out = decode(ipc_header, [], context=context)
     assert hook.fields == fields
     assert isinstance(out, torch.Tensor) and out.shape == (2, 3)
     assert torch.equal(out, torch.arange(6, dtype=torch.float32).reshape(2, 3))
     items[1] = np.dtype(np.float16).str  # 2-byte elements for a 4-byte dtype
     bad = msgpack.packb([*items, -1, "cuda:0", *fields], use_bin_type=True)
     with pytest.raises(SerializationError, match="float16 data for a torch.float32 tensor"):
-        decode(bad, [])
+        decode(bad, [], context=context)
 
 
 def test_a_module_another_thread_is_importing_is_waited_for(

@@ -37,8 +37,14 @@ What keeps this safe:
   it (``cuda_ipc.unmap``), then it is freed, so a burst of large arrays
   does not hold device memory for the rest of the job.
 
-Turned off by ``RpcOptions.cuda_ipc=False`` (or ``RPCDIST_CUDA_IPC=0``).
-CuPy is imported only when a CuPy array is sent or a probe arrives.
+Turned off by ``RpcOptions.cuda_ipc=False`` (or ``RPCDIST_CUDA_IPC=0``): the
+agent's codec then has no CUDA IPC hook, and its probes are refused. CuPy is
+imported only when a CuPy array is sent or a probe arrives.
+
+The agent installs this extension when it is made (:func:`install_cuda_ipc`):
+it registers the three internal handlers on the agent's registry and, when
+turned on, itself as the CUDA IPC hook of the agent's codec (it has the
+``_serialization._hooks.CupyIpcHook`` methods).
 """
 
 from __future__ import annotations
@@ -52,28 +58,23 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from .._errors import RpcdistError, SerializationError
-from .._serialization import _arrays
 from .._worker import WorkerInfo
 from ._cuda_runtime import Block, Runtime
-from ._outbox import ControlOutbox
-from ._registry import BaseExtension
+from ._host import Host, Outbox
 
-if TYPE_CHECKING:
-    from ._agent import Agent
-
-__all__ = ["CudaIpc", "install"]
+__all__ = ["CudaIpc", "install_cuda_ipc"]
 
 _log = logging.getLogger(__name__)
 
 PROBE: Final = "cuda_ipc.probe"
 RELEASE: Final = "cuda_ipc.release"
 UNMAP: Final = "cuda_ipc.unmap"
-#: Arrays smaller than this take the host path (an IPC lend costs a control
-#: message and a device synchronisation on each side; on an H200 the two
-#: paths were even at 256 KiB and IPC was 1.6x faster at 512 KiB).
+#: Arrays smaller than this take the host path: an IPC lend costs a control
+#: message and a device synchronisation on each side (where the two paths
+#: break even: docs/benchmarks.md, "Figures behind the code's choices").
 MIN_BYTES: Final = 1 << 19
 #: The smallest staging block (blocks are powers of two from here).
 MIN_BLOCK: Final = 1 << 20
@@ -99,12 +100,13 @@ def _block_size(nbytes: int) -> int:
     return max(MIN_BLOCK, 1 << (nbytes - 1).bit_length())
 
 
-class CudaIpc(BaseExtension):
-    """One agent's staging blocks, lends, probes and mapped peer blocks."""
+class CudaIpc:
+    """One agent's staging blocks, lends, probes and mapped peer blocks (an
+    extension of the agent: see ``_rpc._registry.Extension``)."""
 
     name = "cuda_ipc"
 
-    def __init__(self, agent: Agent, runtime: Runtime | None = None) -> None:
+    def __init__(self, agent: Host, acks: Outbox, runtime: Runtime | None = None) -> None:
         self.agent = agent
         self.enabled = bool(getattr(agent.options, "cuda_ipc", True))
         self._runtime = runtime
@@ -123,7 +125,7 @@ class CudaIpc(BaseExtension):
         #: exporter token -> (the device its probe was mapped on here, its rank).
         self._probed_on: dict[bytes, tuple[int, int]] = {}
         #: Releases of the lends received here, on their way to their senders.
-        self._acks = ControlOutbox(agent, RELEASE)
+        self._acks = acks
         self._trim_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.sent = 0
@@ -138,6 +140,11 @@ class CudaIpc(BaseExtension):
         return self._runtime
 
     # ------------------------------------------------------------ sending
+
+    @property
+    def min_bytes(self) -> int:
+        """Smaller arrays take the host path (the codec asks before copying)."""
+        return MIN_BYTES
 
     def lend(self, wire: Any, array: Any) -> list[Any] | None:
         """Fields for ``array`` sent by handle, or ``None``: take the host path
@@ -390,7 +397,7 @@ class CudaIpc(BaseExtension):
         self, wire: Any, fields: list[Any], shape: tuple[int, ...], dtype: Any, out: Any = None
     ) -> Any:
         """The array a lend holds, copied onto this worker's current device
-        (into ``out`` when given: see ``_arrays.CupyIpcHook.take``)."""
+        (into ``out`` when given: see ``_serialization._hooks.CupyIpcHook.take``)."""
         if len(fields) != 6:
             raise SerializationError("malformed CuPy array payload (CUDA IPC fields)")
         token, block_id, handle, lend_id, expiry, size = fields
@@ -462,6 +469,19 @@ class CudaIpc(BaseExtension):
             return other[0]
         raise failures[0]
 
+    # ----------------------------------------------------------- handlers
+
+    async def on_probe(self, agent: Host, src: WorkerInfo, payload: Any) -> object:
+        return self.answer_probe(src, payload)
+
+    async def on_unmap(self, agent: Host, src: WorkerInfo, payload: Any) -> None:
+        if type(payload) is list and len(payload) == 2:
+            self.unmap(payload[0], payload[1])
+
+    async def on_release(self, agent: Host, src: WorkerInfo, payload: Any) -> None:
+        if type(payload) is list and all(type(i) is int for i in payload):
+            self._release(src.id, payload)
+
     # ---------------------------------------------------------- extension
 
     def statistics(self) -> Mapping[str, int]:
@@ -471,6 +491,9 @@ class CudaIpc(BaseExtension):
             "cuda_ipc_sent": self.sent,
             "cuda_ipc_received": self.received,
         }
+
+    def check(self) -> None:
+        return None
 
     async def drain(self) -> None:
         """Graceful shutdown: deliver the releases already due."""
@@ -524,60 +547,15 @@ class CudaIpc(BaseExtension):
                 _log.debug("unmapping a peer's CUDA IPC block: %r", e)
 
 
-def _ext(agent: Agent) -> CudaIpc:
-    return agent.extension("cuda_ipc", lambda: CudaIpc(agent))
-
-
-async def _on_probe(agent: Agent, src: WorkerInfo, payload: Any) -> object:
-    return _ext(agent).answer_probe(src, payload)
-
-
-async def _on_unmap(agent: Agent, src: WorkerInfo, payload: Any) -> None:
-    if type(payload) is list and len(payload) == 2:
-        _ext(agent).unmap(payload[0], payload[1])
-
-
-async def _on_release(agent: Agent, src: WorkerInfo, payload: Any) -> None:
-    if type(payload) is list and all(type(i) is int for i in payload):
-        _ext(agent)._release(src.id, payload)
-
-
-class _Hook:
-    """What the codec calls for CuPy arrays (see ``_serialization._arrays``)."""
-
-    @property
-    def min_bytes(self) -> int:
-        return MIN_BYTES
-
-    def lend(self, context: object, array: Any) -> list[Any] | None:
-        agent = getattr(context, "agent", None)
-        if agent is None or getattr(context, "peer", None) is None:
-            return None
-        return _ext(agent).lend(context, array)
-
-    def take(
-        self,
-        context: object,
-        fields: list[Any],
-        shape: tuple[int, ...],
-        dtype: Any,
-        out: Any = None,
-    ) -> Any:
-        agent = getattr(context, "agent", None)
-        if agent is None or getattr(context, "peer", None) is None:
-            raise SerializationError("a CuPy array sent by CUDA IPC arrived outside an RPC message")
-        return _ext(agent).take(context, fields, shape, dtype, out)
-
-
-def install(agent: Agent) -> CudaIpc:
-    """Give ``agent`` CUDA IPC for CuPy arrays (a built-in extension, see ``_registry``)."""
-    if not _arrays.CUPY_IPC_HOOKS:
-        _arrays.CUPY_IPC_HOOKS.append(_Hook())
-
-    def make() -> CudaIpc:
-        agent.registry.add_handler(PROBE, _on_probe)
-        agent.registry.add_handler(RELEASE, _on_release)
-        agent.registry.add_handler(UNMAP, _on_unmap)
-        return CudaIpc(agent)
-
-    return agent.extension("cuda_ipc", make)
+def install_cuda_ipc(agent: Host, acks: Outbox) -> CudaIpc:
+    """Give ``agent`` CUDA IPC for CuPy arrays: its handlers, and (when
+    ``RpcOptions.cuda_ipc`` is on) its codec hook. ``acks`` carries the
+    releases of received lends (``RELEASE`` messages) to their senders."""
+    ipc = CudaIpc(agent, acks)
+    agent.registry.add_handler(PROBE, ipc.on_probe)
+    agent.registry.add_handler(RELEASE, ipc.on_release)
+    agent.registry.add_handler(UNMAP, ipc.on_unmap)
+    agent.registry.install(ipc)
+    if ipc.enabled:
+        agent.codec_hooks.set_cupy_ipc(ipc)
+    return ipc

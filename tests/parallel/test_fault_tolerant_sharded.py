@@ -1,0 +1,110 @@
+"""Fault-tolerant ZeRO and FSDP: a rank killed (-9) mid-step, the shards re-formed.
+
+The ranks are ``ft_worker.py`` processes with ``FT_MODE=zero`` (DDP with a
+fault-tolerant ``ZeroRedundancyOptimizer``) or ``FT_MODE=fsdp`` (a
+fault-tolerant ``FullyShardedDataParallel``), started as in
+``test_fault_tolerant_ddp.py`` (``RANK``, ``RPCDIST_FT_ADDR`` in the
+environment); faults come from outside (SIGKILL at a marker file). The
+oracle replays the coordinator's record of the committed steps in one
+process: the survivors' full parameters must equal it bit for bit, and each
+rank's shards (its own slice and its successor's, of the padded flat
+layout at the final world size) must hold the oracle's parameters and
+momentum at exactly those elements.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_fault_tolerant_ddp import (
+    check_replacement,
+    check_survivors,
+    job,
+    kill_one_of_three,
+    replay_with_optim,
+)
+
+import rpcdist
+from rpcdist.parallel._flat import FlatLayout, shard_ranges
+
+pytestmark = pytest.mark.multiprocess
+
+
+def expected_zero_pieces(sizes: list[int], world: int, rank: int) -> list[tuple[int, int, int]]:
+    ranges = shard_ranges(sizes, ["one kind"] * len(sizes), world)
+    ranks = [rank] if world == 1 else [rank, (rank + 1) % world]
+    return [
+        (i, *r[i]) for q in ranks for i in range(len(sizes)) if (r := ranges[q])[i][1] > r[i][0]
+    ]
+
+
+def check_shards(out: Path, mode: str, ranks: list[int], oracle: Any, opt: Any) -> None:
+    params = list(oracle.parameters())
+    sizes = [p.data.size for p in params]
+    moms = [opt.state[p]["momentum_buffer"].ravel() for p in params]
+    seen_ranks = []
+    for r in ranks:
+        f = rpcdist.load(str(out / f"rank{r}.npz"))
+        world, rank = int(f["world"]), int(f["rank"])
+        assert world == len(ranks)
+        seen_ranks.append(rank)
+        if mode == "zero":
+            pieces = [tuple(int(x) for x in row) for row in f["pieces"]]
+            assert sorted(pieces) == sorted(expected_zero_pieces(sizes, world, rank))
+            want = np.concatenate([moms[i][lo:hi] for i, lo, hi in pieces])
+        else:
+            layout = FlatLayout(sum(sizes), world)
+            slices = [layout.bounds(q) for q in (rank, (rank + 1) % world)]
+            flat_p = np.zeros(layout.padded)
+            flat_p[: layout.numel] = np.concatenate([p.data.ravel() for p in params])
+            flat_m = np.zeros(layout.padded)
+            flat_m[: layout.numel] = np.concatenate(moms)
+            np.testing.assert_array_equal(
+                f["shard"], np.concatenate([flat_p[a:b] for a, b in slices])
+            )
+            want = np.concatenate([flat_m[a:b] for a, b in slices])
+        np.testing.assert_array_equal(f["momentum"], want)
+    assert sorted(seen_ranks) == list(range(len(ranks)))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("mode", "point"),
+    [
+        ("zero", "mid_allreduce"),
+        ("zero", "after_commit"),  # dies before its slice's all-gather: survivors refresh
+        ("fsdp", "before_allreduce"),
+        ("fsdp", "mid_allreduce"),
+    ],
+)
+def test_kill_one_of_three_mid_step_reshards(tmp_path, monkeypatch, mode, point):
+    monkeypatch.setenv("FT_MODE", mode)
+    coord = kill_one_of_three(tmp_path, 10, 4, point)
+    assert len(coord.commits) == 10
+    assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
+    assert all(len(b) == 3 for _, b in coord.commits[:4])
+    assert sum(e[1] == "redo" for e in coord.events) == 1
+    check_survivors(tmp_path, [0, 2], coord)  # full parameters: the oracle's, bit for bit
+    oracle, opt = replay_with_optim(coord.commits)
+    check_shards(tmp_path, mode, [0, 2], oracle, opt)  # re-formed at world 2, same values
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_a_replacement_receives_its_shards_from_the_survivors(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv("FT_MODE", mode)
+    with job(tmp_path, 3, steps=16) as ranks:
+        for r in range(3):
+            ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, hold=9 if r == 0 else -1)
+        ranks.marker(2, 4)
+        ranks.signal(2, signal.SIGKILL)
+        ranks.replace(2, survivors=[0, 1])  # rank 0 holds the job at step 9 until it joins
+        ranks.wait([0, 1, 2])
+        coord = ranks.coord
+    check_replacement(tmp_path, coord, 3, [0, 1, 2], 2)  # its full parameters: bit for bit
+    oracle, opt = replay_with_optim(coord.commits)
+    check_shards(tmp_path, mode, [0, 1, 2], oracle, opt)
