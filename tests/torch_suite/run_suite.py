@@ -155,11 +155,13 @@ OUT_OF_SCOPE: dict[str, str] = {
 #: Causes of failures known and not yet fixed (issue 39's count of tests each
 #: broke, before this work), for the page.
 KNOWN_GAPS = (
-    "RPC profiling under the kineto profiler (`torch.autograd.profiler.profile`) of a "
-    "distributed backward pass (`DistAutogradTest.test_dist_autograd_profiling`): torch's "
-    "kineto profiler records the profiling thread only, and rpcdist runs the part of the "
-    "pass that gradients sent back start (PyTorch's SendRpcBackward) on a pool thread. "
-    "(RPC calls under the legacy profiler are profiled as PyTorch's, callee events included.)",
+    "Profiling a distributed backward pass (`DistAutogradTest.test_dist_autograd_profiling`, "
+    "under `torch.autograd.profiler.profile`): the test looks for PyTorch's autograd node "
+    "names (SendRpcBackward, RecvRpcBackward) and its range "
+    "torch::distributed::autograd::backward; rpcdist's nodes have their own names, and "
+    "the part of the pass that gradients sent back start runs on a pool thread, which "
+    "torch's profiler does not record. (RPC calls under the legacy profiler are profiled "
+    "as PyTorch's, the callee's events included.)",
     "Custom classes and bound methods as arguments (9 in issue 39's run): PyTorch "
     "pickles them; rpcdist sends functions and classes by name and never unpickles "
     "unless `RpcOptions(allow_pickle=True)`; the fixture does not set it. Each such test "
