@@ -207,7 +207,7 @@ def _by_value(cls: str) -> str:
 
 _BOUND = (
     "the test sends a method bound to an instance (MyClass(2).my_instance_method), which "
-    f"PyTorch pickles with its instance; rpcdist sends functions by name and {_NEVER_UNPICKLES}. "
+    f"PyTorch pickles with its instance; functions travel by name, and {_NEVER_UNPICKLES}. "
     "Call a module-level function with the instance's data, or the method through an RRef "
     "(rref.rpc_sync().my_instance_method(n))."
 )
