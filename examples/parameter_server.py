@@ -47,6 +47,15 @@ The modes differ in who computes gradients and when the server applies them:
     The gradients stay on the server, in the context ``cid``; the optimizer
     step runs there too. Trainers step asynchronously, as in Hogwild.
 
+A trainer that dies (killed, hung, cut off) does not end the job: once the
+server's agent declares it lost (``rpcdist.debug_info()["lost_workers"]``),
+the server drops it from the synchronous step (its queued gradients too;
+the others' step completes without it) and from the scoreboard, and the
+other trainers finish; the server frees the lost trainer's distributed
+autograd contexts itself. The summary lists the lost trainers. A restarted
+trainer cannot rejoin: an rpcdist job's world is fixed at ``init_rpc`` and a
+lost worker stays lost.
+
 Functions are sent by qualified name (``__main__:push_gradients``,
 ``ps_common:progress``). Every process runs this script, so the names resolve
 everywhere; server state is found through ``ParameterServer.instance``.
@@ -108,13 +117,16 @@ class ParameterServer:
         self.model = Net()
         self.names = [name for name, _ in self.model.named_parameters()]
         self.opt = optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
-        self.num_trainers = num_trainers
+        self.live = set(range(1, num_trainers + 1))  # trainer ranks still training
         self.version = 0  # updates applied so far
         self.lock = threading.Lock()  # handlers run concurrently in the pool
-        self.pending: list[tuple[Params, rpcdist.Future[Any]]] = []
+        self.pending: dict[int, tuple[Params, rpcdist.Future[Any]]] = {}
 
-    def add_gradients(self, version: int, grads: Params) -> rpcdist.Future[tuple[int, Params]]:
-        """Queue gradients; on the last trainer's, update and complete every Future."""
+    def add_gradients(
+        self, rank: int, version: int, grads: Params
+    ) -> rpcdist.Future[tuple[int, Params]]:
+        """Queue trainer ``rank``'s gradients; on the last live trainer's, update and
+        complete every Future."""
         fut: rpcdist.Future[tuple[int, Params]] = rpcdist.Future()
         with self.lock:
             if version != self.version:  # synchronous SGD: everyone is on one step
@@ -122,18 +134,37 @@ class ParameterServer:
                     RuntimeError(f"gradients for version {version}, server is at {self.version}")
                 )
                 return fut
-            self.pending.append((grads, fut))
-            if len(self.pending) < self.num_trainers:
-                return fut  # not the last one: the reply waits for the update
-            batch, self.pending = self.pending, []
-            mean = [np.mean([g[name] for g, _ in batch], axis=0) for name in self.names]
-            self.opt.step(grads=mean)
-            self.version += 1
-            reply = (self.version, self.model.state_dict())
-        # Complete the Futures outside the lock: each completion sends a reply.
-        for _, waiting in batch:
-            waiting.set_result(reply)
+            self.pending[rank] = (grads, fut)
+            done = self._update_if_complete()
+        self._reply(done)
         return fut
+
+    def drop_trainer(self, rank: int) -> None:
+        """Trainer ``rank`` was lost: its queued gradients are dropped and the step
+        goes on with the others (if they all pushed, it is taken now)."""
+        with self.lock:
+            self.live.discard(rank)
+            self.pending.pop(rank, None)
+            done = self._update_if_complete()
+        self._reply(done)
+
+    def _update_if_complete(self) -> tuple[list[rpcdist.Future[Any]], Any] | None:
+        """Under the lock: once every live trainer pushed, one step on their mean."""
+        if not self.pending or not self.live <= set(self.pending):
+            return None  # not the last one: the replies wait for the update
+        batch = [self.pending[r] for r in sorted(self.pending)]
+        self.pending = {}
+        mean = [np.mean([g[name] for g, _ in batch], axis=0) for name in self.names]
+        self.opt.step(grads=mean)
+        self.version += 1
+        return [f for _, f in batch], (self.version, self.model.state_dict())
+
+    @staticmethod
+    def _reply(done: tuple[list[rpcdist.Future[Any]], Any] | None) -> None:
+        # Complete the Futures outside the lock: each completion sends a reply.
+        if done is not None:
+            for waiting in done[0]:
+                waiting.set_result(done[1])
 
     def apply_now(self, grads: Params) -> tuple[int, Params]:
         """Hogwild: apply one trainer's gradients at once; the weights after it."""
@@ -164,13 +195,13 @@ def get_params() -> tuple[int, Params]:
 
 
 @rpcdist.functions.async_execution
-def push_gradients(version: int, grads: Params) -> rpcdist.Future[tuple[int, Params]]:
+def push_gradients(rank: int, version: int, grads: Params) -> rpcdist.Future[tuple[int, Params]]:
     """Sync mode: the Future completes with the next weights once all trainers pushed.
 
     ``@async_execution``: rpcdist takes the returned Future and replies when it
     completes, so waiting callers hold no server thread.
     """
-    return _server().add_gradients(version, grads)
+    return _server().add_gradients(rank, version, grads)
 
 
 def push_gradients_hogwild(grads: Params) -> tuple[int, Params]:
@@ -191,7 +222,7 @@ def parameter_rrefs() -> list[rpcdist.RRef[Any]]:
 # -------------------------------------------------------------------------- trainers
 
 
-def local_step_fn(mode: str) -> Any:
+def local_step_fn(mode: str, rank: int) -> Any:
     """A step computing gradients here and pushing them (sync and hogwild modes)."""
     model = Net()  # its weights are replaced by the server's before every step
     version, params = rpcdist.rpc_sync(PS_NAME, get_params)
@@ -206,7 +237,7 @@ def local_step_fn(mode: str) -> Any:
         grads = {name: p.grad.data for name, p in model.named_parameters()}
         if mode == "sync":
             # Returns once every trainer pushed this step and the server applied it.
-            version, params = rpcdist.rpc_sync(PS_NAME, push_gradients, args=(version, grads))
+            version, params = rpcdist.rpc_sync(PS_NAME, push_gradients, args=(rank, version, grads))
         else:
             version, params = rpcdist.rpc_sync(PS_NAME, push_gradients_hogwild, args=(grads,))
         return float(loss.item()), logits
@@ -238,7 +269,7 @@ def run_trainer(rank: int, world_size: int, args: argparse.Namespace) -> None:
     x, y = ps_common.shard(x_train, y_train, rank - 1, world_size - 1)
     steps = len(x) // args.batch_size
     rng = np.random.default_rng([args.seed, rank])  # this trainer's shuffling
-    step = autograd_step_fn(args.lr) if args.mode == "autograd" else local_step_fn(args.mode)
+    step = autograd_step_fn(args.lr) if args.mode == "autograd" else local_step_fn(args.mode, rank)
     for epoch in range(1, args.epochs + 1):
         order = rng.permutation(len(x))
         loss_sum, correct, count = 0.0, 0, 0
@@ -252,7 +283,7 @@ def run_trainer(rank: int, world_size: int, args: argparse.Namespace) -> None:
             # Fire and forget (collected below): one tick of rank 0's progress bar.
             reports.append(rpcdist.rpc_async(PS_NAME, ps_common.progress, args=(1, loss)))
         rpcdist.futures.wait_all(reports)
-        rpcdist.rpc_sync(PS_NAME, ps_common.end_epoch, args=(epoch, loss_sum, correct, count))
+        rpcdist.rpc_sync(PS_NAME, ps_common.end_epoch, args=(epoch, loss_sum, correct, count, rank))
 
 
 # --------------------------------------------------------------------------- the job
@@ -286,15 +317,40 @@ def worker_main(args: argparse.Namespace) -> int:
     if board is None:
         run_trainer(rank, world_size, args)
     else:
-        board.done.wait()  # until every trainer reported its last epoch
-    rpcdist.shutdown()  # collective: returns once every worker is done
+        lost = watch_trainers(server, board)  # until every live trainer reported its last epoch
+    rpcdist.shutdown()  # collective: returns once every live worker is done
     if board is None:
         return 0
-    return report(board, time.perf_counter() - start, trainers, args)
+    return report(board, time.perf_counter() - start, trainers, args, lost)
 
 
-def report(board: Scoreboard, wall: float, trainers: int, args: argparse.Namespace) -> int:
+def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
+    """Wait for the end of training; a trainer declared lost (killed, hung, cut off) is
+    dropped from the synchronous step and the scoreboard, and the others go on.
+
+    The autograd mode needs nothing more here: the server frees a lost trainer's
+    distributed autograd contexts itself (after ``RpcOptions``' lease), and its
+    ``DistributedOptimizer`` steps only the contexts that trainers still alive send.
+    """
+    lost: list[str] = []
+    while not board.done.wait(0.2):
+        for name, why in rpcdist.debug_info()["lost_workers"].items():
+            if name.startswith("trainer") and name not in lost:
+                lost.append(name)
+                rank = int(name.removeprefix("trainer"))
+                board.write(f"[ps] {name} lost ({why}); going on with {len(server.live) - 1}")
+                server.drop_trainer(rank)
+                board.drop(rank)
+    return lost
+
+
+def report(
+    board: Scoreboard, wall: float, trainers: int, args: argparse.Namespace, lost: list[str]
+) -> int:
     """Print the result and where the files are; non-zero when the model did not learn."""
+    if len(board.history) < args.epochs:
+        print(f"[ps] FAILED: every trainer was lost ({', '.join(lost)})", flush=True)
+        return 1
     final = board.history[-1]["test_accuracy"]
     summary = {
         "title": f"parameter server, mode {args.mode}, {trainers} trainers, digits",
@@ -304,6 +360,7 @@ def report(board: Scoreboard, wall: float, trainers: int, args: argparse.Namespa
         "batch_size": args.batch_size,
         "test_accuracy": final,
         "wall_seconds": wall,
+        "lost_trainers": lost,
     }
     files = board.save(args.out_dir, summary)
     print(f"[ps] final test accuracy {final:.4f} ({args.mode} mode); worker wall {wall:.1f} s")

@@ -87,7 +87,7 @@ class Scoreboard:
     """Progress, per-epoch results and the final files, on rank 0.
 
     Args:
-        trainers: Trainers that report.
+        trainers: Trainers that report (their ranks, or how many: ranks 1..N).
         epochs: Epochs each trainer runs.
         steps_per_epoch: Steps of one trainer in one epoch.
         evaluate: Returns the current test accuracy (called once per epoch).
@@ -99,18 +99,19 @@ class Scoreboard:
 
     def __init__(
         self,
-        trainers: int,
+        trainers: int | list[int],
         epochs: int,
         steps_per_epoch: int,
         evaluate: Callable[[], float],
         title: str,
     ) -> None:
-        self.trainers, self.epochs, self.evaluate = trainers, epochs, evaluate
+        ranks = list(range(1, trainers + 1)) if isinstance(trainers, int) else list(trainers)
+        self.live, self.epochs, self.evaluate = set(ranks), epochs, evaluate
         self.lock = threading.Lock()
-        self.pending: dict[int, list[tuple[float, int, int]]] = {}
+        self.pending: dict[int, dict[int, tuple[float, int, int]]] = {}
         self.history: list[dict[str, float]] = []
         self.done = threading.Event()
-        total = trainers * epochs * steps_per_epoch
+        total = len(ranks) * epochs * steps_per_epoch
         self.total, self.steps, self.title = total, 0, title
         try:
             from tqdm import tqdm
@@ -137,14 +138,34 @@ class Scoreboard:
             elif self.steps * 10 // self.total > before * 10 // self.total:
                 print(f"{self.title}: {self.steps}/{self.total} steps, loss {loss:.3f}", flush=True)
 
-    def finish_epoch(self, epoch: int, loss_sum: float, correct: int, count: int) -> None:
-        """One trainer's epoch totals; the last trainer's closes the epoch."""
+    def finish_epoch(
+        self, epoch: int, loss_sum: float, correct: int, count: int, rank: int = 1
+    ) -> None:
+        """Trainer ``rank``'s epoch totals; the last live trainer's closes the epoch."""
         with self.lock:
-            parts = self.pending.setdefault(epoch, [])
-            parts.append((loss_sum, correct, count))
-            if len(parts) < self.trainers:
-                return
-            del self.pending[epoch]
+            self.pending.setdefault(epoch, {})[rank] = (loss_sum, correct, count)
+            closed = self._closed_epochs()
+        for e, parts in closed:
+            self._close(e, parts)
+
+    def drop(self, rank: int) -> None:
+        """Trainer ``rank`` is gone: epochs close without it (its reported epochs count)."""
+        with self.lock:
+            self.live.discard(rank)
+            closed = self._closed_epochs()
+            if not self.live and not closed:  # nobody left to close an epoch
+                self.done.set()
+        for e, parts in closed:
+            self._close(e, parts)
+
+    def _closed_epochs(self) -> list[tuple[int, list[tuple[float, int, int]]]]:
+        out = []
+        for e in sorted(self.pending):
+            if self.pending[e] and self.live <= set(self.pending[e]):
+                out.append((e, list(self.pending.pop(e).values())))
+        return out
+
+    def _close(self, epoch: int, parts: list[tuple[float, int, int]]) -> None:
         loss_sum, correct, count = (sum(p[i] for p in parts) for i in range(3))
         row = {
             "epoch": epoch,
@@ -215,8 +236,8 @@ def progress(steps: int, loss: float) -> None:
     board.advance(steps, loss)
 
 
-def end_epoch(epoch: int, loss_sum: float, correct: int, count: int) -> None:
-    """A trainer finished ``epoch`` with these totals (summed over its batches)."""
+def end_epoch(epoch: int, loss_sum: float, correct: int, count: int, rank: int = 1) -> None:
+    """Trainer ``rank`` finished ``epoch`` with these totals (summed over its batches)."""
     board = Scoreboard.instance
     assert board is not None, "end_epoch() runs on rank 0 only"
-    board.finish_epoch(epoch, loss_sum, correct, count)
+    board.finish_epoch(epoch, loss_sum, correct, count, rank)

@@ -110,8 +110,10 @@ def busy_polling_under_nested_calls(rank, world_size, init_method):
 
 def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     """As if more threads were runnable than the host has cores: rank 0's
-    calls to rank 1 (each 2 ms long, well within the polling window) start
-    polling and stop at once; rank 0 returns its counters after 20 of them."""
+    calls to rank 1 (each 20 ms long, well within the polling window, and
+    long enough that a caller descheduled on a loaded host does not find
+    the reply already there) start polling and stop at once; rank 0 returns
+    its counters after 20 of them."""
     from rpcdist._rpc import _busy_poll
 
     _busy_poll.crowded = lambda: True  # (what the polling loop reads)
@@ -126,7 +128,7 @@ def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     try:
         if rank != 0:
             return None
-        got = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.002, i)) for i in range(20)]
+        got = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.02, i)) for i in range(20)]
         assert got == list(range(20))
         s = rpcdist.statistics()
         return s["busy_polls"], s["busy_poll_hits"], s["busy_poll_yields"]

@@ -180,3 +180,60 @@ def test_batching_example_reports_both_modes():
     batched = re.search(r"batched:   600 requests .* \((\d+) batches, mean size ([0-9.]+)\)", out)
     assert batched and int(batched.group(1)) < 600  # requests really were batched
     assert "speedup:" in out
+
+
+@pytest.mark.timeout(180)
+def test_parameter_server_goes_on_when_a_trainer_is_killed(tmp_path):
+    """1 server + 3 trainers in sync mode, ranks from the launcher's environment; a
+    tenth of the way in, trainer 2 is killed (-9): the server drops it, the step no
+    longer waits for its gradients, and the other two finish every epoch. (Sync mode
+    keeps the trainers in step, so the kill lands mid-training; in the asynchronous
+    modes a trainer may already have finished when the server's count says a tenth.)"""
+    mode = "sync"
+    from rpcdist.launch._hosting import free_port
+
+    port, world = free_port(), 4
+    args = ["--mode", mode, "--epochs", "3", "--min-accuracy", "0.5", "--out-dir", str(tmp_path)]
+    procs: dict[int, subprocess.Popen[str]] = {}
+    try:
+        for rank in range(world):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            procs[rank] = subprocess.Popen(
+                [sys.executable, str(EXAMPLES / "parameter_server.py"), *args],
+                env=env,
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        ps = procs[0]
+        assert ps.stdout is not None
+        lines = []
+        for line in ps.stdout:  # a tenth of the steps done: every trainer is mid-training
+            lines.append(line)
+            if re.search(r" 1\d/126 steps", line):
+                break
+        else:
+            pytest.fail("".join(lines))
+        procs[2].kill()
+        out = "".join(lines) + ps.stdout.read()
+        assert ps.wait(timeout=120) == 0, out
+        for rank in (1, 3):
+            assert procs[rank].wait(timeout=60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert "[ps] trainer2 lost" in out, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost_trainers"] == ["trainer2"]
+    assert [r["epoch"] for r in summary["epochs"]] == [1, 2, 3]
+    assert re.search(rf"final test accuracy 0\.\d+ \({mode} mode\)", out), out

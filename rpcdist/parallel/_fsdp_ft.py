@@ -40,7 +40,7 @@ class FsdpFaultTolerance:
         self.units: list[FlatUnit] = model._shared.units
         self.optimizers: list[Any] = []
         self.fresh = True
-        ft.add_sharded(self)
+        ft._add_sharded(self)
 
     # -- what FaultTolerance calls ------------------------------------------------------
 

@@ -94,8 +94,8 @@ class FaultTolerance:
         self._adopted: set[str] = set()  # optimizers whose state a sharded object carries
         self._synced_qid = -1
         self._sizes: list[int] = []
-        #: This step's communication failed already (the vote will be ``ok=False``).
-        self.failed = False
+        # This step's communication failed already (the vote will be ok=False).
+        self._failed = False
         self._coord = connect(address, None)
         self._listener = listen(self._coord.getsockname()[0])
         self._cv = threading.Condition()
@@ -134,7 +134,7 @@ class FaultTolerance:
             raise ConfigError(f"FaultTolerance.register_state: {name!r} has no state_dict")
         self._states[name] = obj
 
-    def add_sharded(self, obj: Any) -> None:
+    def _add_sharded(self, obj: Any) -> None:
         """Take part ``obj`` (a ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``).
 
         Its ``_ft_grads()`` are averaged with the attached gradients and
@@ -190,7 +190,7 @@ class FaultTolerance:
         Raises:
             WorkerLostError: the coordinator went away.
         """
-        ok = not self.failed
+        ok = not self._failed
         self._point("before_allreduce")
         if ok:
             try:
@@ -199,7 +199,7 @@ class FaultTolerance:
                     obj._ft_prepare()
             except _FAILURES:
                 ok = False
-                self.fail()
+                self._fail()
         self._point("after_allreduce")
         batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
         epoch = getattr(self.sampler, "epoch", 0)
@@ -214,16 +214,16 @@ class FaultTolerance:
         if committed:
             self._committed += len(batch)
         self._apply(reply)
-        self.failed = False
+        self._failed = False
         self._point("after_commit")
         return committed
 
-    def fail(self) -> None:
+    def _fail(self) -> None:
         """Mark this step failed (it votes ``ok=False``) and close the mesh, so peers fail too."""
-        self.failed = True
+        self._failed = True
         self._drop_mesh()
 
-    def all_gather_frames(
+    def _all_gather_frames(
         self, header: dict[str, Any], arrays: list[np.ndarray[Any, Any]]
     ) -> dict[int, tuple[dict[str, Any], list[np.ndarray[Any, Any]]]]:
         """Every member's ``(header, arrays)``, by id, this rank's included (collective).
@@ -244,7 +244,7 @@ class FaultTolerance:
                 got[rid] = (theirs, unpack(theirs.pop("_arrays"), data))
         return got
 
-    def exchange(
+    def _all_gather(
         self, outgoing: np.ndarray[Any, Any], size: int
     ) -> dict[int, np.ndarray[Any, Any]]:
         """All-gather: send ``outgoing`` (float64) to every member, ``size`` floats from each.
@@ -261,7 +261,7 @@ class FaultTolerance:
         return got
 
     def _check_failed(self) -> None:
-        if self.failed:
+        if self._failed:
             raise WorkerLostError("fault tolerance: this step's communication failed already")
 
     def _reshard_objects(self) -> None:
@@ -269,7 +269,7 @@ class FaultTolerance:
             for obj in self._sharded:
                 obj._ft_reshard()
         except _FAILURES:
-            self.fail()  # the step votes ok=False; the next membership reshards again
+            self._fail()  # the step votes ok=False; the next membership reshards again
         else:
             self._synced_qid = self._qid
 
@@ -439,9 +439,13 @@ class FaultTolerance:
             s.close()
 
     def _exchange(
-        self, outgoing: dict[int, np.ndarray[Any, Any]], shapes: dict[int, int]
+        self,
+        outgoing: dict[int, np.ndarray[Any, Any]],
+        shapes: dict[int, int],
+        into: dict[int, np.ndarray[Any, Any]] | None = None,
     ) -> dict[int, np.ndarray[Any, Any]]:
-        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from each."""
+        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from
+        each (into ``into[peer]``, a contiguous float64 view, where given)."""
         mesh = self._peers()
         jobs = [
             (mesh[rid].sendall, (np.ascontiguousarray(arr).data.cast("B"),))
@@ -450,7 +454,7 @@ class FaultTolerance:
         got = {}
         with self._sending(jobs):
             for rid, n in shapes.items():
-                buf = np.empty(n, np.float64)
+                buf = np.empty(n, np.float64) if into is None else into[rid]
                 recv_into(mesh[rid], buf.data.cast("B"))
                 got[rid] = buf
         return got
@@ -471,9 +475,10 @@ class FaultTolerance:
             f.result(timeout=0)
 
     def _allreduce(self, flat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The average over the members, in place in ``flat`` (returned)."""
         n = self.world_size
         if n == 1:
-            return flat.copy()
+            return flat
         bounds = np.linspace(0, flat.size, n + 1).astype(int)
         chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
         me = self.rank
@@ -486,23 +491,29 @@ class FaultTolerance:
             total += chunk[me] if m == self.id else got[m]
         total /= n
         self._point("mid_allreduce")
-        parts = self._exchange({m: total for m in others}, {m: chunk[idx[m]].size for m in others})
-        parts[self.id] = total
-        return np.concatenate([parts[m] for m in self.members])
+        chunk[me][...] = total  # the others' averages land straight in their chunks
+        into = {m: chunk[idx[m]] for m in others}
+        self._exchange({m: total for m in others}, {m: c.size for m, c in into.items()}, into)
+        return flat
 
     def _flat_grads(self) -> np.ndarray[Any, Any]:
-        arrays = []
-        for obj in self._sharded:
-            arrays.append(obj._ft_grads())
-        self._sizes = [a.size for a in arrays]
+        """A new float64 vector of this rank's gradients: one copy of each (the average is
+        made in place in it, and the parameters' ``.grad`` views it where dtypes agree)."""
+        extra = [obj._ft_grads() for obj in self._sharded]
+        self._sizes = [a.size for a in extra]
+        flat = np.empty(sum(self._sizes) + sum(p.data.size for p in self._params), np.float64)
+        at = 0
+        for a in extra:
+            flat[at : at + a.size] = a
+            at += a.size
         for p in self._params:
-            g = p.grad
-            arrays.append(
-                np.zeros(p.data.size, np.float64)
-                if g is None
-                else np.asarray(g.data, np.float64).ravel()
-            )
-        return np.concatenate(arrays) if arrays else np.zeros(0, np.float64)
+            size, g = p.data.size, p.grad
+            if g is None:
+                flat[at : at + size] = 0
+            else:
+                flat[at : at + size] = g.data.reshape(-1)
+            at += size
+        return flat
 
     def _write_grads(self, avg: np.ndarray[Any, Any]) -> None:
         at = 0
@@ -511,5 +522,6 @@ class FaultTolerance:
             at += size
         for p in self._params:
             size = p.data.size
-            p.grad = Tensor(avg[at : at + size].reshape(p.data.shape).astype(p.data.dtype))
+            view = avg[at : at + size].reshape(p.data.shape)
+            p.grad = Tensor._wrap(view.astype(p.data.dtype, copy=False))
             at += size

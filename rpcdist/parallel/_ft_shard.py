@@ -111,7 +111,7 @@ def regather(
             arrays.append(e.params)
             arrays.extend(e.state[k] for k in keys)
         header["vectors"].append(desc)
-    got = ft.all_gather_frames(header, arrays)
+    got = ft._all_gather_frames(header, arrays)
     order = sorted(got, key=lambda m: (not got[m][0]["fresh"], -m))  # the winner writes last
     out = [
         Whole(np.zeros(n, dtype), np.zeros(n, bool))

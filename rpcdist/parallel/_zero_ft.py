@@ -59,7 +59,7 @@ class ZeroFaultTolerance:
         self.saved: list[tuple[Tensor, Any, dict[str, Any] | None]] = []
         self.got: dict[int, np.ndarray[Any, Any]] = {}
         zero.optim, zero._pieces = None, []
-        ft.add_sharded(self)
+        ft._add_sharded(self)
 
     # -- what FaultTolerance calls ------------------------------------------------------
 
@@ -110,7 +110,7 @@ class ZeroFaultTolerance:
                 self.saved.append((piece, piece.data.copy(), copy))
             zero.optim.step()
         flat = np.concatenate([self._owned(v, zero.rank) for v in range(len(self.kinds))])
-        self.got = self.ft.exchange(flat.astype(np.float64), flat.size)
+        self.got = self.ft._all_gather(flat.astype(np.float64), flat.size)
 
     def _ft_finish(self, committed: bool) -> None:
         zero = self.zero
