@@ -86,13 +86,17 @@ class SegmentPool:
         total = sum(b.nbytes for b in buffers)
         seg = self._take(total) or self._make(total)
         seg.mm[0] = BUSY
-        if total <= _STORE_MAX:  # stores through our mapping
-            off = HEADER
-            for b in buffers:
-                seg.mm[off : off + b.nbytes] = b
-                off += b.nbytes
-        else:
-            _write_all(seg.fd, [b for b in buffers if b.nbytes], HEADER)
+        try:
+            if total <= _STORE_MAX:  # stores through our mapping
+                off = HEADER
+                for b in buffers:
+                    seg.mm[off : off + b.nbytes] = b
+                    off += b.nbytes
+            else:
+                _write_all(seg.fd, [b for b in buffers if b.nbytes], HEADER)
+        except BaseException:
+            seg.mm[0] = FREE
+            raise
         self._writer.segments_written += 1
         return seg.path, seg
 
@@ -133,6 +137,7 @@ class SegmentPool:
         _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
         seg.mm.close()
         os.close(seg.fd)
+        self._writer.forget(seg.path)
 
     def close(self) -> None:
         """Retire every segment (arrays the receiver still holds stay valid)."""
@@ -160,8 +165,13 @@ class SegmentWriter:
         return p
 
     def note(self, path: str) -> None:
+        """A segment file was made (unlinked on cleanup if still there)."""
         self._paths.add(path)
         self.segments_made += 1
+
+    def forget(self, path: str) -> None:
+        """A segment was retired (its file unlinked already)."""
+        self._paths.discard(path)
 
     def cleanup(self) -> None:
         """Close every pool, unlink files that were never picked up, and those
