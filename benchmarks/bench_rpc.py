@@ -247,7 +247,7 @@ def crowded_table(rounds: int, quick: bool, with_torch: bool) -> str:
         rows.append(
             [
                 name,
-                f"{cores} busy loops" if busy else "quiet",
+                f"{cores} busy loops" if busy else "no busy loops",
                 median([r["p50_us"] for r in rs]),
                 median([r["p99_us"] for r in rs]),
                 median([r.get("calls_s", float("nan")) for r in rs]),

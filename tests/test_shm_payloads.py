@@ -193,3 +193,16 @@ def test_bad_segment_names_are_refused():
     with pytest.raises(OSError):
         reader.buffers(path, [3, 1 << 30])  # longer than the segment
     w.cleanup()
+
+
+def test_a_payload_above_the_store_limit_is_written_whole(monkeypatch):
+    from rpcdist._transport import _shm
+
+    monkeypatch.setattr(_shm, "_STORE_MAX", 4)  # everything goes through pwritev
+    monkeypatch.setattr(_shm, "_IOV_MAX", 2)  # several calls
+    w = SegmentWriter()
+    parts = [b"abc", b"", b"defgh", b"ij", b"klmnop"]
+    path, _ = w.pool().write([memoryview(p) for p in parts])
+    views = SegmentReader().buffers(path, [len(p) for p in parts])
+    assert [bytes(v) for v in views] == parts
+    w.cleanup()

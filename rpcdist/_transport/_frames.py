@@ -94,7 +94,10 @@ class OutMessage:
     _started: bool = False
 
     def __post_init__(self) -> None:
-        self.buffers = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in self.buffers]
+        if self.buffers:  # (most calls have none: no new list for them)
+            self.buffers = [
+                b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in self.buffers
+            ]
 
     @property
     def payload_bytes(self) -> int:

@@ -3,7 +3,8 @@
 Each link to a worker on this host has a pool of segments (:class:`SegmentPool`,
 sender side). To send a large message the sender picks a free segment big
 enough (or makes one), marks it busy, copies the buffers into it (the one
-copy) and sends only its name. The receiver (:class:`SegmentReader`) maps a
+copy: stores through its mapping, or ``pwritev`` for the largest) and sends
+only its name. The receiver (:class:`SegmentReader`) maps a
 segment the first time it is named and unlinks the file at once, so nothing
 is left in /dev/shm once both sides hold it; later messages through the same
 segment reuse both mappings. Arrays are decoded straight from the mapping
@@ -47,6 +48,12 @@ KEEP_FREE = 4
 #: Segment sizes are rounded up to a multiple of this (so a slightly larger
 #: message still fits a segment made for an earlier one).
 _GRAIN = 1 << 20
+_IOV_MAX = 1024
+#: Payloads up to this size are stored through the sender's mapping; larger
+#: ones are written by ``pwritev`` (the kernel copies into the file's pages
+#: through its own mapping). On the 2-core VM, interleaved: 16 MB 9.1 GB/s
+#: stored against 5.1 written, 64 MB 5.5 against 3.0, 256 MB 2.4 against 3.5.
+_STORE_MAX = 64 << 20
 
 
 def shm_available() -> bool:
@@ -54,10 +61,10 @@ def shm_available() -> bool:
 
 
 class _Segment:
-    __slots__ = ("mm", "path", "size")
+    __slots__ = ("fd", "mm", "path", "size")
 
-    def __init__(self, path: str, mm: mmap.mmap, size: int) -> None:
-        self.path, self.mm, self.size = path, mm, size
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int) -> None:
+        self.path, self.fd, self.mm, self.size = path, fd, mm, size
 
 
 class SegmentPool:
@@ -79,10 +86,17 @@ class SegmentPool:
         total = sum(b.nbytes for b in buffers)
         seg = self._take(total) or self._make(total)
         seg.mm[0] = BUSY
-        off = HEADER
-        for b in buffers:
-            seg.mm[off : off + b.nbytes] = b
-            off += b.nbytes
+        try:
+            if total <= _STORE_MAX:  # stores through our mapping
+                off = HEADER
+                for b in buffers:
+                    seg.mm[off : off + b.nbytes] = b
+                    off += b.nbytes
+            else:
+                _write_all(seg.fd, [b for b in buffers if b.nbytes], HEADER)
+        except BaseException:
+            seg.mm[0] = FREE
+            raise
         self._writer.segments_written += 1
         return seg.path, seg
 
@@ -112,8 +126,7 @@ class SegmentPool:
             os.close(fd)
             _unlink(path)
             raise
-        os.close(fd)
-        seg = _Segment(path, mm, size)
+        seg = _Segment(path, fd, mm, size)
         self._segments.append(seg)
         self._writer.note(path)
         return seg
@@ -123,6 +136,8 @@ class SegmentPool:
         seg.mm[0] = RETIRED
         _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
         seg.mm.close()
+        os.close(seg.fd)
+        self._writer.forget(seg.path)
 
     def close(self) -> None:
         """Retire every segment (arrays the receiver still holds stay valid)."""
@@ -150,8 +165,13 @@ class SegmentWriter:
         return p
 
     def note(self, path: str) -> None:
+        """A segment file was made (unlinked on cleanup if still there)."""
         self._paths.add(path)
         self.segments_made += 1
+
+    def forget(self, path: str) -> None:
+        """A segment was retired (its file unlinked already)."""
+        self._paths.discard(path)
 
     def cleanup(self) -> None:
         """Close every pool, unlink files that were never picked up, and those
@@ -248,6 +268,18 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state not in (b"Z", b"X")
+
+
+def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write ``buffers`` into file ``fd`` from ``offset`` on, in as few calls as it takes."""
+    while buffers:
+        n = os.pwritev(fd, buffers[:_IOV_MAX], offset)
+        offset += n
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers = buffers[1:]
+        if n:
+            buffers = [buffers[0][n:], *buffers[1:]]
 
 
 def _release(mm: mmap.mmap) -> None:

@@ -129,11 +129,22 @@ def from_fp16(h: Any, out: Any = None, scale: float = 1.0) -> Any:
     if not _is_numpy(h):
         xp.multiply(h.view(xp.float16), scale, out=out, dtype=xp.float32)
         return out
-    w = h.astype(np.uint32)
-    sign = np.bitwise_and(w, 0x8000)
+    flat_in, flat_out = h.reshape(-1), out.reshape(-1)
+    n = flat_in.size
+    w, sign = np.empty(min(n, _BLOCK), np.uint32), np.empty(min(n, _BLOCK), np.uint32)
+    for i in range(0, n, _BLOCK):  # blocks that stay in cache through the passes
+        k = min(_BLOCK, n - i)
+        _widen_block(flat_in[i : i + k], flat_out[i : i + k], scale, w[:k], sign[:k])
+    return out
+
+
+def _widen_block(h: Any, out: Any, scale: float, w: Any, sign: Any) -> None:
+    """:func:`from_fp16` of one block, with scratch arrays ``w`` and ``sign``."""
+    np.copyto(w, h)
+    np.bitwise_and(w, 0x8000, out=sign)
     np.left_shift(sign, 16, out=sign)
     np.bitwise_and(w, 0x7FFF, out=w)
-    big = w >= 0x7C00 if w.size and w.max() >= 0x7C00 else None  # infinity, NaN
+    big = w >= 0x7C00 if w.max() >= 0x7C00 else None  # infinity, NaN
     np.left_shift(w, 13, out=w)
     f = w.view(np.float32)
     np.multiply(f, np.float32(2.0**112), out=f)  # exact, subnormals included
@@ -142,6 +153,8 @@ def from_fp16(h: Any, out: Any = None, scale: float = 1.0) -> Any:
     np.bitwise_or(w, sign, out=w)
     if scale == 1.0:
         np.copyto(out, f)
-    else:
+    elif big is None:
         np.multiply(f, np.float32(scale), out=out)
-    return out
+    else:
+        with np.errstate(invalid="ignore"):  # (a signalling NaN stays a NaN)
+            np.multiply(f, np.float32(scale), out=out)

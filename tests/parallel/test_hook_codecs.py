@@ -140,3 +140,15 @@ def test_fp16_of_several_blocks_and_two_dimensions():
     got = to_fp16(x)
     assert got.shape == x.shape
     np.testing.assert_array_equal(got, want)
+
+
+def test_fp16_widens_several_blocks_and_two_dimensions():
+    h = np.random.default_rng(4).integers(0, 1 << 16, (300, 700)).astype(np.uint16)
+    with np.errstate(invalid="ignore"):
+        want = h.view(np.float16).astype(np.float32) * np.float32(0.5)
+    with np.errstate(invalid="raise"):
+        got = from_fp16(h, scale=0.5)
+    assert got.shape == h.shape
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
