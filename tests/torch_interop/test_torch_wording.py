@@ -62,6 +62,16 @@ def test_a_missing_rank_is_refused_with_torchs_texts(init_method, why, monkeypat
         rpc.init_rpc("w", rpc_backend_options=options)
 
 
+@rpc.functions.async_execution
+def _returns_no_future():
+    return torch.zeros(2)
+
+
+def test_an_async_function_returning_no_future_is_refused_with_torchs_text(agent):
+    with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object,"):
+        rpc.rpc_sync("worker1", _returns_no_future)
+
+
 def test_calls_before_init_rpc_say_rpc_has_not_been_initialized():
     with pytest.raises(RuntimeError, match="^RPC has not been initialized"):
         rpc.rpc_sync("worker1", torch.add, args=(1, 1))

@@ -217,6 +217,7 @@ DEVIATIONS: dict[str, str] = {
     "RpcTest.test_py_class_constructor": _by_value("MyClass"),
     "RpcTest.test_py_nested_pickle": _by_value("MyPickleClass (its own __getstate__)"),
     "RpcTest.test_py_tensors_in_container": _by_value("TensorClass (a NamedTuple)"),
+    "TensorPipeAgentRpcTest.test_rref_proxy_timeout": _by_value("MyClass"),
     "RpcTest.test_py_class_instance_method": _BOUND,
     "TensorPipeAgentRpcTest.test_rref_get_type_timeout_blocking": _PICKLE,
     "TensorPipeAgentRpcTest.test_rref_get_type_timeout_non_blocking": _PICKLE,

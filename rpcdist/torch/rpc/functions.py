@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
+from ..._futures import Future
 from ...functions import async_execution as _mark
 from .._futures import as_future
 from .._profile import run_async_body
 
-__all__ = ["async_execution"]
+__all__ = ["AsyncFunctionTypeError", "async_execution"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AsyncFunctionTypeError(TypeError, RuntimeError):
+    """An ``@async_execution`` function returned no Future (a ``RuntimeError``
+    too, as torch's)."""
 
 
 def async_execution(fn: F) -> F:
@@ -28,7 +37,14 @@ def async_execution(fn: F) -> F:
 
     @functools.wraps(target)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return as_future(run_async_body(target, args, kwargs))
+        out = run_async_body(target, args, kwargs)
+        if not isinstance(out, Future | torch.futures.Future) and not inspect.isawaitable(out):
+            raise AsyncFunctionTypeError(
+                "Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(out).__name__} (or an "
+                "rpcdist Future)"
+            )
+        return as_future(out)
 
     _mark(run)
     out: Any = kind(run) if kind is not None else run
