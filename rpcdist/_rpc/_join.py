@@ -161,8 +161,8 @@ async def check(agent: AgentView, infos: list[dict[str, Any]]) -> None:
     for info in infos:
         if info["name"] in seen:
             raise ConfigError(
-                f"worker name {info['name']!r} is used by both rank {seen[info['name']]} "
-                f"and rank {info['rank']}: names must be unique"
+                f"worker name {info['name']!r} is not unique: it is used by both rank "
+                f"{seen[info['name']]} and rank {info['rank']} (names must be unique)"
             )
         seen[info["name"]] = info["rank"]
     mine = agent.links.transport.name
