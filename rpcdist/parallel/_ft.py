@@ -16,6 +16,12 @@ or no data within ``timeout``) closes the mesh, so the other members fail
 too, and votes ``ok=False``; the coordinator (:class:`FaultToleranceCoordinator`)
 then has every survivor redo the step at the smaller world, the sampler
 re-sharded over the samples not yet committed.
+
+A fault-tolerant ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``
+takes part through :meth:`FaultTolerance._add_sharded` (``_zero_ft.py``,
+``_fsdp_ft.py``): its gradients join the average, it may act between the
+average and the vote (ZeRO's step), and at the first step of each new
+membership every member re-shards it (``_ft_shard.py``).
 """
 
 from __future__ import annotations
