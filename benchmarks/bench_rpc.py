@@ -125,6 +125,137 @@ def _rpcdist_worker(rank: int, init: str, quick: bool, transport: str, q: Any) -
         rpcdist.shutdown()
 
 
+def _echo_worker(rank: int, init: str, shm: bool, sizes: list[int], q: Any) -> None:
+    """Array echo over the default TCP transport, /dev/shm segments on or off."""
+    import rpcdist
+
+    opts = rpcdist.RpcOptions(shm_threshold_bytes=1 << 20 if shm else None)
+    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120, options=opts)
+    try:
+        if rank == 0:
+            echo = lambda x: rpcdist.rpc_sync("w1", bf.echo, args=(x,))  # noqa: E731
+            q.put({mb: _echo_gbps(echo, mb << 20, 5 if mb >= 64 else 10) for mb in sizes})
+    finally:
+        rpcdist.shutdown()
+
+
+def _memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / median(times) / 1e9
+
+
+def echo_table(rounds: int) -> str:
+    """One-way array echo GB/s with and without /dev/shm segments, against memcpy.
+
+    The two settings and NumPy's memcpy alternate round by round
+    (``rounds`` each); a cell is the median over rounds (and the best
+    round), so load on a shared machine falls on all three alike.
+    """
+    sizes = [16, 64, 256]
+    got: dict[str, list[dict[int, float]]] = {"on": [], "off": [], "memcpy": []}
+    for _ in range(rounds):
+        for shm in (True, False):
+            with __import__("tempfile").TemporaryDirectory() as tmp:
+                r = _run_pair(_echo_worker, (f"file://{tmp}/rdv", shm, sizes))
+            got["on" if shm else "off"].append(r)
+        got["memcpy"].append({mb: _memcpy_gbps(mb << 20) for mb in sizes})
+    rows = []
+    for mb in sizes:
+        on, off, mc = ([r[mb] for r in got[k]] for k in ("on", "off", "memcpy"))
+        rows.append(
+            [
+                mb,
+                f"{median(on):.2f} ({max(on):.2f})",
+                f"{median(off):.2f} ({max(off):.2f})",
+                f"{median(mc):.2f} ({max(mc):.2f})",
+                median(on) / median(mc),
+            ]
+        )
+    return table(
+        [
+            "MB",
+            "shm segments GB/s (best)",
+            "socket GB/s (best)",
+            "NumPy memcpy GB/s (best)",
+            "shm / memcpy (medians)",
+        ],
+        rows,
+    )
+
+
+def _spin(stop: Any) -> None:
+    """A busy loop at normal priority (a training process's compute thread)."""
+    x = 0
+    while not stop.is_set():
+        for _ in range(10_000):
+            x += 1
+
+
+def _noop_worker(rank: int, init: str, quick: bool, q: Any) -> None:
+    import rpcdist
+
+    rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120)
+    try:
+        if rank == 0:
+            q.put(
+                _measure(
+                    lambda: rpcdist.rpc_sync("w1", bf.noop),
+                    lambda cb: rpcdist.rpc_async("w1", bf.noop).add_done_callback(cb),
+                    None,
+                    quick,
+                )
+            )
+    finally:
+        rpcdist.shutdown()
+
+
+def crowded_table(rounds: int, quick: bool, with_torch: bool) -> str:
+    """No-op ``rpc_sync`` p50/p99 and ``rpc_async`` rate, quiet and with one
+    busy loop per CPU this process may use (``cpu_allowance``: affinity and
+    cgroup quota), rpcdist and PyTorch RPC alternating."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from rpcdist._rpc._cores import cpu_allowance
+
+    cores = cpu_allowance()
+    ctx = mp.get_context("spawn")
+    got: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for busy in (False, True):
+            stop = ctx.Event()
+            spinners = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(cores)]
+            for sp in spinners if busy else []:
+                sp.start()
+            try:
+                with __import__("tempfile").TemporaryDirectory() as tmp:
+                    r = _run_pair(_noop_worker, (f"file://{tmp}/rdv", quick))
+                got.setdefault(("rpcdist", busy), []).append(r)
+                if with_torch:
+                    t = _run_pair(_torch_noop_worker, (free_port(), quick))
+                    got.setdefault(("torch", busy), []).append(t)
+            finally:
+                stop.set()
+                for sp in spinners if busy else []:
+                    sp.join(10)
+    rows = []
+    for (name, busy), rs in sorted(got.items()):
+        rows.append(
+            [
+                name,
+                f"{cores} busy loops" if busy else "quiet",
+                median([r["p50_us"] for r in rs]),
+                median([r["p99_us"] for r in rs]),
+                median([r.get("calls_s", float("nan")) for r in rs]),
+            ]
+        )
+    return table(["", "machine", "rpc_sync p50 (µs)", "p99 (µs)", "rpc_async calls/s"], rows)
+
+
 # -------------------------------------------------------------- raw grpc.aio
 
 
@@ -229,6 +360,14 @@ def _grpc_client(port: int, quick: bool) -> dict[str, Any]:
 
 
 def _torch_worker(rank: int, port: int, quick: bool, q: Any) -> None:
+    _torch_run(rank, port, quick, q, with_echo=True)
+
+
+def _torch_noop_worker(rank: int, port: int, quick: bool, q: Any) -> None:
+    _torch_run(rank, port, quick, q, with_echo=False)
+
+
+def _torch_run(rank: int, port: int, quick: bool, q: Any, with_echo: bool) -> None:
     import torch
     import torch.distributed.rpc as rpc
 
@@ -246,7 +385,7 @@ def _torch_worker(rank: int, port: int, quick: bool, q: Any) -> None:
             res = _measure(
                 lambda: rpc.rpc_sync("w1", bf.noop),
                 lambda cb: rpc.rpc_async("w1", bf.noop).add_done_callback(cb),
-                echo,
+                echo if with_echo else None,
                 quick,
             )
             q.put(res)
@@ -282,12 +421,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer calls, no 256 MB")
     ap.add_argument("--repeats", type=int, default=3, help="independent runs; medians reported")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
+    ap.add_argument("--echo-only", action="store_true", help="only the large-array table; print")
+    ap.add_argument(
+        "--crowded", action="store_true", help="only quiet against busy loops per core; print"
+    )
     a = ap.parse_args()
+    if a.echo_only:
+        print(echo_table(a.repeats))
+        return
     with_torch = True
     try:
         import torch  # noqa: F401
     except ImportError:
         with_torch = False
+    if a.crowded:
+        print(crowded_table(a.repeats, a.quick, with_torch))
+        return
 
     runs: dict[str, list[dict[str, Any]]] = {
         "rpcdist": [],

@@ -32,6 +32,14 @@ def _env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
+def _shm_env() -> int | str | None:
+    """``RPCDIST_SHM_THRESHOLD``: bytes, ``off`` (None) or ``auto`` (the default)."""
+    v = os.environ.get("RPCDIST_SHM_THRESHOLD", "auto").strip().lower()
+    if v in ("off", "none", "0"):
+        return None
+    return int(v) if v.isdigit() else v
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is a loopback address."""
     host = host.strip("[]")
@@ -104,11 +112,10 @@ class RpcOptions:
             message (RRef protocol, cleanup) is sent again.
         faults: A fault injector for tests (see ``rpcdist.testing``).
         shm_threshold_bytes: Payloads at least this large, to a worker on the
-            same host, travel through a /dev/shm file instead of the stream;
-            ``None`` turns this off. ``"auto"`` (the default): 1 MiB on the
-            gRPC transport (where it saves two of three copies), off on the
-            TCP transport (whose socket path is faster than a fresh /dev/shm
-            file per message; docs/design.md).
+            same host, travel through a reused /dev/shm segment instead of
+            the stream (one copy; docs/design.md); ``None`` turns this off.
+            ``"auto"``: 1 MiB. Default: ``RPCDIST_SHM_THRESHOLD`` (bytes,
+            ``off`` or ``auto``), else ``"auto"``.
         local_sockets: On the TCP transport, reach workers on the same host
             (same hostname and boot id, learnt at rendezvous) through a Unix
             socket in Linux's abstract namespace instead of loopback TCP: the
@@ -218,7 +225,7 @@ class RpcOptions:
     shutdown_timeout: float = 60.0
     control_retry_interval: float = 1.0
     faults: FaultInjector | None = None
-    shm_threshold_bytes: int | str | None = "auto"
+    shm_threshold_bytes: int | str | None = field(default_factory=lambda: _shm_env())
     ignore_rref_leaks: bool = False
     transport: str = field(default_factory=lambda: os.environ.get("RPCDIST_TRANSPORT", "auto"))
     local_sockets: bool = field(
@@ -401,7 +408,7 @@ class RpcOptions:
         """``shm_threshold_bytes`` with ``"auto"`` resolved for the transport."""
         t = self.shm_threshold_bytes
         if t == "auto":
-            return (1 << 20) if self.data_transport == "grpc" else None
+            return 1 << 20
         return t if isinstance(t, int) else None
 
     def peer_host(self) -> str:

@@ -110,8 +110,10 @@ def busy_polling_under_nested_calls(rank, world_size, init_method):
 
 def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     """As if more threads were runnable than the host has cores: rank 0's
-    calls to rank 1 (each 2 ms long, well within the polling window) start
-    polling and stop at once; rank 0 returns its counters after 20 of them."""
+    calls to rank 1 (each 20 ms long, well within the polling window, and
+    long enough that a caller descheduled on a loaded host does not find
+    the reply already there) start polling and stop at once; rank 0 returns
+    its counters after 20 of them."""
     from rpcdist._rpc import _busy_poll
 
     _busy_poll.crowded = lambda: True  # (what the polling loop reads)
@@ -126,7 +128,7 @@ def busy_polling_on_a_crowded_host(rank, world_size, init_method):
     try:
         if rank != 0:
             return None
-        got = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.002, i)) for i in range(20)]
+        got = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.02, i)) for i in range(20)]
         assert got == list(range(20))
         s = rpcdist.statistics()
         return s["busy_polls"], s["busy_poll_hits"], s["busy_poll_yields"]
@@ -206,3 +208,89 @@ def busy_polling_beside_a_handler(rank, world_size, init_method):
         return during, busy_poll_counters()
     finally:
         rpcdist.shutdown()
+
+
+_KEPT: list = []
+
+
+def keep(x):
+    """Hold ``x`` (its shared-memory segment stays busy) and return its size."""
+    _KEPT.append(x)
+    return x.nbytes
+
+
+def stray_segment():
+    """Write a payload segment no one will be told of (as a sender killed mid-send leaves)."""
+    from rpcdist._rpc._context import current_agent
+
+    path, _ = current_agent().links.transport.segments.pool().write([memoryview(b"x" * 100)])
+    return path
+
+
+def shm_files(pid):
+    import glob
+
+    return glob.glob(f"/dev/shm/rpcdist-msg-{pid}-*")
+
+
+def shm_after_killed_peer(rank, world_size, init_method):
+    """Rank 0 moves large arrays both ways with rank 1, SIGKILLs it, shuts down
+    and reports the /dev/shm files of both processes left after that."""
+    import os
+    import signal
+
+    import numpy as np
+
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30)
+    if rank == 1:
+        while True:  # serve until rank 0 kills us
+            time.sleep(0.1)
+    x = np.arange(1 << 20, dtype=np.float64)  # 8 MB
+    try:
+        for _ in range(3):
+            assert np.array_equal(rpcdist.rpc_sync("w1", rf.echo, args=(x,)), x)
+        held = rpcdist.rpc_sync("w1", keep, args=(x,))
+        stray = rpcdist.rpc_sync("w1", stray_segment)
+        victim = rpcdist.rpc_sync("w1", rf.pid)
+        before = {"stray": os.path.exists(stray), "held": held}
+        os.kill(victim, signal.SIGKILL)
+        try:
+            rpcdist.rpc_sync("w1", rf.echo, args=(x,), timeout=10)
+        except rpcdist.RpcdistError:
+            pass
+    finally:
+        from rpcdist._rpc._context import current_agent
+
+        written = current_agent().links.transport.segments.segments_written
+        rpcdist.shutdown()
+    return {
+        **before,
+        "written": written,
+        "left": shm_files(os.getpid()) + shm_files(victim),
+    }
+
+
+def p2p_through_shm(rank, world_size, init_method):
+    """Point-to-point send/recv of a large array on the ring engine (one host)."""
+    import numpy as np
+
+    from rpcdist import collectives as dist
+    from rpcdist.collectives._api import state
+
+    dist.init_process_group("ring", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        segs = state().agent.links.transport.segments
+        x = np.arange(1 << 20, dtype=np.float32)
+        before = segs.segments_written
+        if rank == 0:
+            dist.send(x, 1)
+            got = None
+        else:
+            got = np.zeros_like(x)
+            dist.recv(got, 0)
+        return {
+            "written": segs.segments_written - before,
+            "ok": got is None or bool(np.array_equal(got, x)),
+        }
+    finally:
+        dist.destroy_process_group()

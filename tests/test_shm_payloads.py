@@ -1,17 +1,30 @@
-"""Large payloads between workers on one host travel through /dev/shm files."""
+"""Large payloads between workers on one host travel through reused /dev/shm segments."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
+import stat
 
+import mp_workers as mw
 import numpy as np
 import pytest
 import rpc_funcs as rf
 
 import rpcdist
-from rpcdist._transport._shm import SHM_DIR, SegmentWriter, map_segment, shm_available
-from rpcdist.testing import local_agents
+import rpcdist.autograd as dist_autograd
+from rpcdist._transport._shm import (
+    BUSY,
+    FREE,
+    RETIRED,
+    SHM_DIR,
+    SegmentReader,
+    SegmentWriter,
+    shm_available,
+)
+from rpcdist.tensor import Tensor
+from rpcdist.testing import as_current, local_agents, run_workers
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm")
 
@@ -23,10 +36,11 @@ def _ours() -> list[str]:
 @pytest.mark.parametrize(
     "opts",
     [
-        rpcdist.RpcOptions(token=None, transport="grpc"),  # on by default there
+        rpcdist.RpcOptions(token=None, transport="grpc"),  # on by default
+        rpcdist.RpcOptions(token=None, transport="tcp"),
         rpcdist.RpcOptions(token=None, transport="tcp", shm_threshold_bytes=1 << 20),
     ],
-    ids=["grpc-auto", "tcp-explicit"],
+    ids=["grpc-auto", "tcp-auto", "tcp-explicit"],
 )
 def test_large_arrays_use_shared_memory_and_leave_nothing_behind(opts):
     x = np.random.default_rng(0).random(1_000_000)  # 8 MB
@@ -47,13 +61,69 @@ def test_large_arrays_use_shared_memory_and_leave_nothing_behind(opts):
         assert _ours() == []
 
 
+def _written(agent):
+    return agent.links.transport.segments.segments_written
+
+
+def test_segments_are_reused_across_calls_and_held_arrays_stay_intact():
+    x = np.random.default_rng(1).random(1_000_000)  # 8 MB
+    with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, b):
+        kept = []
+        for i in range(20):
+            got = a.rpc_async(1, rf.echo, args=(x + i,)).wait(30)
+            if i % 5 == 0:
+                kept.append((i, got))  # its segment stays busy while we hold it
+            del got
+        assert _written(a) == 20 and _written(b) == 20
+        # a few segments per link, not one per message
+        made = a.links.transport.segments.segments_made
+        assert 1 <= made <= 2 and b.links.transport.segments.segments_made <= 1 + len(kept)
+        for i, arr in kept:
+            assert np.array_equal(arr, x + i)
+        assert _ours() == []
+
+
+def test_rref_values_and_autograd_gradients_take_the_segments():
+    x0 = np.random.default_rng(2).standard_normal(300_000)  # 2.4 MB
+    with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, b):
+        with as_current(a):
+            rref = rpcdist.remote("worker1", rf.echo, args=(x0,))
+            before = _written(b)
+            assert np.array_equal(rref.to_here(), x0)
+            assert _written(b) == before + 1  # the value came back through a segment
+            x = Tensor(x0.copy(), requires_grad=True)
+            with dist_autograd.context() as cid:
+                y = rpcdist.rpc_sync("worker1", rf.echo, args=(x,))
+                sent = _written(a), _written(b)
+                dist_autograd.backward(cid, [(y * y).sum()])
+                gx = dist_autograd.get_gradients(cid)[x]
+            # the gradient went to worker1 and its gradient came back, both large
+            assert _written(a) > sent[0] and _written(b) > sent[1]
+            np.testing.assert_allclose(gx, 2 * x0)
+        assert _ours() == []
+
+
+@pytest.mark.timeout(120)
+def test_point_to_point_on_the_ring_takes_the_segments():
+    r0, r1 = run_workers(mw.p2p_through_shm, 2, timeout=100)
+    assert r0 == {"written": 1, "ok": True} and r1["ok"]
+
+
+@pytest.mark.timeout(120)
+def test_nothing_is_left_in_dev_shm_after_a_peer_is_killed():
+    res = run_workers(mw.shm_after_killed_peer, 2, timeout=100, allow_exit={1})
+    r0 = res[0]
+    assert r0["stray"] and r0["held"] == 8 << 20 and r0["written"] >= 4
+    assert r0["left"] == []
+
+
 @pytest.mark.parametrize(
     "opts",
     [
         rpcdist.RpcOptions(token=None, transport="grpc", shm_threshold_bytes=None),
-        rpcdist.RpcOptions(token=None, transport="tcp"),  # off by default there
+        rpcdist.RpcOptions(token=None, transport="tcp", shm_threshold_bytes=None),
     ],
-    ids=["grpc-off", "tcp-auto"],
+    ids=["grpc-off", "tcp-off"],
 )
 def test_shared_memory_can_be_turned_off(opts):
     x = np.ones(500_000)
@@ -63,16 +133,63 @@ def test_shared_memory_can_be_turned_off(opts):
         assert _ours() == []
 
 
-def test_unclaimed_segments_are_removed_by_the_writer_and_bad_names_refused():
+def test_a_segment_is_reused_once_the_receivers_arrays_are_gone():
     w = SegmentWriter()
-    path = w.write([memoryview(b"abc"), memoryview(b"defg")])
-    assert os.path.exists(path)
-    w.cleanup()
-    assert not os.path.exists(path)
-    path = w.write([memoryview(b"abc"), memoryview(b"defg")])
-    views = map_segment(path, [3, 4])
-    assert [bytes(v) for v in views] == [b"abc", b"defg"] and not os.path.exists(path)
-    with pytest.raises(ValueError):
-        map_segment("/etc/passwd", [1])
+    pool, reader = w.pool(), SegmentReader()
+    path, seg = pool.write([memoryview(b"abc"), memoryview(b"defg")])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert os.stat(path).st_uid == os.getuid()
+    views = reader.buffers(path, [3, 4])
+    assert [bytes(v) for v in views] == [b"abc", b"defg"]
+    assert not os.path.exists(path)  # unlinked once mapped
+    held = np.frombuffer(views[1], np.uint8)  # an array decoded from the payload
+    del views
+    gc.collect()
+    assert seg.mm[0] == BUSY  # the array still uses it: not reused
+    path2, seg2 = pool.write([memoryview(b"xyz")])
+    assert seg2 is not seg and bytes(held) == b"defg"
+    del held
+    gc.collect()
+    assert seg.mm[0] == FREE
+    path3, seg3 = pool.write([memoryview(b"hello")])
+    assert seg3 is seg and path3 == path  # the same segment, mapped once by the reader
+    assert [bytes(v) for v in reader.buffers(path3, [5])] == [b"hello"]
+    assert len(pool) == 2
+    pool.close()
+    assert seg.mm.closed and not os.path.exists(path2)
     with pytest.raises(OSError):
-        map_segment(path, [3, 4])  # already unlinked
+        pool.write([memoryview(b"late")])
+
+
+def test_retired_segments_are_dropped_and_leftovers_unlinked():
+    w = SegmentWriter()
+    pool, reader = w.pool(), SegmentReader()
+    path, seg = pool.write([memoryview(b"abc")])
+    reader.buffers(path, [3])
+    gc.collect()
+    mapped = reader._maps[path]
+    pool.close()  # the receiver sees the state and forgets its mapping
+    assert mapped[0] == RETIRED
+    other = w.pool()
+    p2, _ = other.write([memoryview(b"never picked up")])
+    held = reader.buffers(p2, [5])
+    assert path not in reader._maps
+    p3, _ = other.write([memoryview(b"never mapped")])  # a new segment: p2's is held
+    assert os.path.exists(p3)
+    w.cleanup()
+    assert not os.path.exists(p3) and _ours() == []
+    assert bytes(held[0]) == b"never"
+
+
+def test_bad_segment_names_are_refused():
+    reader = SegmentReader()
+    for bad in ("/etc/passwd", os.path.join(SHM_DIR, "rpcdist-msg-gone")):
+        with pytest.raises(ValueError):
+            reader.buffers(bad, [1])
+    with pytest.raises(OSError):
+        reader.buffers(os.path.join(SHM_DIR, "rpcdist-msg-1-gone"), [1])
+    w = SegmentWriter()
+    path, _ = w.pool().write([memoryview(b"abc")])
+    with pytest.raises(OSError):
+        reader.buffers(path, [3, 1 << 30])  # longer than the segment
+    w.cleanup()

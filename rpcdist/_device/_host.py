@@ -52,12 +52,19 @@ class _Registry(Protocol):
 class Host(Protocol):
     """The agent, as a device extension sees it."""
 
-    rank: int
-    options: RpcOptions
-    loop: asyncio.AbstractEventLoop
-    workers: list[WorkerInfo]
-    links: _Links
-    registry: _Registry
-    codec_hooks: CodecHooks
+    @property
+    def rank(self) -> int: ...
+    @property
+    def options(self) -> RpcOptions: ...
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def workers(self) -> list[WorkerInfo]: ...
+    @property
+    def links(self) -> _Links: ...
+    @property
+    def registry(self) -> _Registry: ...
+    @property
+    def codec_hooks(self) -> CodecHooks: ...
 
     async def send_control(self, dst: int, method: str, payload: Any) -> Any: ...

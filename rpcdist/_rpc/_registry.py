@@ -76,7 +76,7 @@ BUILTIN_EXTENSIONS = (
     "rpcdist.autograd._extension:install",
     "rpcdist._rpc._devices:install",
     "rpcdist.torch._extension:install",
-    "rpcdist.torch._profile_ext:install",
+    "rpcdist.torch._extension:install_profiling",
 )
 
 # The registry sits below the agent and hands what it is given through: in

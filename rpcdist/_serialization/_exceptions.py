@@ -133,7 +133,9 @@ def exception_from_wire(d: object) -> BaseException:
     The original type is used when it is already imported here, is an
     ``Exception`` the exposure rule admits (see the module docstring) and can
     be built from its args (or from its message alone); otherwise the result
-    is a :class:`~rpcdist.RemoteError` carrying ``remote_type``. Either way
+    is a :class:`~rpcdist.RemoteError` carrying ``remote_type``, its text
+    PyTorch's ("Failed to create original exception type. Error msg was
+    <why> Original exception on remote side was <type>: <message>"). Either way
     the result's ``remote_traceback`` holds the sender's traceback text, also
     chained as its ``__cause__``.
 
@@ -158,13 +160,15 @@ def exception_from_wire(d: object) -> BaseException:
         raise SerializationError("malformed exception payload: missing or mistyped fields")
     cls = _local_type(name)
     exc: BaseException | None = None
+    failed: Exception | None = None
     if cls is not None:
         for attempt in (args, (message,)):
             if attempt is None:
                 continue
             try:
                 made = cls(*attempt)
-            except Exception:
+            except Exception as e:
+                failed = e
                 continue
             if isinstance(made, BaseException):
                 exc = made
@@ -174,7 +178,13 @@ def exception_from_wire(d: object) -> BaseException:
             exc.remote_traceback = text  # type: ignore[attr-defined]
         except Exception:
             exc = None
-    if exc is None:
-        exc = RemoteError(message, remote_type=name, remote_traceback=text)
+    if exc is None:  # (in torch's words, which programs match, then the remote message)
+        why = failed if failed is not None else f"{name} is not re-created on this worker"
+        exc = RemoteError(
+            f"Failed to create original exception type. Error msg was {why} Original "
+            f"exception on remote side was {name.rpartition(':')[2]}: {message}",
+            remote_type=name,
+            remote_traceback=text,
+        )
     exc.__cause__ = _RemoteTraceback(text)
     return exc

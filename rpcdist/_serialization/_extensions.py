@@ -204,6 +204,10 @@ def _why_unsupported(obj: object) -> str:
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return "NumPy array subclasses are not supported; send numpy.asarray(value)"
+    futures = {c.__module__.partition(".")[0] for c in cls.__mro__ if c.__name__ == "Future"}
+    if futures & {"torch", "rpcdist"}:  # (torch's words first: programs match them)
+        torchs = "Can not pickle torch.futures.Future: " if "torch" in futures else ""
+        return f"{torchs}a Future cannot be sent; send its value once it is done"
     return (
         "no encoder for this type (register dataclasses and NamedTuples with "
         "rpcdist.register_type, or enable allow_pickle on a trusted cluster)"

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from .._errors import RpcdistError
 from .._options import RpcOptions
-from ._frames import P2P, Allocator, InMessage, OutMessage, Reassembler
-from ._shm import SegmentWriter, map_segment, shm_available
+from ._frames import Allocator, InMessage, OutMessage, Reassembler
+from ._shm import SegmentPool, SegmentReader, SegmentWriter, shm_available
 
 __all__ = [
     "Accept",
@@ -97,8 +97,10 @@ class Link:
         self.peer_rank = peer_rank
         self.label = label
         self.after_read = hooks.after_read if self.CALLS_AFTER_READ else None
-        #: Set for a peer on this host: large payloads then go through /dev/shm.
-        self._segments = segments
+        #: Set for a peer on this host: large payloads then go through /dev/shm
+        #: segments of this link's pool (see :mod:`._shm`).
+        self._segments: SegmentPool | None = segments.pool() if segments is not None else None
+        self._shm_reader: SegmentReader | None = None
         self._shm_threshold = options.payload_shm_threshold or 0
         self._on_message = hooks.on_message
         self._batch_bytes = options.batch_bytes
@@ -129,22 +131,21 @@ class Link:
             raise self.closed
         if self._segments is not None and self.wants_shm(msg):
             try:
-                msg.shm_path = self._segments.write(msg.buffers)
+                msg.shm_path, seg = self._segments.write(msg.buffers)
             except OSError as e:  # /dev/shm full or unavailable: use the stream
                 _log.debug(
                     "shared-memory payload for %s failed, using the stream: %s", self.label, e
                 )
+            else:
+                msg.undo = _also_release(msg.undo, seg)
         self._queue.append(msg)
         self._kick()
 
     def wants_shm(self, msg: OutMessage) -> bool:
-        """Whether ``msg``'s payload should travel in a /dev/shm file."""
-        return (
-            self._segments is not None
-            and msg.kind != P2P
-            and not msg.shm_path
-            and msg.payload_bytes >= self._shm_threshold
-        )
+        """Whether ``msg``'s payload should travel in a /dev/shm segment."""
+        if self._segments is None or not msg.buffers or msg.shm_path:
+            return False  # (most calls: no out-of-band buffers, nothing to add up)
+        return msg.payload_bytes >= self._shm_threshold
 
     def _kick(self) -> None:
         """Start moving queued messages (the subclass's writer)."""
@@ -183,12 +184,25 @@ class Link:
 
     def _deliver(self, m: InMessage) -> None:
         if m.shm_path:
+            if self._shm_reader is None:
+                self._shm_reader = SegmentReader()
             try:
-                m.buffers = map_segment(m.shm_path, m.sizes)
+                m.buffers = self._shm_reader.buffers(m.shm_path, m.sizes)
             except (OSError, ValueError) as e:
                 _log.warning("dropping message %d from %s: %s", m.id, self.label, e)
                 return
         self._on_message(self, m)
+
+
+def _also_release(undo: Callable[[], None] | None, seg: Any) -> Callable[[], None]:
+    """``undo`` that also frees the segment of a message that will never leave."""
+
+    def both() -> None:
+        SegmentPool.release(seg)
+        if undo is not None:
+            undo()
+
+    return both
 
 
 #: ``validate(rank, name) -> None`` or the reason a peer is refused.

@@ -30,6 +30,9 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16_MIN_NORMAL = 113 << 23  # float32 bits of 2**-14, float16's smallest normal
 _F16_OVERFLOW = 0x477FF000  # float32 bits of 65520: rounds to float16 infinity
 _F32_EXP = 0x7F800000
+#: Values converted per block: the scratch arrays of a block stay in the
+#: CPU's cache through the dozen passes a conversion takes.
+_BLOCK = 1 << 16
 
 
 def _is_numpy(x: Any) -> bool:
@@ -76,21 +79,32 @@ def to_fp16(x: Any, out: Any = None, scale: float = 1.0) -> Any:
     if not _is_numpy(x):
         out[...] = xp.multiply(x, scale, dtype=xp.float32).astype(xp.float16).view(xp.uint16)
         return out
-    f = np.multiply(x, np.float32(scale), dtype=np.float32)
+    flat_in, flat_out = x.reshape(-1), out.reshape(-1)
+    n = flat_in.size
+    f = np.empty(min(n, _BLOCK), np.float32)
+    mag, r = np.empty_like(f, np.uint32), np.empty_like(f, np.uint32)
+    for i in range(0, n, _BLOCK):  # blocks that stay in cache through the passes
+        k = min(_BLOCK, n - i)
+        _fp16_block(flat_in[i : i + k], flat_out[i : i + k], scale, f[:k], mag[:k], r[:k])
+    return out
+
+
+def _fp16_block(x: Any, out: Any, scale: float, f: Any, mag: Any, r: Any) -> None:
+    """:func:`to_fp16` of one block, with scratch arrays ``f``, ``mag`` and ``r``."""
+    np.multiply(x, np.float32(scale), out=f, dtype=np.float32)
     u = f.view(np.uint32)
-    mag = np.bitwise_and(u, 0x7FFFFFFF)
-    r = np.right_shift(mag, 13)
+    np.bitwise_and(u, 0x7FFFFFFF, out=mag)
+    np.right_shift(mag, 13, out=r)
     np.bitwise_and(r, 1, out=r)
     np.add(r, (0xFFF - (112 << 23)) & 0xFFFFFFFF, out=r)  # round half even, rebias
     np.add(r, mag, out=r)
     np.right_shift(r, 13, out=r)
-    if mag.size and (mag.min() < _F16_MIN_NORMAL or mag.max() >= _F16_OVERFLOW):
+    if mag.min() < _F16_MIN_NORMAL or mag.max() >= _F16_OVERFLOW:
         _fp16_edges(mag, r)
     np.right_shift(u, 16, out=mag)
     np.bitwise_and(mag, 0x8000, out=mag)
     np.bitwise_or(r, mag, out=r)
     np.copyto(out, r, casting="unsafe")
-    return out
 
 
 def _fp16_edges(mag: Any, r: Any) -> None:

@@ -39,6 +39,7 @@ import torch.autograd.profiler_util
 from .._errors import RpcdistError
 from .._futures import Future
 from .._rpc._context import current_agent
+from .._rref._rref import RRef
 from .._worker import WorkerInfo
 from ._profile_ext import NAME, REPLY, REQUEST, ProfileExtension
 from ._profile_ext import install as _install_ext
@@ -46,7 +47,6 @@ from ._profile_ext import install as _install_ext
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
     from .._rpc._registry import CallInfo
-    from .._rref._rref import RRef
     from .._transport._frames import Meta
 
 __all__ = [
@@ -108,10 +108,12 @@ class _Session:
 
 
 class _Pending:
-    __slots__ = ("anchor", "key", "session")
+    __slots__ = ("anchor", "arrived", "key", "session")
 
     def __init__(self, session: _Session, key: str, anchor: float) -> None:
         self.session, self.key, self.anchor = session, key, anchor
+        #: Completed when the reply's events arrive (for a call nothing else waits on).
+        self.arrived: Future[None] | None = None
 
 
 class _Request:
@@ -136,9 +138,31 @@ def _on_reply(agent: Agent, src: WorkerInfo, value: Any) -> None:
     token, rows = value
     with _lock:
         pending = _pending.pop(token, None)
-        if pending is None or pending.session.closed:
+        if pending is None:
             return
-        pending.session.batches.append((pending.key, pending.anchor, src.id, rows))
+        if not pending.session.closed:
+            pending.session.batches.append((pending.key, pending.anchor, src.id, rows))
+    if pending.arrived is not None and not pending.arrived.done():
+        pending.arrived.set_result(None)
+
+
+def _arrival(token: int, failed: Future[Any] | None) -> Future[None] | None:
+    """A Future completed when call ``token``'s events arrive (``None``: they
+    have), or when ``failed`` fails (then none will)."""
+    arrived: Future[None] = Future()
+    with _lock:
+        pending = _pending.get(token)
+        if pending is None:
+            return None
+        pending.arrived = arrived
+
+    def check(f: Future[Any]) -> None:
+        if f.exception() is not None and not arrived.done():
+            arrived.set_result(None)
+
+    if failed is not None:
+        failed.add_done_callback(check)
+    return arrived
 
 
 def _func_name(func: Any) -> str:
@@ -156,7 +180,7 @@ def _func_name(func: Any) -> str:
 def _extension(agent: Agent) -> ProfileExtension:
     ext = agent.registry.extensions.get(NAME)
     if not isinstance(ext, ProfileExtension):
-        ext = _install_ext(agent)
+        ext = _install_ext(agent, serving)
     ext.activate(_source, _on_reply)
     return ext
 
@@ -204,6 +228,8 @@ def profiled(
         finally:
             _STATE.reset(reset)
         fut = None if until is None else until(out)
+        if fut is None and isinstance(out, RRef):  # (made here: its reply brings the events)
+            fut = _arrival(token, out.to_here_async())
         if fut is None:
             _forget(token)
             if until is None:
@@ -283,18 +309,22 @@ class _Serving:
         return {REPLY: [self.token, self.rows]}
 
     def _finish(self) -> list[Any]:
+        if self.prof is None:
+            return []
         self.prof.__exit__(None, None, None)
         return _rows(self.prof, self.agent.rank)
 
     def __enter__(self) -> _Serving:
-        self.prof.__enter__()
+        if self.prof is not None:
+            self.prof.__enter__()
         self.reset = _STATE.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.rows is None:  # (failed: no reply carries them)
             self.rows = []
-            self.prof.__exit__(None, None, None)
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
         if self.reset is not None:
             _STATE.reset(self.reset)
 
@@ -383,15 +413,15 @@ def run_async_body(body: Callable[..., Any], args: Any, kwargs: Any) -> Any:
 def serving(ext: ProfileExtension, call: CallInfo, request: Any) -> _Serving | _Deferred | None:
     """The handler scope for a call that asks for the callee's events: a
     legacy profile around its function, on the thread running it; on the
-    event loop (the function runs elsewhere), a :class:`_Deferred`; ``None``
-    where a profile already runs on this thread."""
+    event loop (the function runs elsewhere), a :class:`_Deferred`; where a
+    profile already runs on this thread, one that answers with no events."""
     token, shapes, memory = request
     if asyncio._get_running_loop() is not None:
         ext.activate(_source, _on_reply)
         return _Deferred(call.agent, int(token), bool(shapes), bool(memory))
-    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-        return None
     ext.activate(_source, _on_reply)
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        return _Serving(call.agent, int(token), None)  # (answers with no events)
     prof = _legacy.profile(record_shapes=bool(shapes), profile_memory=bool(memory))
     return _Serving(call.agent, int(token), prof)
 

@@ -10,6 +10,10 @@ handler scope for calls that carry fields, which returns at once for
 calls without the request, and it imports torch only when one arrives.
 Its metadata source and reply field are registered on first use, so an
 agent that never profiles pays nothing on its calls.
+
+This module knows nothing of torch's profiler: the extension is handed the
+function that serves a request (``_profile.serving``, loaded on the first
+request by ``_extension.install_profiling``, the built-in installer).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
     from .._transport._frames import Meta
     from .._worker import WorkerInfo
 
-__all__ = ["NAME", "REPLY", "REQUEST", "ProfileExtension", "install"]
+__all__ = ["NAME", "REPLY", "REQUEST", "ProfileExtension", "Serve", "install"]
 
 NAME = "torch_profile"
 #: The caller's request: ``[token, record_shapes, profile_memory]``.
@@ -35,13 +39,19 @@ REQUEST = "tpq"
 REPLY = "tpr"
 
 
+#: ``serve(ext, call, request)``: the handler scope for a call asking for
+#: the callee's events (``_profile.serving``).
+Serve = Callable[["ProfileExtension", CallInfo, Any], "AbstractContextManager[Any] | None"]
+
+
 class ProfileExtension(BaseExtension):
     """Profiles incoming calls that ask for it; see the module docstring."""
 
     name = NAME
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, serve: Serve) -> None:
         self.agent = agent
+        self._serve = serve
         self._lock = threading.Lock()
         self._active = False
 
@@ -63,16 +73,14 @@ class ProfileExtension(BaseExtension):
         request = call.meta.get(REQUEST) if call.meta else None
         if request is None:
             return None
-        from . import _profile  # (torch: the caller profiles, so it is in use)
-
-        return _profile.serving(self, call, request)
+        return self._serve(self, call, request)
 
 
-def install(agent: Agent) -> ProfileExtension:
-    """Give ``agent`` RPC profiling (a built-in extension, see ``_rpc._registry``)."""
+def install(agent: Agent, serve: Serve) -> ProfileExtension:
+    """Give ``agent`` RPC profiling, serving requests with ``serve``."""
 
     def make() -> ProfileExtension:
-        ext = ProfileExtension(agent)
+        ext = ProfileExtension(agent, serve)
         agent.registry.add_scope(ext.scope, with_meta_only=True)
         return ext
 

@@ -128,3 +128,15 @@ def test_fp16_and_bf16_blocks_keep_infinity_and_nan():
         back = _round_trip(codec, x)
         assert back[0] == np.inf and back[2] == -np.inf and np.isnan(back[3])
         np.testing.assert_allclose(back[[1, 4]], x[[1, 4]], rtol=2.0**-8)
+
+
+def test_fp16_of_several_blocks_and_two_dimensions():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((300, 700)) * 1e3).astype(np.float32)  # > 3 blocks of 2**16
+    x[::7, ::3] = 0.0
+    x[5, 5], x[299, 699] = np.inf, 1e-7
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    got = to_fp16(x)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(got, want)

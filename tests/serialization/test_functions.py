@@ -221,7 +221,10 @@ def test_unknown_types_become_remote_errors() -> None:
     exc = exception_from_wire(wire)
     assert type(exc) is RemoteError
     assert exc.remote_type == "some.module:Weird" and exc.remote_traceback == "TB"
-    assert str(exc) == "strange"
+    assert str(exc) == (
+        "Failed to create original exception type. Error msg was some.module:Weird is not "
+        "re-created on this worker Original exception on remote side was Weird: strange"
+    )
 
 
 def test_remote_errors_keep_the_original_type_when_passed_on() -> None:
@@ -252,6 +255,8 @@ def test_unbuildable_args_fall_back_to_the_message() -> None:
     wire["args"] = ("only-one",)  # CustomError needs two
     exc = exception_from_wire(wire)
     assert type(exc) is RemoteError  # (message,) does not fit either
+    assert str(exc).startswith("Failed to create original exception type. Error msg was ")
+    assert " Original exception on remote side was CustomError: (1, 'x')" in str(exc)
     wire["type"] = "builtins:KeyError"
     assert type(exception_from_wire(wire)) is KeyError
 

@@ -433,6 +433,19 @@ def test_torchs_legacy_profiler_records_each_call_and_the_callees_events(agents)
     assert {key + "aten::add", key + "aten::mul"} <= {c.name for c in forward.cpu_children}
 
 
+def test_remote_to_itself_is_profiled_once_the_value_is_made(agents):
+    from torch.autograd.profiler_legacy import profile
+
+    with as_current(agents[0]):
+        with profile() as prof:
+            rref = rpc.remote("worker0", _udf_with_ops)
+            rref._get_profiling_future().wait()
+        del rref
+    key = "rpc_remote#_udf_with_ops(worker0 -> worker0)#remote_op: "
+    remote = {e.name for e in prof.function_events if e.is_remote}
+    assert {key + "##forward##", key + "aten::mul"} <= remote
+
+
 @rpc.functions.async_execution
 def _async_add(to, x, y):
     return rpc.rpc_async(to, torch.add, args=(x, y))

@@ -243,3 +243,14 @@ def test_strides_a_peer_makes_up_are_refused(strides):
     items[4] = strides
     with pytest.raises(rpcdist.SerializationError, match="malformed|bytes"):
         decode(msgpack.packb(items), buffers, context=None)
+
+
+@pytest.mark.parametrize(
+    "fut", [torch.futures.Future(), rpcdist.Future()], ids=["torch", "rpcdist"]
+)
+def test_a_future_is_refused_as_an_argument_in_pytorchs_words(fut):
+    with local_agents(2, options=RpcOptions(token=None, transport="inproc")) as (a, _):
+        with as_current(a), pytest.raises(RuntimeError, match="a Future cannot be sent") as got:
+            rpc.rpc_sync("worker1", max, args=(fut,))
+    torchs = isinstance(fut, torch.futures.Future)
+    assert ("Can not pickle torch.futures.Future" in str(got.value)) == torchs
