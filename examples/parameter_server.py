@@ -48,7 +48,8 @@ The modes differ in who computes gradients and when the server applies them:
     step runs there too. Trainers step asynchronously, as in Hogwild.
 
 A trainer that dies (killed, hung, cut off) does not end the job: once the
-server's agent declares it lost (``rpcdist.debug_info()["lost_workers"]``),
+server's agent declares it lost (``rpcdist.debug_info()["lost_workers"]``;
+the server probes its trainers once a second so that it notices),
 the server drops it from the synchronous step (its queued gradients too;
 the others' step completes without it) and from the scoreboard, and the
 other trainers finish; the server frees the lost trainer's distributed
@@ -78,6 +79,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
@@ -324,16 +326,33 @@ def worker_main(args: argparse.Namespace) -> int:
     return report(board, time.perf_counter() - start, trainers, args, lost)
 
 
+def alive() -> bool:
+    """Answered by a trainer: the server's liveness probe."""
+    return True
+
+
 def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
     """Wait for the end of training; a trainer declared lost (killed, hung, cut off) is
     dropped from the synchronous step and the scoreboard, and the others go on.
 
-    The autograd mode needs nothing more here: the server frees a lost trainer's
-    distributed autograd contexts itself (after ``RpcOptions``' lease), and its
-    ``DistributedOptimizer`` steps only the contexts that trainers still alive send.
+    A trainer that dies while the server has nothing to send it (it finished its
+    epochs first, or in the asynchronous modes) leaves no call to fail, so the server
+    also probes each live trainer once a second (:func:`alive`); a probe that fails
+    has the agent declare the trainer lost. The autograd mode needs nothing more:
+    the server frees a lost trainer's distributed autograd contexts itself (after
+    ``RpcOptions``' lease), and its ``DistributedOptimizer`` steps only the contexts
+    that trainers still alive send.
     """
     lost: list[str] = []
+    probes: dict[int, rpcdist.Future[Any]] = {}
+    next_probe = time.monotonic()
     while not board.done.wait(0.2):
+        if time.monotonic() >= next_probe:
+            next_probe = time.monotonic() + 1.0
+            for rank in sorted(server.live):
+                if rank not in probes or probes[rank].done():
+                    with contextlib.suppress(rpcdist.RpcdistError):  # lost: noticed below
+                        probes[rank] = rpcdist.rpc_async(f"trainer{rank}", alive, timeout=5.0)
         for name, why in rpcdist.debug_info()["lost_workers"].items():
             if name.startswith("trainer") and name not in lost:
                 lost.append(name)
@@ -341,6 +360,9 @@ def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
                 board.write(f"[ps] {name} lost ({why}); going on with {len(server.live) - 1}")
                 server.drop_trainer(rank)
                 board.drop(rank)
+    for fut in probes.values():  # answered before the trainers shut down, or lost
+        with contextlib.suppress(rpcdist.RpcdistError):
+            fut.wait()
     return lost
 
 

@@ -20,7 +20,8 @@ still runs. ``Join([model])`` lets ranks run different numbers of batches;
 (:mod:`rpcdist.parallel.comm_hooks`); ``ZeroRedundancyOptimizer`` shards
 the optimizer state. ``FullyShardedDataParallel`` shards parameters,
 gradients and optimizer state (``docs/fsdp.md``). ``FaultTolerance`` keeps
-DDP training going when ranks die or join (``docs/fault-tolerance.md``).
+DDP, ZeRO and FSDP training going when ranks die or join, re-sharding ZeRO's
+and FSDP's slices over the survivors (``docs/fault-tolerance.md``).
 See ``docs/ddp.md``.
 """
 

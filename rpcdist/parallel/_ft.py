@@ -8,7 +8,7 @@ Per step (see ``docs/fault-tolerance.md``)::
         opt.step()
 
 The gradients are averaged over a full mesh of TCP connections between this
-step's members (reduce-scatter then all-gather: each chunk is summed by one
+step's members (``_ft_mesh.py``) (reduce-scatter then all-gather: each chunk is summed by one
 owner, in member order, so every member gets the same bits), outside the
 agent and its process groups, whose world is fixed: the membership here
 changes from step to step. A failed all-reduce (a peer's connection reset,
@@ -16,6 +16,12 @@ or no data within ``timeout``) closes the mesh, so the other members fail
 too, and votes ``ok=False``; the coordinator (:class:`FaultToleranceCoordinator`)
 then has every survivor redo the step at the smaller world, the sampler
 re-sharded over the samples not yet committed.
+
+A fault-tolerant ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``
+takes part through :meth:`FaultTolerance._add_sharded` (``_zero_ft.py``,
+``_fsdp_ft.py``): its gradients join the average, it may act between the
+average and the vote (ZeRO's step), and at the first step of each new
+membership every member re-shards it (``_ft_shard.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +30,7 @@ import contextlib
 import io
 import os
 import socket
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,7 +38,8 @@ import numpy as np
 from .._errors import ConfigError, WorkerLostError
 from .._save import load, save
 from ..tensor import Tensor, default_generator
-from ._ft_wire import connect, listen, pack, recv_frame, recv_into, send_frame, unpack
+from ._ft_mesh import Mesh
+from ._ft_wire import connect, pack, recv_frame, send_frame, unpack
 
 __all__ = ["FaultTolerance"]
 
@@ -97,23 +102,15 @@ class FaultTolerance:
         # This step's communication failed already (the vote will be ok=False).
         self._failed = False
         self._coord = connect(address, None)
-        self._listener = listen(self._coord.getsockname()[0])
-        self._cv = threading.Condition()
-        self._inbox: dict[tuple[Any, ...], tuple[socket.socket, bytearray]] = {}
-        self._mesh: dict[int, socket.socket] = {}
+        self._mesh = Mesh(self._coord.getsockname()[0], timeout)
         self._qid = -1
         self._addrs: dict[int, str] = {}
         self._send_to: list[int] = []
         self._heal_from: int | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
         self._iter: Iterator[int] | None = None
         self._committed = 0  # samples per rank committed in the sampler's segment
         self._batch: np.ndarray[Any, Any] | None = None
-        self._closed = False
-        threading.Thread(target=self._accept, name="ft-accept", daemon=True).start()
-        host, port = self._listener.getsockname()[:2]
-        send_frame(self._coord, {"op": "join", "id": self.id, "addr": f"{host}:{port}"})
+        send_frame(self._coord, {"op": "join", "id": self.id, "addr": self._mesh.address})
         self._joined = False
 
     # -- what the training loop calls -------------------------------------------------
@@ -238,7 +235,7 @@ class FaultTolerance:
         specs, payload = pack(arrays)
         mesh = self._peers()
         head = dict(header, _arrays=specs)
-        with self._sending([(send_frame, (sock, head, payload)) for sock in mesh.values()]):
+        with self._mesh.sending([(send_frame, (sock, head, payload)) for sock in mesh.values()]):
             for rid, sock in mesh.items():
                 theirs, data = recv_frame(sock)
                 got[rid] = (theirs, unpack(theirs.pop("_arrays"), data))
@@ -275,14 +272,10 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Leave: close the connections (the others go on without this rank)."""
-        self._closed = True
-        self._drop_mesh()
-        for s in (self._coord, self._listener):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._mesh.close(self._qid)
+        with contextlib.suppress(OSError):
+            self._coord.shutdown(socket.SHUT_RDWR)
+        self._coord.close()
 
     # -- membership --------------------------------------------------------------------
 
@@ -374,69 +367,16 @@ class FaultTolerance:
             send_frame(sock, {"ok": True})
         self._heal_from = None
 
-    # -- the mesh ----------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(self.timeout)
-                hello, payload = recv_frame(sock)
-            except _FAILURES:
-                if self._closed:
-                    return
-                continue
-            key: tuple[Any, ...] = (
-                ("heal",) if hello["kind"] == "heal" else ("mesh", hello["qid"], hello["id"])
-            )
-            with self._cv:
-                self._inbox[key] = (sock, payload)
-                self._cv.notify_all()
+    # -- the mesh (_ft_mesh.py) -------------------------------------------------------
 
     def _take(self, key: tuple[Any, ...]) -> tuple[socket.socket, bytearray]:
-        with self._cv:
-            if not self._cv.wait_for(lambda: key in self._inbox, self.timeout):
-                raise WorkerLostError(f"fault tolerance: no {key[0]} connection in time")
-            return self._inbox.pop(key)
+        return self._mesh.take(key)
 
     def _peers(self) -> dict[int, socket.socket]:
-        if self._mesh:
-            return self._mesh
-        mesh: dict[int, socket.socket] = {}
-        try:
-            for rid in self.members:
-                if rid < self.id:
-                    sock = connect(self._addrs[rid], self.timeout)
-                    send_frame(sock, {"kind": "mesh", "qid": self._qid, "id": self.id})
-                    mesh[rid] = sock
-            for rid in self.members:
-                if rid > self.id:
-                    mesh[rid] = self._take(("mesh", self._qid, rid))[0]
-        except BaseException:
-            for s in mesh.values():
-                s.close()
-            raise
-        for s in mesh.values():
-            s.settimeout(self.timeout)
-        self._mesh = mesh
-        if self._pool is None or self._pool_size < len(mesh):
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool_size = len(mesh)
-            self._pool = ThreadPoolExecutor(len(mesh), thread_name_prefix="ft-send")
-        return mesh
+        return self._mesh.peers(self.id, self._qid, self.members, self._addrs)
 
     def _drop_mesh(self) -> None:
-        with self._cv:  # connections of an older quorum nobody will take
-            stale = [k for k in self._inbox if k[0] == "mesh" and k[1] < self._qid]
-            mesh = {i: self._inbox.pop(k)[0] for i, k in enumerate(stale)}
-        mesh.update({-1 - i: s for i, s in enumerate(self._mesh.values())})
-        self._mesh = {}
-        for s in mesh.values():
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
+        self._mesh.drop(self._qid)
 
     def _exchange(
         self,
@@ -444,35 +384,7 @@ class FaultTolerance:
         shapes: dict[int, int],
         into: dict[int, np.ndarray[Any, Any]] | None = None,
     ) -> dict[int, np.ndarray[Any, Any]]:
-        """Send ``outgoing[peer]`` to each peer while receiving ``shapes[peer]`` floats from
-        each (into ``into[peer]``, a contiguous float64 view, where given)."""
-        mesh = self._peers()
-        jobs = [
-            (mesh[rid].sendall, (np.ascontiguousarray(arr).data.cast("B"),))
-            for rid, arr in outgoing.items()
-        ]
-        got = {}
-        with self._sending(jobs):
-            for rid, n in shapes.items():
-                buf = np.empty(n, np.float64) if into is None else into[rid]
-                recv_into(mesh[rid], buf.data.cast("B"))
-                got[rid] = buf
-        return got
-
-    @contextlib.contextmanager
-    def _sending(self, jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Iterator[None]:
-        """Run the sends on the pool while the body receives; then wait for them (raising
-        a send's error only if the body did not raise its own)."""
-        assert self._pool is not None
-        sends = [self._pool.submit(fn, *args) for fn, args in jobs]
-        try:
-            yield
-        finally:
-            for f in sends:
-                with contextlib.suppress(Exception):
-                    f.result(timeout=self.timeout)
-        for f in sends:
-            f.result(timeout=0)
+        return self._mesh.exchange(self._peers(), outgoing, shapes, into)
 
     def _allreduce(self, flat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """The average over the members, in place in ``flat`` (returned)."""

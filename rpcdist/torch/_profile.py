@@ -334,7 +334,9 @@ def _rows(prof: Any, rank: int) -> list[Any]:
     rows = []
     for e in prof.function_events or ():
         r = e.time_range
-        node = e.node_id if e.node_id >= 0 else rank
+        # (the serving agent's rank for its own events: the profiler's node id
+        # is process-wide, and a process may hold more than one agent)
+        node = e.node_id if e.is_remote and e.node_id >= 0 else rank
         shapes = [list(s) for s in e.input_shapes] if e.input_shapes else []
         mem, seq = e.cpu_memory_usage, e.sequence_nr
         rows.append([e.name, r.start, r.end, e.thread, node, shapes, mem, seq, bool(e.is_async)])

@@ -10,7 +10,7 @@ and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
 be killed from outside. It writes ``OUT/started<id>-<restart count>`` once it asked to join.
 With ``FT_HOLD=<step>`` it waits at that step
 until ``OUT/go`` exists (so a test can have a replacement join mid-run).
-``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
+``FT_OPT``: ``sgd`` (default; with momentum) or ``adam``. ``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
 ``ZeroRedundancyOptimizer``) or ``fsdp`` (a fault-tolerant
 ``FullyShardedDataParallel``); the last two also save their shards.
 """
@@ -36,6 +36,11 @@ from rpcdist.parallel import ZeroRedundancyOptimizer as ZeRO
 
 F64 = np.float64
 N, IN, HID, OUT, B = 90, 6, 16, 3, 4
+#: ``FT_OPT``: the optimizer, its options, and the elementwise state the shard checks read.
+OPTIMIZERS = {
+    "sgd": (optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum_buffer"),
+    "adam": (optim.Adam, {"lr": 0.01}, "exp_avg"),
+}
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -92,12 +97,13 @@ def main(argv: list[str]) -> int:
         net = FSDP(model(me + 1), fault_tolerance=ft)
     else:
         net = DDP(model(me + 1), fault_tolerance=ft)
+    opt_class, options, key = OPTIMIZERS[os.environ.get("FT_OPT", "sgd")]
     if mode == "zero":
         opt: optim.Optimizer | ZeRO = ZeRO(
-            net.parameters(), optim.SGD, fault_tolerance=ft, lr=0.1, momentum=0.9
+            net.parameters(), opt_class, fault_tolerance=ft, **options
         )
     else:
-        opt = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        opt = opt_class(net.parameters(), **options)
     ft.register_state("optim", opt)
     restarts = os.environ.get("RPCDIST_RESTART_COUNT", "0")
     open(os.path.join(out, f"started{me}-{restarts}"), "w").close()  # joining: sent
@@ -128,9 +134,7 @@ def main(argv: list[str]) -> int:
             rank=ft.rank,
             params=net.module.state_dict(),
             pieces=np.array([[i, lo, hi] for i, lo, hi, _ in pieces], np.int64),
-            momentum=np.concatenate(
-                [opt.optim.state[t]["momentum_buffer"].ravel() for *_, t in pieces]
-            ),
+            momentum=np.concatenate([opt.optim.state[t][key].ravel() for *_, t in pieces]),
         )
     else:
         assert isinstance(net, FSDP) and isinstance(opt, optim.Optimizer)
@@ -140,7 +144,7 @@ def main(argv: list[str]) -> int:
             rank=ft.rank,
             params=net.state_dict("full", rank0_only=False),
             shard=np.concatenate([u.shard.data for u in units]),
-            momentum=np.concatenate([opt.state[u.shard]["momentum_buffer"] for u in units]),
+            momentum=np.concatenate([opt.state[u.shard][key] for u in units]),
         )
     rpcdist.save(state, os.path.join(out, f"rank{me}.npz"))
     ft.close()

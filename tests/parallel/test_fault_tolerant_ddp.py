@@ -26,7 +26,6 @@ import pytest
 
 import rpcdist
 import rpcdist.tensor as rt
-from rpcdist import optim
 from rpcdist.parallel import FaultToleranceCoordinator
 
 pytestmark = pytest.mark.multiprocess
@@ -123,17 +122,20 @@ def logs(out: Path, rank: int) -> list[tuple[int, str, str, float]]:
     ]
 
 
-def replay(commits: list[tuple[int, list[tuple[int, list[int]]]]]) -> Any:
+def replay(commits: list[tuple[int, list[tuple[int, list[int]]]]], opt: str = "sgd") -> Any:
     """One process, the same arithmetic: per committed step, the members' gradients
     summed in member order and divided by their number, then the same SGD."""
-    return replay_with_optim(commits)[0]
+    return replay_with_optim(commits, opt)[0]
 
 
-def replay_with_optim(commits: list[tuple[int, list[tuple[int, list[int]]]]]) -> Any:
-    """:func:`replay`'s model and its optimizer."""
+def replay_with_optim(
+    commits: list[tuple[int, list[tuple[int, list[int]]]]], opt_name: str = "sgd"
+) -> Any:
+    """:func:`replay`'s model and its optimizer (``ft_worker.OPTIMIZERS[opt_name]``)."""
     model = fw.model(1)  # the first quorum heals everyone from the lowest id (0)
     params = list(model.parameters())
-    opt = optim.SGD(params, lr=0.1, momentum=0.9)
+    opt_class, options, _ = fw.OPTIMIZERS[opt_name]
+    opt = opt_class(params, **options)
     for _, batches in commits:
         total = [np.zeros(p.data.shape) for p in params]
         for _, idx in batches:
@@ -147,7 +149,9 @@ def replay_with_optim(commits: list[tuple[int, list[tuple[int, list[int]]]]]) ->
     return model, opt
 
 
-def check_survivors(out: Path, survivors: list[int], coord: FaultToleranceCoordinator) -> None:
+def check_survivors(
+    out: Path, survivors: list[int], coord: FaultToleranceCoordinator, opt: str = "sgd"
+) -> None:
     """Bit-identical every step, equal to the oracle at the end, loss going down."""
     by_step: dict[int, set[str]] = {}
     for r in survivors:
@@ -155,7 +159,7 @@ def check_survivors(out: Path, survivors: list[int], coord: FaultToleranceCoordi
             by_step.setdefault(step, set()).add(digest)
     assert all(len(d) == 1 for d in by_step.values()), "parameters differ across ranks"
     finals = [rpcdist.load(str(out / f"rank{r}.npz")) for r in survivors]
-    oracle = replay(coord.commits)
+    oracle = replay(coord.commits, opt)
     for k, v in oracle.state_dict().items():
         for f in finals:
             np.testing.assert_array_equal(f["params"][k], v, err_msg=k)
@@ -206,14 +210,19 @@ def test_two_kills_in_a_row_a_replacement_and_exact_coverage(tmp_path):
 
 
 def check_replacement(
-    out: Path, coord: FaultToleranceCoordinator, world: int, final: list[int], new: int
+    out: Path,
+    coord: FaultToleranceCoordinator,
+    world: int,
+    final: list[int],
+    new: int,
+    opt: str = "sgd",
 ) -> tuple[Any, Any]:
     """Four steps at ``world``, two members at some point, ``final`` at the end, trained as
     the oracle; the replacement ``new``'s parameters equal rank 0's bit for bit. Returns
     rank 0's and the replacement's saved states."""
     worlds = [len(b) for _, b in coord.commits]
     assert worlds[:4] == [world] * 4 and 2 in worlds and worlds[-1] == len(final)
-    check_survivors(out, final, coord)
+    check_survivors(out, final, coord, opt)
     a, b = (rpcdist.load(str(out / f"rank{r}.npz")) for r in (0, new))
     assert_same_tree(a["params"], b["params"])
     return a, b

@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import ft_worker as fw
 import numpy as np
 import pytest
 from test_fault_tolerant_ddp import (
@@ -42,10 +43,12 @@ def expected_zero_pieces(sizes: list[int], world: int, rank: int) -> list[tuple[
     ]
 
 
-def check_shards(out: Path, mode: str, ranks: list[int], oracle: Any, opt: Any) -> None:
+def check_shards(
+    out: Path, mode: str, ranks: list[int], oracle: Any, opt: Any, key: str = "momentum_buffer"
+) -> None:
     params = list(oracle.parameters())
     sizes = [p.data.size for p in params]
-    moms = [opt.state[p]["momentum_buffer"].ravel() for p in params]
+    moms = [opt.state[p][key].ravel() for p in params]
     seen_ranks = []
     for r in ranks:
         f = rpcdist.load(str(out / f"rank{r}.npz"))
@@ -94,9 +97,13 @@ def test_kill_one_of_three_mid_step_reshards(tmp_path, monkeypatch, mode, point)
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])  # Adam: its scalar step re-sharded too
 @pytest.mark.parametrize("mode", ["zero", "fsdp"])
-def test_a_replacement_receives_its_shards_from_the_survivors(tmp_path, monkeypatch, mode):
+def test_a_replacement_receives_its_shards_from_the_survivors(
+    tmp_path, monkeypatch, mode, opt_name
+):
     monkeypatch.setenv("FT_MODE", mode)
+    monkeypatch.setenv("FT_OPT", opt_name)
     with job(tmp_path, 3, steps=16) as ranks:
         for r in range(3):
             ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, hold=9 if r == 0 else -1)
@@ -105,6 +112,6 @@ def test_a_replacement_receives_its_shards_from_the_survivors(tmp_path, monkeypa
         ranks.replace(2, survivors=[0, 1])  # rank 0 holds the job at step 9 until it joins
         ranks.wait([0, 1, 2])
         coord = ranks.coord
-    check_replacement(tmp_path, coord, 3, [0, 1, 2], 2)  # its full parameters: bit for bit
-    oracle, opt = replay_with_optim(coord.commits)
-    check_shards(tmp_path, mode, [0, 1, 2], oracle, opt)
+    check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, opt_name)  # full parameters: bit for bit
+    oracle, opt = replay_with_optim(coord.commits, opt_name)
+    check_shards(tmp_path, mode, [0, 1, 2], oracle, opt, fw.OPTIMIZERS[opt_name][2])
