@@ -61,10 +61,13 @@ def shm_available() -> bool:
 
 
 class _Segment:
-    __slots__ = ("fd", "mm", "path", "size")
+    __slots__ = ("__weakref__", "close_fd", "fd", "mm", "path", "size")
 
     def __init__(self, path: str, fd: int, mm: mmap.mmap, size: int) -> None:
         self.path, self.fd, self.mm, self.size = path, fd, mm, size
+        #: Closes ``fd`` once: when the segment is retired, or when it is
+        #: dropped unretired (its link's pool went away with the link).
+        self.close_fd = weakref.finalize(self, os.close, fd)
 
 
 class SegmentPool:
@@ -136,7 +139,7 @@ class SegmentPool:
         seg.mm[0] = RETIRED
         _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
         seg.mm.close()
-        os.close(seg.fd)
+        seg.close_fd()
         self._writer.forget(seg.path)
 
     def close(self) -> None:
