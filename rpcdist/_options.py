@@ -114,7 +114,8 @@ class RpcOptions:
         shm_threshold_bytes: Payloads at least this large, to a worker on the
             same host, travel through a reused /dev/shm segment instead of
             the stream (one copy; docs/design.md); ``None`` turns this off.
-            ``"auto"``: 1 MiB. Default: ``RPCDIST_SHM_THRESHOLD`` (bytes,
+            ``"auto"``: 1 MiB, or off with TLS (payloads then stay in the
+            encrypted stream). Default: ``RPCDIST_SHM_THRESHOLD`` (bytes,
             ``off`` or ``auto``), else ``"auto"``.
         local_sockets: On the TCP transport, reach workers on the same host
             (same hostname and boot id, learnt at rendezvous) through a Unix
@@ -407,8 +408,8 @@ class RpcOptions:
     def payload_shm_threshold(self) -> int | None:
         """``shm_threshold_bytes`` with ``"auto"`` resolved for the transport."""
         t = self.shm_threshold_bytes
-        if t == "auto":
-            return 1 << 20
+        if t == "auto":  # (with TLS, payloads stay in the encrypted stream)
+            return None if self.tls else 1 << 20
         return t if isinstance(t, int) else None
 
     def peer_host(self) -> str:

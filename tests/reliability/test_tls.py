@@ -40,6 +40,9 @@ def pki(tmp_path_factory):
 def test_calls_and_arrays_travel_over_tls(pki, local_sockets):
     opts = rpcdist.RpcOptions(token="t", local_sockets=local_sockets, **pki["worker"])
     assert opts.validated().data_transport == "tcp"  # TLS no longer means gRPC
+    # (large payloads stay in the encrypted stream, not in same-host segments)
+    assert opts.validated().payload_shm_threshold is None
+    assert rpcdist.RpcOptions(token="t", shm_threshold_bytes="auto").payload_shm_threshold
     with local_agents(2, options=opts) as (a, b):
         assert a.rpc_sync(1, rf.add, args=(20, 22)) == 42  # a thread-driven connection
         big = np.random.default_rng(0).random(1 << 20)  # 8 MB: chunked, received in place
