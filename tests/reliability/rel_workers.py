@@ -52,9 +52,9 @@ def kill_trial(
     errors: list[str] = []
     delay = rnd.uniform(0.0, 0.05)
 
-    def attempt(fn: Any, *args: Any) -> Any:
+    def attempt(fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except rpcdist.RpcdistError as e:
             errors.append(type(e).__name__)
             return None
@@ -75,16 +75,22 @@ def kill_trial(
     elif scenario == "mid-collective":
         from rpcdist import collectives as dist
 
-        dist.init_process_group(init_method=init, rank=rank, world_size=world_size, timeout=20)
+        # (The victim may finish its setup and die while a survivor is still
+        # in its own: then the survivor's setup fails, with a typed error.)
+        attempt(
+            dist.init_process_group, init_method=init, rank=rank, world_size=world_size, timeout=20
+        )
+        joined = not errors
         if me:
             _kill_me_after(delay)
         buf = np.ones(1000, dtype=np.float32)
         deadline = time.monotonic() + 10.0  # the victim dies long before
-        while time.monotonic() < deadline:
+        while joined and time.monotonic() < deadline:
             buf[:] = 1
             if attempt(dist.all_reduce, buf) is None and errors:
                 break
-        dist.destroy_process_group()
+        if joined:
+            dist.destroy_process_group()
     elif scenario == "rref-held":
         owner = others[0] if me else victim
         rref = rpcdist.remote(owner, rf.ones, args=(16,))
