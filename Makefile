@@ -78,7 +78,7 @@ PYC = $(BIN)/python -m compileall -q -j 0 rpcdist tests benchmarks examples
 
 test: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 	@$(PYC)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	RPCDIST_TRANSPORT=grpc $(BIN)/python -m pytest -q $(GRPC_SUITE)
 	RPCDIST_LOCAL_SOCKETS=0 $(BIN)/python -m pytest -q $(TCP_SUITE)
 	RPCDIST_SYNC_CHANNELS=0 $(BIN)/python -m pytest -q $(LOOP_SYNC_SUITE)
