@@ -290,7 +290,8 @@ def setup(
             assert bell is not None
             ok = _attach_peers(peers, maps, bell, rank, nonce, size)
         ok = all(i["ok"] for i in gather({"ok": ok}))  # mapped everywhere: drop the names
-        _unlink(path)
+        for info in infos:  # a member that died since leaves no file behind
+            _unlink(os.path.join(_DIR, info["name"]))
         if ok:
             assert bell is not None
             heard = _heard(bell)

@@ -262,6 +262,32 @@ def test_a_stopped_rank_is_declared_lost_and_the_job_goes_on(tmp_path):
     check_survivors(tmp_path, [0, 1], coord)
 
 
+@pytest.mark.timeout(180)
+def test_a_rank_stopped_past_the_timeout_then_resumed_commits_with_the_others(tmp_path):
+    """Rank 2 is stopped (SIGSTOP) before its vote in shared memory; the others' vote
+    times out and they ask the coordinator. It is resumed before the coordinator's own
+    timeout: it votes, finds every vote in, commits the step and tells the coordinator,
+    which tells the others to commit it too. Nobody redoes a step or is lost."""
+    with job(tmp_path, 3, steps=10, timeout=60.0) as ranks:
+        for r in range(3):
+            ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, timeout=2.0)
+        ranks.marker(2, 4)
+        ranks.signal(2, signal.SIGSTOP)
+        coord = ranks.coord
+        try:
+            assert coord.wait_for(lambda c: sorted(c._votes) == [0, 1], 60), "no votes came"
+        finally:
+            (tmp_path / "release2").touch()
+            ranks.signal(2, signal.SIGCONT)
+        ranks.wait([0, 1, 2])
+    assert not [e for e in coord.events if e[1] == "redo"]
+    last_commit = max(t for t, kind, _ in coord.events if kind == "commit")
+    assert all(t > last_commit for t, kind, _ in coord.events if kind == "lost")  # at the end
+    assert [len(b) for _, b in coord.commits] == [3] * 10
+    check_survivors(tmp_path, [0, 1, 2], coord)
+    assert all(rpcdist.load(str(tmp_path / f"rank{r}.npz"))["shm"] == 1 for r in range(3))
+
+
 @pytest.mark.timeout(240)
 def test_the_launcher_restarts_only_the_dead_rank(tmp_path):
     """``--restart-policy rank``: the launcher runs the coordinator and restarts
