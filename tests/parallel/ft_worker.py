@@ -12,7 +12,8 @@ With ``FT_HOLD=<step>`` it waits at that step
 until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 ``FT_OPT``: ``sgd`` (default; with momentum) or ``adam``. ``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
 ``ZeroRedundancyOptimizer``) or ``fsdp`` (a fault-tolerant
-``FullyShardedDataParallel``); the last two also save their shards.
+``FullyShardedDataParallel``); the last two also save their shards (ZeRO: and,
+on the last member, its ``consolidate_state_dict`` at the end).
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def main(argv: list[str]) -> int:
             pieces=np.array([[i, lo, hi] for i, lo, hi, _ in pieces], np.int64),
             momentum=np.concatenate([opt.optim.state[t][key].ravel() for *_, t in pieces]),
         )
+        opt.consolidate_state_dict(to=ft.world_size - 1)  # every member, at the same step
+        if ft.rank == ft.world_size - 1:
+            state["consolidated"] = opt.state_dict()
     else:
         assert isinstance(net, FSDP) and isinstance(opt, optim.Optimizer)
         units = net._shared.units
