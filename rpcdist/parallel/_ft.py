@@ -110,6 +110,7 @@ class FaultTolerance:
         self._shm: ShmGroup | None = None
         self._shm_qid = -1  # the quorum whose shared-memory setup ran (None: not possible)
         self._heads: list[list[int]] = []  # every member's header of this step (shared memory)
+        self._last: dict[str, Any] | None = None  # the last step committed in shared memory
         self._addrs: dict[int, str] = {}
         self._send_to: list[int] = []
         self._heal_from: int | None = None
@@ -215,8 +216,11 @@ class FaultTolerance:
             ok = False  # the others stepped their shards already: this rank cannot catch up
             self._fail()
         if ok and stalled is None and self._heads and not any(h[0] for h in self._heads):
-            # Every member passed the vote in shared memory: committed, no coordinator.
-            send_frame(self._coord, {"op": "done", "step": self.step, **self._record()})
+            # Every member passed the vote in shared memory: committed, no coordinator. The
+            # first member sends the record; the others' next vote (or close) carries it too.
+            self._last = self._record()
+            if self.rank == 0:
+                send_frame(self._coord, {"op": "done", **self._last})
             self.step += 1
             committed = True
         else:
@@ -239,10 +243,8 @@ class FaultTolerance:
         """Vote with the coordinator and apply its decision (``finish()`` first if it
         commits); whether the step committed."""
         epoch = getattr(self.sampler, "epoch", 0)
-        send_frame(
-            self._coord,
-            {"op": "vote", "ok": ok, "step": self.step, "epoch": epoch, "samples": batch.tolist()},
-        )
+        vote = {"op": "vote", "ok": ok, "step": self.step, "epoch": epoch}
+        send_frame(self._coord, dict(vote, samples=batch.tolist(), last=self._last))
         reply = self._coord_reply()
         committed = bool(reply["commit"])
         if committed:
@@ -255,7 +257,7 @@ class FaultTolerance:
     def _record(self) -> dict[str, Any]:
         """The step's record for the coordinator: the epoch and every member's batch."""
         batches = [[m, h[HEAD_WORDS:]] for m, h in zip(self.members, self._heads, strict=True)]
-        return {"epoch": self._heads[0][1], "batches": batches}
+        return {"step": self.step, "epoch": self._heads[0][1], "batches": batches}
 
     def _header(self) -> list[int]:
         """This step's header in shared memory: ``[wants the coordinator, epoch, count,
@@ -328,6 +330,9 @@ class FaultTolerance:
         """Leave: close the connections (the others go on without this rank)."""
         self._drop_mesh()
         self._mesh.close(self._qid)
+        if self._last is not None:  # in case the first member died before sending it
+            with contextlib.suppress(OSError):
+                send_frame(self._coord, {"op": "done", **self._last})
         with contextlib.suppress(OSError):  # unread notes would make close() reset the
             self._coord.setblocking(False)  # connection, losing this rank's last record
             while self._coord.recv(4096):

@@ -148,12 +148,8 @@ class FaultToleranceCoordinator:
                         pass  # not (or no longer) a member: a lost rank's last words
                     elif msg["op"] == "done":
                         self._done(msg)
-                    elif int(msg.get("step", self.step)) < self.step:
-                        self._late_vote(rid, bool(msg.get("ok")))
                     else:
-                        self._votes[rid] = msg
-                        if self._deadline is None:
-                            self._deadline = time.monotonic() + self.timeout
+                        self._vote(rid, msg)
                     self._decide()
         except (OSError, ValueError, KeyError, RuntimeError):
             pass
@@ -193,6 +189,16 @@ class FaultToleranceCoordinator:
         self._votes, self._deadline = {}, None
         if voters:  # their vote's sync timed out, yet every member voted in the end
             self._reply(self._members, voters[0], dict.fromkeys(voters, True), [], to=voters)
+
+    def _vote(self, rid: int, msg: dict[str, Any]) -> None:
+        if msg.get("last"):  # the voter's last step committed in shared memory
+            self._done(msg["last"])  # (recorded already, unless the first member died)
+        if int(msg.get("step", self.step)) < self.step:
+            self._late_vote(rid, bool(msg.get("ok")))
+        else:
+            self._votes[rid] = msg
+            if self._deadline is None:
+                self._deadline = time.monotonic() + self.timeout
 
     def _late_vote(self, rid: int, ok: bool) -> None:
         """A vote on a step the others committed in shared memory: this rank's vote sync

@@ -103,14 +103,14 @@ def job(tmp_path: Path, world: int, steps: int, timeout: float = 30.0) -> Iterat
         coord.close()
 
 
-def kill_one_of_three(tmp_path: Path, steps: int, step: int, point: str) -> Any:
-    """Ranks 0-2 train ``steps`` steps; rank 1 is killed (-9) at ``point`` of ``step``."""
+def kill_one_of_three(tmp_path: Path, steps: int, step: int, point: str, victim: int = 1) -> Any:
+    """Ranks 0-2 train ``steps`` steps; ``victim`` is killed (-9) at ``point`` of ``step``."""
     with job(tmp_path, 3, steps=steps) as ranks:
         for r in range(3):
-            ranks.start(r, kill=f"{step}:{point}" if r == 1 else None)
-        ranks.marker(1, step)
-        ranks.signal(1, signal.SIGKILL)
-        ranks.wait([0, 2])
+            ranks.start(r, kill=f"{step}:{point}" if r == victim else None)
+        ranks.marker(victim, step)
+        ranks.signal(victim, signal.SIGKILL)
+        ranks.wait([r for r in range(3) if r != victim])
     return ranks.coord
 
 
@@ -184,6 +184,18 @@ def test_kill_one_of_three_mid_step(tmp_path, point):
     check_survivors(tmp_path, [0, 2], coord)
     redo = [e for e in coord.events if e[1] == "redo"]
     assert len(redo) == 1
+
+
+@pytest.mark.timeout(180)
+def test_the_first_member_killed_between_the_vote_and_its_record(tmp_path):
+    """Rank 0 sends the coordinator the record of each step committed in shared memory;
+    killed after the vote, before sending it, the survivors' next vote carries it."""
+    coord = kill_one_of_three(tmp_path, 14, 5, "after_allreduce", victim=0)
+    assert len(coord.commits) == 14
+    assert [m for m, _ in coord.commits[5][1]] == [0, 1, 2]  # committed, then recorded
+    assert all(len(b) == 2 for _, b in coord.commits[6:])
+    assert sum(e[1] == "redo" for e in coord.events) == 1
+    check_survivors(tmp_path, [1, 2], coord)
 
 
 @pytest.mark.timeout(240)
