@@ -17,6 +17,13 @@ too, and votes ``ok=False``; the coordinator (:class:`FaultToleranceCoordinator`
 then has every survivor redo the step at the smaller world, the sampler
 re-sharded over the samples not yet committed.
 
+Where every member is on this host, the all-reduce runs in shared memory
+instead (``_ft_shm.py``; the mesh then only sets it up and tells a peer's
+death), and its last synchronisation is the vote: a step in which nothing
+happened commits without a round trip to the coordinator, which gets the
+step's record from the first member. A member that needs the coordinator
+(a rank waits to join) says so in its header, and every member then votes.
+
 A fault-tolerant ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``
 takes part through :meth:`FaultTolerance._add_sharded` (``_zero_ft.py``,
 ``_fsdp_ft.py``): its gradients join the average, it may act between the
@@ -108,7 +115,7 @@ class FaultTolerance:
         self._mesh = Mesh(self._coord.getsockname()[0], timeout)
         self._qid = -1
         self._shm: ShmGroup | None = None
-        self._shm_qid = -1  # the quorum whose shared-memory setup ran (None: not possible)
+        self._shm_qid = -1  # the quorum whose shared-memory setup ran (_shm None: TCP mesh)
         self._heads: list[list[int]] = []  # every member's header of this step (shared memory)
         self._last: dict[str, Any] | None = None  # the last step committed in shared memory
         self._addrs: dict[int, str] = {}
@@ -472,21 +479,7 @@ class FaultTolerance:
             mid = functools.partial(self._point, "mid_allreduce")
             self._heads = self._shm.all_reduce(flat, self._header(), mid)
             return flat
-        bounds = np.linspace(0, flat.size, n + 1).astype(int)
-        chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
-        me = self.rank
-        others = [m for m in self.members if m != self.id]
-        idx = {m: self.members.index(m) for m in others}
-        mine = {m: chunk[idx[m]] for m in others}
-        got = self._exchange(mine, {m: chunk[me].size for m in others})
-        total = np.zeros(chunk[me].size, np.float64)
-        for m in self.members:  # member order: the same sum on whichever owner
-            total += chunk[me] if m == self.id else got[m]
-        total /= n
-        self._point("mid_allreduce")
-        chunk[me][...] = total  # the others' averages land straight in their chunks
-        into = {m: chunk[idx[m]] for m in others}
-        self._exchange({m: total for m in others}, {m: c.size for m, c in into.items()}, into)
+        self._mesh.all_reduce(mesh, self.members, self.id, flat, self._point)
         return flat
 
     def _gather_infos(self, info: dict[str, Any]) -> list[dict[str, Any]]:

@@ -150,6 +150,34 @@ class Mesh:
                 got[rid] = buf
         return got
 
+    def all_reduce(
+        self,
+        conns: dict[int, socket.socket],
+        members: list[int],
+        me: int,
+        flat: np.ndarray[Any, Any],
+        point: Callable[[str], None],
+    ) -> None:
+        """The average over ``members`` (``me`` among them), in place in ``flat``:
+        reduce-scatter, each chunk summed by one owner in member order (so every member
+        gets the same bits), ``point("mid_allreduce")``, then all-gather."""
+        n = len(members)
+        bounds = np.linspace(0, flat.size, n + 1).astype(int)
+        chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+        mine = members.index(me)
+        idx = {m: members.index(m) for m in members if m != me}
+        got = self.exchange(
+            conns, {m: chunk[q] for m, q in idx.items()}, dict.fromkeys(idx, chunk[mine].size)
+        )
+        total = np.zeros(chunk[mine].size, np.float64)
+        for m in members:  # member order: the same sum on whichever owner
+            total += chunk[mine] if m == me else got[m]
+        total /= n
+        point("mid_allreduce")
+        chunk[mine][...] = total  # the others' averages land straight in their chunks
+        into = {m: chunk[q] for m, q in idx.items()}
+        self.exchange(conns, dict.fromkeys(idx, total), {m: c.size for m, c in into.items()}, into)
+
     @contextlib.contextmanager
     def sending(self, jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Iterator[None]:
         """Run the sends on the pool while the body receives; then wait for them (raising

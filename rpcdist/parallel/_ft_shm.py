@@ -258,7 +258,8 @@ def setup(
     timeout: float,
 ) -> ShmGroup | None:
     """Map every member's segment (collective over the mesh), or None on every member
-    when one of them cannot (another host, another network namespace, no ``/dev/shm``).
+    when one of them cannot (another host, another network namespace, no ``/dev/shm``,
+    ``RPCDIST_FT_SHM=0`` in its environment).
 
     ``gather(info)`` returns every member's ``info`` in member order; ``socks`` are the
     peers' mesh connections by member index.
@@ -273,8 +274,10 @@ def setup(
     nonce = secrets.token_bytes(8)
     maps: dict[int, Any] = {}
     bell: socket.socket | None = None
-    ok = True
+    ok = os.environ.get("RPCDIST_FT_SHM", "1") != "0"  # "0": the TCP mesh, as across hosts
     try:
+        if not ok:
+            raise OSError("RPCDIST_FT_SHM=0")
         maps[rank] = _create(path, size)
         maps[rank][8:16] = nonce
         bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

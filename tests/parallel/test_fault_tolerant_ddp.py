@@ -169,21 +169,35 @@ def check_survivors(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("point", ["before_allreduce", "mid_allreduce", "after_allreduce"])
-def test_kill_one_of_three_mid_step(tmp_path, point):
+@pytest.mark.parametrize(
+    ("point", "shm"),
+    [
+        ("before_allreduce", True),
+        ("mid_allreduce", True),
+        ("after_allreduce", True),
+        ("mid_allreduce", False),
+        ("after_allreduce", False),
+    ],
+)
+def test_kill_one_of_three_mid_step(tmp_path, monkeypatch, point, shm):
+    """``shm``: the all-reduce in shared memory (the ranks share a host), else over the
+    TCP mesh (``RPCDIST_FT_SHM=0``: the path between hosts)."""
+    if not shm:
+        monkeypatch.setenv("RPCDIST_FT_SHM", "0")
     coord = kill_one_of_three(tmp_path, 14, 5, point)
     assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
     assert len(coord.commits) == 14
     # Before the all-reduce ended everywhere, step 6 (index 5) is the redone one: the
-    # lost rank's gradient is not in it. Once it ended (the ranks share a host: the
-    # all-reduce in shared memory is the vote), step 6 committed with rank 1's gradient
-    # everywhere, and step 7 is redone without it.
-    redone = 6 if point == "after_allreduce" else 5
+    # lost rank's gradient is not in it. In shared memory the all-reduce is the vote:
+    # once it ended, step 6 committed with rank 1's gradient everywhere, and step 7 is
+    # redone without it. Over TCP the vote comes after it.
+    redone = 6 if point == "after_allreduce" and shm else 5
     assert [m for m, _ in coord.commits[redone][1]] == [0, 2]
     assert all(len(b) == 3 for _, b in coord.commits[:redone])
     check_survivors(tmp_path, [0, 2], coord)
     redo = [e for e in coord.events if e[1] == "redo"]
     assert len(redo) == 1
+    assert all(rpcdist.load(str(tmp_path / f"rank{r}.npz"))["shm"] == shm for r in (0, 2))
 
 
 @pytest.mark.timeout(180)
