@@ -77,6 +77,11 @@ class RendezvousSpec:
     path: str | None
 
     @property
+    def dynamic(self) -> bool:
+        """No world size: a dynamic group (``world_size`` is 0)."""
+        return self.world_size == 0
+
+    @property
     def address(self) -> str:
         """``host:port`` of the store (IPv6 hosts in brackets)."""
         return format_address(self.host, self.port)
@@ -169,8 +174,13 @@ def parse_init_method(
     rank: int | None,
     world_size: int | None,
     env: Mapping[str, str] = os.environ,
+    *,
+    dynamic: bool = False,
 ) -> RendezvousSpec:
     """Parse ``init_method`` (``None``: ``env://``) into a :class:`RendezvousSpec`.
+
+    ``dynamic``: a world size given nowhere (argument, query, ``WORLD_SIZE``)
+    means a dynamic group (``world_size`` 0) instead of an error.
 
     Raises:
         ConfigError: A value is missing or invalid; the message names the URL
@@ -190,11 +200,16 @@ def parse_init_method(
     if parts.fragment:
         raise ConfigError(f"init_method {url!r}: unexpected fragment #{parts.fragment}")
     query = _query(parts, url)
-    size = _pick("world_size", world_size, query, env, "WORLD_SIZE", url)
-    if size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {size}")
+    if dynamic and world_size is None and "world_size" not in query and "WORLD_SIZE" not in env:
+        size = 0
+    else:
+        size = _pick("world_size", world_size, query, env, "WORLD_SIZE", url)
+        if size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {size}")
     me = _pick("rank", rank, query, env, "RANK", url)
-    if not 0 <= me < size:
+    if size == 0 and me < 0:
+        raise ConfigError(f"rank must be >= 0, got {me}")
+    if size and not 0 <= me < size:
         raise ConfigError(f"rank must be in [0, {size}) for world_size {size}, got {me}")
     path = None
     if parts.scheme == "file":
@@ -218,10 +233,11 @@ def parse_init_method(
                 port = 0
             else:
                 raise ConfigError(
-                    f"MASTER_PORT is not set; env:// needs it for world_size {size} "
+                    f"MASTER_PORT is not set; env:// needs it for "
+                    f"{f'world_size {size}' if size else 'a dynamic group'} "
                     "(the port rank 0 serves the store on)"
                 )
-        if port == 0 and size > 1:
+        if port == 0 and size != 1:
             raise ConfigError(
                 f"store port 0 in init_method {url!r} works only for world_size 1: "
                 "the other ranks would not know where to connect"
