@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from .._serialization._hooks import CodecHooks
     from .._transport import Link, LinkFactory, Peer, Transport
     from .._transport._frames import InMessage, OutMessage
-    from .._worker import WorkerInfo
     from ._activity import Activity
     from ._busy_poll import BusyPoll
     from ._p2p import Mailbox

@@ -213,13 +213,8 @@ class Links:
     async def _accept(self, rank: int, name: str, sync: bool, make: LinkFactory) -> None:
         """A peer connected and passed the handshake (on the loop)."""
         agent = self._agent
-        if agent.dynamic and not self._member(rank, name):
-            if not await _members.admit_link(agent, rank, name):
-                refused = make(Hooks(on_message=agent.on_message))
-                refused.abort(ConnectError(f"worker {name!r} (rank {rank}) is not in the group"))
-                with contextlib.suppress(RpcdistError, TimeoutError):
-                    await asyncio.wait_for(refused.run(), _REFUSED_WAIT)
-                return
+        if not await self._admitted(rank, name, make):
+            return
         same_host = self._hosts.get(rank) == self._hosts.get(agent.rank)
         if sync and agent.sync_serving.serve(rank, name, make, same_host):
             return  # a thread of its own serves it
@@ -248,9 +243,20 @@ class Links:
             if not agent.closed and not broken:
                 agent.liveness.probe(rank, str(link.closed))
 
-    def _member(self, rank: int, name: str) -> bool:
-        workers = self._agent.workers
-        return workers.knows(rank) and workers[rank].name == name
+    async def _admitted(self, rank: int, name: str, make: LinkFactory) -> bool:
+        """Whether to serve a link from ``rank``/``name``: a member, or in a
+        dynamic group a joining worker (its entry is in the store)."""
+        agent = self._agent
+        workers = agent.workers
+        if not agent.dynamic or (workers.knows(rank) and workers[rank].name == name):
+            return True
+        if await _members.admit_link(agent, rank, name):
+            return True
+        refused = make(Hooks(on_message=agent.on_message))
+        refused.abort(ConnectError(f"worker {name!r} (rank {rank}) is not in the group"))
+        with contextlib.suppress(RpcdistError, TimeoutError):
+            await asyncio.wait_for(refused.run(), _REFUSED_WAIT)
+        return False
 
     def adopt_late(self, link: Link) -> None:
         """On the loop: serve a thread-driven link whose call timed out.

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from .._errors import ConfigError, RpcdistError, RpcTimeoutError, WorkerLostError
+from .._errors import ConfigError, RpcdistError, RpcTimeoutError
 from .._worker import WorkerInfo
 from . import _join, _shutdown
 
