@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from .._errors import ConfigError, RpcdistError, RpcTimeoutError
+from .._errors import ConfigError, ConnectError, RpcdistError, RpcTimeoutError, WorkerLostError
 from .._worker import WorkerInfo
 from . import _join, _shutdown
+from ._liveness import PING
 
 if TYPE_CHECKING:
     from ._agent_view import AgentView
@@ -182,8 +183,8 @@ class Membership:
                         f"worker {src.name!r} cannot join: rank 0 ({agent.name!r}) is "
                         "shutting the group down"
                     )
-                await _join.check(agent, [*self.entries.values(), entry])
                 await self._make_room(entry)
+                await _join.check(agent, [*self.entries.values(), entry])
                 others = [r for r in self.entries if r != agent.rank]
                 self.learn(entry)
                 await self._broadcast(others, {"join": entry})
@@ -198,24 +199,20 @@ class Membership:
         rank, name = int(entry["rank"]), str(entry["name"])
         same = [r for r, e in self.entries.items() if r == rank or e["name"] == name]
         for r in same:
-            if r == agent.rank:
-                raise ConfigError(
-                    f"worker {name!r} (rank {rank}) clashes with rank 0 {agent.name!r}"
-                )
-            # A restarted worker: its predecessor must be gone (a ping tells).
-            agent.liveness.probe(r, f"worker {name!r} (rank {rank}) joins in its place")
-            end = time.monotonic() + agent.liveness.window(r) + agent.liveness.interval
-            while r in self.entries and time.monotonic() < end:
-                changed = agent.liveness.changed()
-                await asyncio.wait({changed}, timeout=max(end - time.monotonic(), 0.0))
-                if not changed.done():
-                    changed.cancel()
-            if r in self.entries:
-                other = self.entries[r]
-                raise ConfigError(
-                    f"worker name {name!r} / rank {rank} is taken: worker {other['name']!r} "
-                    f"(rank {r}) is a live member of the group (names and ranks must be unique)"
-                )
+            other = self.entries[r]
+            if r != agent.rank:
+                # A restarted worker? Its predecessor must be gone: ask it.
+                deadline = time.monotonic() + agent.liveness.window(r)
+                try:
+                    await agent.call(r, PING, None, deadline=deadline, meta=None, internal=True)
+                except (WorkerLostError, ConnectError, RpcTimeoutError) as e:
+                    why = f"worker {name!r} (rank {rank}) joined in its place, and a ping failed"
+                    agent.liveness.declare(r, f"{why}: {e}")
+                    continue
+            raise ConfigError(
+                f"worker name {name!r} / rank {rank} is taken: worker {other['name']!r} "
+                f"(rank {r}) is a live member of the group (names and ranks must be unique)"
+            )
 
     async def release(self, src: WorkerInfo) -> None:
         """Rank 0: ``src`` leaves; tell the others."""
