@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from .._errors import ConfigError, ConnectError, RpcdistError, RpcTimeoutError, WorkerLostError
+from .._store import MIXED
 from .._worker import WorkerInfo
 from . import _join, _shutdown
 from ._liveness import PING
@@ -52,12 +53,10 @@ from ._liveness import PING
 if TYPE_CHECKING:
     from ._agent_view import AgentView
 
-__all__ = ["MIXED", "Membership", "admit_link", "install", "join", "mark_static", "shutdown"]
+__all__ = ["Membership", "admit_link", "install", "join", "mark_static", "shutdown"]
 
 log = logging.getLogger(__name__)
 
-#: PyTorch's words for a dynamic worker meeting a static group (its tests check them).
-MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 #: Internal methods: a joiner's and a leaver's request to rank 0, and rank
 #: 0's news for the members.
 JOIN = "rpc.member_join"

@@ -142,7 +142,9 @@ async def _reach(
     from ._client import StoreClient
 
     if spec.scheme == "file" and spec.path is not None:
-        return await join_file(rendezvous_file(spec.path), token, attempt, spec.rank, tls, probe)
+        return await join_file(
+            rendezvous_file(spec.path), token, attempt, spec.rank, tls, probe, dynamic=spec.dynamic
+        )
     store = StoreClient(
         spec.address, token=token, timeout=timeout, rank=spec.rank, tls=tls, probe=probe
     )

@@ -8,7 +8,9 @@ Three schemes, as in ``torch.distributed``:
 - ``tcp://host:port`` (``tcp://[::1]:29500`` for IPv6).
 - ``file:///abs/path``: rank 0 serves the store on a port the OS picks (host
   ``RPCDIST_STORE_HOST``, default ``127.0.0.1``) and publishes
-  ``host:port\\n<server id>`` in ``/abs/path.rpcdist`` (:func:`rendezvous_file`);
+  ``host:port\\n<server id>\\n<static|dynamic>`` in ``/abs/path.rpcdist``
+  (:func:`rendezvous_file`; the last line says whether the job has a world
+  size, so that a worker that disagrees is refused even once the store is gone);
   the other ranks read it. The path itself is left alone, for a torch
   ``FileStore`` on the same ``init_method`` (``init_rpc`` then
   ``torch.distributed.init_process_group`` with one file, as hybrid
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs 
     from ._server import StoreServer
 
 __all__ = [
+    "MIXED",
     "Polling",
     "RendezvousSpec",
     "join_file",
@@ -51,6 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: PyTorch's words for a worker without a world size meeting a job with one,
+#: or the reverse (its tests check them).
+MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 _DIGITS = re.compile(r"[0-9]+")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 #: How long one attempt to reach the address read from a rendezvous (or
@@ -273,7 +279,7 @@ async def open_store(
         path = rendezvous_file(spec.path)
         if spec.rank == 0:
             return await _serve_file(spec, path, token, timeout, tls, secret_file)
-        return await join_file(path, token, timeout, spec.rank, tls), None
+        return await join_file(path, token, timeout, spec.rank, tls, dynamic=spec.dynamic), None
     from ._client import StoreClient
     from ._server import StoreServer
 
@@ -336,8 +342,8 @@ class Polling:
         return True
 
 
-def _file_contents(address: str, server_id: str) -> str:
-    return f"{address}\n{server_id}\n"
+def _file_contents(address: str, server_id: str, dynamic: bool) -> str:
+    return f"{address}\n{server_id}\n{'dynamic' if dynamic else 'static'}\n"
 
 
 async def _serve_file(
@@ -366,7 +372,9 @@ async def _serve_file(
         temporary = f"{path}.{server.server_id}.tmp"
         try:
             with open(temporary, "w", encoding="utf-8") as file:
-                file.write(_file_contents(format_address(advertised, port), server.server_id))
+                file.write(
+                    _file_contents(format_address(advertised, port), server.server_id, spec.dynamic)
+                )
             os.replace(temporary, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -381,8 +389,9 @@ async def _serve_file(
     return store, server
 
 
-def _read_file(path: str) -> tuple[str, str] | str:
-    """``(address, server id)`` from a rendezvous file, or why there is none."""
+def _read_file(path: str) -> tuple[str, str, str | None] | str:
+    """``(address, server id, "static" or "dynamic")`` from a rendezvous
+    file (``None``: an older file that does not say), or why there is none."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
@@ -395,7 +404,7 @@ def _read_file(path: str) -> tuple[str, str] | str:
     lines = text.splitlines()
     if len(lines) < 2 or ":" not in lines[0] or not lines[1]:
         return f"the file holds {text[:80]!r}, not a store address and server id"
-    return lines[0], lines[1]
+    return lines[0], lines[1], lines[2] if len(lines) > 2 else None
 
 
 async def join_file(
@@ -405,6 +414,8 @@ async def join_file(
     rank: int | None = None,
     tls: GrpcTls | None = None,
     probe: bool = False,
+    *,
+    dynamic: bool | None = None,
 ) -> StoreClient:
     """Connect to the store whose address rank 0 wrote to ``path``
     (``probe``: see :class:`StoreClient`).
@@ -412,6 +423,11 @@ async def join_file(
     The file may be stale (left by an earlier run) until rank 0 replaces it,
     so an address that fails, rejects the token or answers with another
     server id sends us back to reading the file until the deadline.
+
+    Raises:
+        ConnectError: no store of the file's was reached in time.
+        ConfigError: the file's job has a world size and ``dynamic`` (this
+            worker) has none, or the reverse (:data:`MIXED`).
     """
     from ._client import StoreClient
 
@@ -422,7 +438,15 @@ async def join_file(
         if isinstance(found, str):
             problem = found
         else:
-            address, server_id = found
+            address, server_id, mode = found
+            if dynamic is not None and mode is not None and dynamic != (mode == "dynamic"):
+                raise ConfigError(
+                    f"{MIXED} (rpcdist: rank {rank} was started "
+                    f"{'without' if dynamic else 'with'} a world size, but the rendezvous file "
+                    f"{path!r} names the store of a {mode} group (a file left by an earlier "
+                    "job is replaced when its rank 0 starts): pass the same world_size to "
+                    "every worker, or none to any)"
+                )
             store = StoreClient(
                 address, token=token, timeout=timeout, rank=rank, tls=tls, probe=probe
             )
