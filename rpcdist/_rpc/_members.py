@@ -29,14 +29,20 @@ time (on its loop, under a lock):
   watches every member; rank 0 then takes it out of the group and tells the
   others. A worker may join again with the same rank and name (a restarted
   trainer): the one before it must be gone, and rank 0 probes it first.
-* **rank 0's own shutdown** waits until every other member has left or
-  was lost and no announced joiner is still on its way (one that never
-  asks is waited for ``init_timeout``), then stops the store.
+* **rank 0's own shutdown** ends the group: it waits until every other
+  member has left or was lost, no announced joiner is still on its way (one
+  that never asks is waited for ``init_timeout``) and the group has not
+  changed for ``_LINGER`` seconds (the workers of a job start within
+  seconds of each other, not at one instant: one that starts as another
+  leaves still finds the group), then stops the store. If nobody ever
+  joined, it waits up to ``init_timeout`` for a first worker; its
+  ``timeout`` bounds all this (members still there then: an error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -69,6 +75,9 @@ _ENTRY_WAIT = 5.0
 #: How often rank 0's shutdown looks at the store's count of joiners, and a
 #: leaver at its links.
 _POLL = 0.05
+#: How long rank 0's shutdown waits, once the group is empty, for a change
+#: (a worker joining): workers of one job rarely start at the same instant.
+_LINGER = 3.0
 #: How long a leaver waits for the members' links to it to end.
 _LINKS_WAIT = 2.0
 
@@ -96,6 +105,9 @@ class Membership:
         self._lock: asyncio.Lock | None = None
         #: Rank 0: joiners that asked (let in or refused), and whether it leaves.
         self.settled = 0
+        #: Rank 0: workers let in so far, and when the group last changed.
+        self.joined = 0
+        self.changed_at = time.monotonic()
         self.closing = False
         self._changed: asyncio.Event | None = None
 
@@ -152,6 +164,7 @@ class Membership:
         self._notify_changed()
 
     def _notify_changed(self) -> None:
+        self.changed_at = time.monotonic()
         if self._changed is not None:
             self._changed.set()
 
@@ -186,6 +199,7 @@ class Membership:
                 await _join.check(agent, [*self.entries.values(), entry])
                 others = [r for r in self.entries if r != agent.rank]
                 self.learn(entry)
+                self.joined += 1
                 await self._broadcast(others, {"join": entry})
                 agent.liveness.watch(src.id)
                 return list(self.entries.values())
@@ -243,38 +257,44 @@ class Membership:
         await asyncio.gather(*(tell(r) for r in ranks))
 
     async def wait_empty(self, timeout: float | None) -> None:
-        """Rank 0's shutdown: wait until no other member is left and no
-        announced joiner is on its way.
+        """Rank 0's shutdown: wait until the group is over (see the module
+        docstring): no other member, no announced joiner on its way, and
+        nothing changed for ``_LINGER`` seconds (or, if nobody ever joined,
+        ``init_timeout`` passed).
 
         Raises:
-            RpcTimeoutError: that did not happen within ``timeout``.
+            RpcTimeoutError: members are still in the group after ``timeout``.
         """
         agent = self._agent
-        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        end = None if timeout is None else start + timeout
+        announced = 0
         self._changed = asyncio.Event()
-        end = None if timeout is None else loop.time() + timeout
-        announced, since = 0, loop.time()
         while True:
-            now = await agent.store.add(_ANNOUNCED, 0)
-            if now != announced:
-                announced, since = now, loop.time()
+            self._changed.clear()
+            count = await agent.store.add(_ANNOUNCED, 0)
+            if count != announced:
+                announced, self.changed_at = count, time.monotonic()
+            now = time.monotonic()
             others = [r for r in self.entries if r != agent.rank]
-            late = loop.time() - since > agent.options.init_timeout
+            quiet = now - self.changed_at
+            late = quiet > agent.options.init_timeout  # an announced joiner that never asked
             if not others and (self.settled >= announced or late):
-                self.closing = True
-                return
-            if end is not None and loop.time() >= end:
+                if self.joined and quiet >= _LINGER:
+                    break
+                if not self.joined and now - start >= agent.options.init_timeout:
+                    break
+            if end is not None and now >= end:
+                if not others:
+                    break
                 names = ", ".join(repr(self.entries[r]["name"]) for r in others)
                 raise RpcTimeoutError(
                     f"graceful shutdown of {agent.name!r} (rank 0 of a dynamic group) did not "
-                    f"finish within {timeout} s: members {names or 'none'} have not left, "
-                    f"{max(announced - self.settled, 0)} joiners are on their way"
+                    f"finish within {timeout} s: members {names} have not left"
                 )
-            self._changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), _POLL)
-            except TimeoutError:
-                pass
+        self.closing = True
 
 
 # ------------------------------------------------------------------ handlers
