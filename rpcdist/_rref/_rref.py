@@ -149,7 +149,8 @@ class RRef(Generic[T]):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise RRefError(
-            f"{self!r} cannot be pickled or copied: an RRef can only be sent as an argument "
+            f"Can not pickle rref in python pickler: {self!r} cannot be pickled or copied: "
+            "an RRef can only be sent as an argument "
             "or result of an RPC (rpc_sync, rpc_async, remote)"
         )
 

@@ -140,7 +140,7 @@ _NDARRAY = SAFE_DUNDERS | _names(
 _TORCH_MATH = _names(
     """
     abs add addmm allclose argmax argmin bmm cat clamp clone cos div dot eq equal exp flatten ge
-    gt le log log_softmax lt matmul max mean min mm mul ne neg norm pow prod relu reshape
+    gt le log log_softmax lt matmul max mean min mm mul ne neg nonzero norm pow prod relu reshape
     sigmoid sin softmax sqrt squeeze stack std sub sum t tanh transpose unsqueeze var where
     """
 )

@@ -2,7 +2,10 @@
 in every ``make test`` (the whole suite: ``make test-torch-suite``).
 
 Each test is one of PyTorch's, unchanged, in its own processes with a hard
-timeout (``run_suite.run_one``); one of each kind: plain calls, futures
+timeout (``run_suite.run_one``), forked from a parent that imported torch
+and the tests once (the runner's zygote; its workers are forked too), so a
+test costs about a second instead of a fresh interpreter's imports; one of
+each kind: plain calls, futures
 and their callbacks, RPC profiling (a nested call's remote events),
 distributed autograd (argument checks, sparse tensors), an example with
 RRefs and the optimizer, RemoteModule. Each passed in a suite run
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,9 +42,19 @@ SUBSET = (
 )
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[None]:
+    """The runner's pre-imported parent, shared by this module's tests and
+    killed (its process group) after them."""
+    try:
+        yield
+    finally:
+        run_suite.close_zygotes()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 @pytest.mark.parametrize("name", SUBSET)
-def test_pytorch_rpc_test_passes_on_rpcdist(name: str) -> None:
-    row = run_suite.run_one(name, "rpcdist", timeout=420)
+def test_pytorch_rpc_test_passes_on_rpcdist(name: str, zygote: None) -> None:
+    row = run_suite.run_one(name, "rpcdist", timeout=420, start_mode="zygote")
     assert row is not None
     assert row["status"] == "passed", row["tail"]
