@@ -244,7 +244,10 @@ class Agent:
         if isinstance(to, str):
             w = self._by_name.get(to)
             if w is None:
-                raise ConfigError(f"unknown worker name {to!r}; workers are {self._names()}")
+                raise ConfigError(
+                    f"unknown worker name {to!r} (could not find destination); "
+                    f"workers are {self._names()}"
+                )
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             if not 0 <= to < len(self.workers):

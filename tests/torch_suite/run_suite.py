@@ -151,6 +151,10 @@ OUT_OF_SCOPE: dict[str, str] = {
     "RpcTest.test_wait_all_raise_in_body": _WAIT_ALL,
     "RpcTest.test_wait_all_raise_in_user_func": _WAIT_ALL,
     "RpcTest.test_wait_all_timeout": _WAIT_ALL,
+    "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads": (
+        "torch-private _get_current_rpc_agent().get_debug_info() keys of the TensorPipe agent "
+        "(agent.thread_pool_size)"
+    ),
     "TensorPipeAgentRpcTest.test_infer_backend_from_options": (
         "torch-private TensorPipeAgent class (the agent object's type)"
     ),
