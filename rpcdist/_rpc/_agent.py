@@ -191,6 +191,7 @@ class Agent:
         # Only with its tables filled in may a worker pass this: peers call at once.
         await _join.barrier(self, "rpc/init")
         await _join.check(self, infos)
+        await _shutdown.passed_init(self)
         self.liveness.start()
 
     async def rename(self, name: str, timeout: float) -> None:
