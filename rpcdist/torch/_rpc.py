@@ -23,6 +23,7 @@ from .._errors import ConfigError
 from .._futures import Future
 from .._options import RpcOptions
 from .._rpc import _api
+from .._rpc._context import default_agent
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
@@ -288,7 +289,8 @@ def init_rpc(
         name: This worker's unique name.
         backend: Ignored (rpcdist has one transport).
         rank: This worker's rank; ``-1``: ``RANK`` from the environment.
-        world_size: Number of workers; ``None``: ``WORLD_SIZE``.
+        world_size: Number of workers; ``None``: ``WORLD_SIZE``, and
+            without it a dynamic group, as torch's (ranks join and leave).
         rpc_backend_options: A :class:`TensorPipeRpcBackendOptions`.
 
     Raises:
@@ -297,6 +299,12 @@ def init_rpc(
         ConnectError: the rendezvous did not complete in time.
     """
     opts = _check_init_args(backend, rpc_backend_options)
+    agent = default_agent()
+    if agent is not None and not agent.closed and "rpc" in agent.roles:
+        raise ConfigError(  # (torch's words first, before any rendezvous)
+            f"RPC is already initialized: this process runs rpcdist's worker {agent.name!r}; "
+            "call rpc.shutdown() first"
+        )
     install()
     r = None if rank is None or rank < 0 else rank
     if r is None:
