@@ -229,6 +229,7 @@ class FaultTolerance:
             if self.rank == 0:
                 send_frame(self._coord, {"op": "done", **self._last})
             self.step += 1
+            self._committed += len(batch)
             committed = True
         else:
 
@@ -238,8 +239,6 @@ class FaultTolerance:
                     self._write_grads(flat)
 
             committed = self._coord_vote(ok and not self._failed, batch, finish)
-        if committed:
-            self._committed += len(batch)
         self._failed = False
         self._point("after_commit")
         return committed
@@ -256,6 +255,7 @@ class FaultTolerance:
         committed = bool(reply["commit"])
         if committed:
             finish()
+            self._committed += len(batch)  # before _apply re-shards the sampler past it
         for obj in self._sharded:
             obj._ft_finish(committed)
         self._apply(reply)
@@ -337,13 +337,14 @@ class FaultTolerance:
         """Leave: close the connections (the others go on without this rank)."""
         self._drop_mesh()
         self._mesh.close(self._qid)
-        if self._last is not None:  # in case the first member died before sending it
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(*_FAILURES):
+            if self._last is not None:  # in case the first member died before sending it
                 send_frame(self._coord, {"op": "done", **self._last})
-        with contextlib.suppress(OSError):  # unread notes would make close() reset the
-            self._coord.setblocking(False)  # connection, losing this rank's last record
-            while self._coord.recv(4096):
-                pass
+            # Once the coordinator answers, it has the records sent before (in order).
+            self._coord.settimeout(self.timeout)
+            send_frame(self._coord, {"op": "bye"})
+            while "bye" not in recv_frame(self._coord)[0]:
+                pass  # notes
         with contextlib.suppress(OSError):
             self._coord.shutdown(socket.SHUT_RDWR)
         self._coord.close()

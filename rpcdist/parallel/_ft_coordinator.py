@@ -144,6 +144,8 @@ class FaultToleranceCoordinator:
                     if msg["op"] == "join":
                         rid = int(msg["id"])
                         self._join(rid, sock, str(msg["addr"]))
+                    elif msg["op"] == "bye":  # leaving: everything it sent is in
+                        send_frame(sock, {"bye": True})
                     elif rid is None or self._conns.get(rid) is not sock:
                         pass  # not (or no longer) a member: a lost rank's last words
                     elif msg["op"] == "done":
