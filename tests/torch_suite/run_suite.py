@@ -177,6 +177,22 @@ KNOWN_GAPS = (
     "the part of the pass that gradients sent back start runs on a pool thread, which "
     "torch's profiler does not record. (RPC calls under the legacy profiler are profiled "
     "as PyTorch's, the callee's events included.)",
+    "A user function's error logged on the callee (`RpcTest.test_py_raise_in_user_func`): "
+    "PyTorch's agent also writes it to the callee's stderr; rpcdist sends it back to the "
+    "caller (with the callee's traceback) and does not log it there.",
+    "`RRef._get_type` (`RpcTest.test_rref_type_blocking`, `_non_blocking`): the test "
+    "looks for torch's internal call `_rref_typeof_on_owner` under the profiler and for "
+    "the same Future object on every non-blocking call; rpcdist asks the owner once too "
+    "(the type is remembered) but is not profiled under that name and makes a new Future.",
+    "An RRef used after shutdown (`RpcTest.test_use_rref_after_shutdown`): rpcdist "
+    "refuses with its own text (the agent has shut down), not torch's \"Cannot call "
+    "to_here() on it after deletion\"; the second half pickles it with torch's own "
+    "internal pickler.",
+    "RemoteModule sent over RPC (`ThreeWorkersRemoteModuleTest."
+    "test_send_remote_module_over_the_wire`): the test compares the attribute names "
+    "of the received module with torch's private list `_REMOTE_MODULE_PICKLED_ATTRIBUTES` "
+    "(`on`, `is_device_map_set`, `generated_methods`...); rpcdist's RemoteModule "
+    "keeps its own.",
     "Dynamic membership (4, the `test_dynamic_*` tests): `init_rpc` without `world_size` "
     "(ranks joining and "
     "leaving a running group) is not implemented; `world_size=None` means `WORLD_SIZE` "
