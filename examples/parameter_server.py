@@ -53,9 +53,18 @@ the server probes its trainers once a second so that it notices),
 the server drops it from the synchronous step (its queued gradients too;
 the others' step completes without it) and from the scoreboard, and the
 other trainers finish; the server frees the lost trainer's distributed
-autograd contexts itself. The summary lists the lost trainers. A restarted
-trainer cannot rejoin: an rpcdist job's world is fixed at ``init_rpc`` and a
-lost worker stays lost.
+autograd contexts itself. The summary lists the lost trainers.
+
+``--rejoin`` (sync and hogwild modes) lets a restarted trainer come back:
+the workers then form a *dynamic group* (``init_rpc`` without a world size;
+``WORLD_SIZE`` only says how many trainers to expect and how to shard), so a
+trainer started again with its old rank and environment joins the running
+job, asks the server where training is (:func:`rejoin`) and trains from the
+epoch after the last one any trainer reported; in sync mode it enters the
+synchronous step with its first gradients for the current weights. Each
+epoch's row in ``summary.json`` lists the trainers that reported it.
+(Distributed-autograd mode keeps a fixed job: the server may still hold
+contexts of the lost trainer, which a restarted one would reuse the ids of.)
 
 Functions are sent by qualified name (``__main__:push_gradients``,
 ``ps_common:progress``). Every process runs this script, so the names resolve
@@ -123,6 +132,10 @@ class ParameterServer:
         self.version = 0  # updates applied so far
         self.lock = threading.Lock()  # handlers run concurrently in the pool
         self.pending: dict[int, tuple[Params, rpcdist.Future[Any]]] = {}
+        #: Ranks lost at some point, and the restarted ones on their way back in.
+        self.was_lost: set[int] = set()
+        self.back: set[int] = set()
+        self.returned: list[tuple[int, int]] = []  # (rank, first epoch), for the log
 
     def add_gradients(
         self, rank: int, version: int, grads: Params
@@ -131,6 +144,12 @@ class ParameterServer:
         complete every Future."""
         fut: rpcdist.Future[tuple[int, Params]] = rpcdist.Future()
         with self.lock:
+            if rank in self.back:  # a restarted trainer: in at its first push on time
+                if version != self.version:  # it caught up meanwhile: the latest weights
+                    fut.set_result((self.version, self.model.state_dict()))
+                    return fut
+                self.back.discard(rank)
+                self.live.add(rank)
             if version != self.version:  # synchronous SGD: everyone is on one step
                 fut.set_exception(
                     RuntimeError(f"gradients for version {version}, server is at {self.version}")
@@ -146,9 +165,22 @@ class ParameterServer:
         goes on with the others (if they all pushed, it is taken now)."""
         with self.lock:
             self.live.discard(rank)
+            self.back.discard(rank)
+            self.was_lost.add(rank)
             self.pending.pop(rank, None)
             done = self._update_if_complete()
         self._reply(done)
+
+    def rejoin(self, rank: int, board: Scoreboard) -> int:
+        """Trainer ``rank`` started: the epoch it trains from (0: nothing left)."""
+        with self.lock:
+            if rank not in self.was_lost:
+                return 1  # a first start
+            first = board.rejoin(rank)
+            if first:
+                self.back.add(rank)
+                self.returned.append((rank, first))
+            return first
 
     def _update_if_complete(self) -> tuple[list[rpcdist.Future[Any]], Any] | None:
         """Under the lock: once every live trainer pushed, one step on their mean."""
@@ -216,6 +248,25 @@ def server_model() -> Net:
     return _server().model
 
 
+def finished(rank: int) -> None:
+    """``--rejoin``: trainer ``rank`` trained its last epoch; the synchronous step
+    goes on without it (a trainer that came back started later, so its count of
+    steps differs from the others')."""
+    server = _server()
+    with server.lock:
+        server.live.discard(rank)
+        server.back.discard(rank)
+        done = server._update_if_complete()
+    server._reply(done)
+
+
+def rejoin(rank: int) -> int:
+    """``--rejoin``: trainer ``rank`` started (again?); the epoch it trains from."""
+    board = Scoreboard.instance
+    assert board is not None
+    return _server().rejoin(rank, board)
+
+
 def parameter_rrefs() -> list[rpcdist.RRef[Any]]:
     """RRefs to the server model's parameters, for a ``DistributedOptimizer``."""
     return [rpcdist.RRef(p) for p in _server().model.parameters()]
@@ -271,8 +322,11 @@ def run_trainer(rank: int, world_size: int, args: argparse.Namespace) -> None:
     x, y = ps_common.shard(x_train, y_train, rank - 1, world_size - 1)
     steps = len(x) // args.batch_size
     rng = np.random.default_rng([args.seed, rank])  # this trainer's shuffling
+    first = rpcdist.rpc_sync(PS_NAME, rejoin, args=(rank,)) if args.rejoin else 1
+    if not first:
+        return  # restarted after the last epoch began: nothing left to train
     step = autograd_step_fn(args.lr) if args.mode == "autograd" else local_step_fn(args.mode, rank)
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(first, args.epochs + 1):
         order = rng.permutation(len(x))
         loss_sum, correct, count = 0.0, 0, 0
         reports = []
@@ -286,6 +340,8 @@ def run_trainer(rank: int, world_size: int, args: argparse.Namespace) -> None:
             reports.append(rpcdist.rpc_async(PS_NAME, ps_common.progress, args=(1, loss)))
         rpcdist.futures.wait_all(reports)
         rpcdist.rpc_sync(PS_NAME, ps_common.end_epoch, args=(epoch, loss_sum, correct, count, rank))
+    if args.rejoin:
+        rpcdist.rpc_sync(PS_NAME, finished, args=(rank,))
 
 
 # --------------------------------------------------------------------------- the job
@@ -297,6 +353,12 @@ def worker_main(args: argparse.Namespace) -> int:
     if world_size < 2:
         print("parameter_server.py needs at least 2 processes (1 server, 1 trainer)")
         return 2
+    if args.rejoin:
+        if args.mode == "autograd":
+            print("--rejoin works in sync and hogwild modes (see the module docstring)")
+            return 2
+        # No world size: a dynamic group, which a restarted trainer can join again.
+        del os.environ["WORLD_SIZE"]
     start = time.perf_counter()
     trainers = world_size - 1
     board = None
@@ -320,7 +382,8 @@ def worker_main(args: argparse.Namespace) -> int:
         run_trainer(rank, world_size, args)
     else:
         lost = watch_trainers(server, board)  # until every live trainer reported its last epoch
-    rpcdist.shutdown()  # collective: returns once every live worker is done
+    # Collective (--rejoin: the trainers leave, the server waits until they have).
+    rpcdist.shutdown()
     if board is None:
         return 0
     return report(board, time.perf_counter() - start, trainers, args, lost)
@@ -343,7 +406,8 @@ def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
     ``RpcOptions``' lease), and its ``DistributedOptimizer`` steps only the contexts
     that trainers still alive send.
     """
-    lost: list[str] = []
+    lost: list[str] = []  # every loss, in order
+    gone: set[str] = set()  # lost and not back
     probes: dict[int, rpcdist.Future[Any]] = {}
     next_probe = time.monotonic()
     while not board.done.wait(0.2):
@@ -353,8 +417,14 @@ def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
                 if rank not in probes or probes[rank].done():
                     with contextlib.suppress(rpcdist.RpcdistError):  # lost: noticed below
                         probes[rank] = rpcdist.rpc_async(f"trainer{rank}", alive, timeout=5.0)
+        with server.lock:
+            returned, server.returned = server.returned, []
+        for rank, first in returned:  # (--rejoin)
+            gone.discard(f"trainer{rank}")
+            board.write(f"[ps] trainer{rank} rejoined; it trains from epoch {first}")
         for name, why in rpcdist.debug_info()["lost_workers"].items():
-            if name.startswith("trainer") and name not in lost:
+            if name.startswith("trainer") and name not in gone:
+                gone.add(name)
                 lost.append(name)
                 rank = int(name.removeprefix("trainer"))
                 board.write(f"[ps] {name} lost ({why}); going on with {len(server.live) - 1}")
@@ -409,6 +479,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out-dir", default="build/parameter_server", help="summary.json, training.png")
     p.add_argument(
         "--workers", type=int, default=3, help="processes when run standalone (1 ps + trainers)"
+    )
+    p.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="a dynamic group: a restarted trainer joins again (sync and hogwild modes)",
     )
     return p.parse_args(argv)
 

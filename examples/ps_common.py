@@ -107,9 +107,11 @@ class Scoreboard:
     ) -> None:
         ranks = list(range(1, trainers + 1)) if isinstance(trainers, int) else list(trainers)
         self.live, self.epochs, self.evaluate = set(ranks), epochs, evaluate
+        #: The first epoch each trainer that came back reports (a rejoined one).
+        self.first: dict[int, int] = {}
         self.lock = threading.Lock()
         self.pending: dict[int, dict[int, tuple[float, int, int]]] = {}
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, Any]] = []
         self.done = threading.Event()
         total = len(ranks) * epochs * steps_per_epoch
         self.total, self.steps, self.title = total, 0, title
@@ -158,17 +160,35 @@ class Scoreboard:
         for e, parts in closed:
             self._close(e, parts)
 
-    def _closed_epochs(self) -> list[tuple[int, list[tuple[float, int, int]]]]:
+    def rejoin(self, rank: int) -> int:
+        """Trainer ``rank`` is back (restarted): the epoch it starts from, the
+        one after the last any trainer reported (0: training is over)."""
+        with self.lock:
+            if self.done.is_set():
+                return 0
+            reported = [e for e, parts in self.pending.items() if parts]
+            reported += [int(r["epoch"]) for r in self.history]
+            first = max(reported, default=0) + 1
+            if first > self.epochs:
+                return 0
+            self.first[rank] = first
+            self.live.add(rank)
+            return first
+
+    def _closed_epochs(self) -> list[tuple[int, dict[int, tuple[float, int, int]]]]:
         out = []
         for e in sorted(self.pending):
-            if self.pending[e] and self.live <= set(self.pending[e]):
-                out.append((e, list(self.pending.pop(e).values())))
+            due = {r for r in self.live if self.first.get(r, 1) <= e}
+            if self.pending[e] and due <= set(self.pending[e]):
+                out.append((e, self.pending.pop(e)))
         return out
 
-    def _close(self, epoch: int, parts: list[tuple[float, int, int]]) -> None:
+    def _close(self, epoch: int, reports: dict[int, tuple[float, int, int]]) -> None:
+        parts = list(reports.values())
         loss_sum, correct, count = (sum(p[i] for p in parts) for i in range(3))
-        row = {
+        row: dict[str, Any] = {
             "epoch": epoch,
+            "trainers": sorted(reports),
             "train_loss": loss_sum / count,
             "train_accuracy": correct / count,
             "test_accuracy": self.evaluate(),
@@ -201,7 +221,7 @@ class Scoreboard:
         return written
 
 
-def plot(history: list[dict[str, float]], path: str, title: str) -> str | None:
+def plot(history: list[dict[str, Any]], path: str, title: str) -> str | None:
     """Loss and test accuracy per epoch as a PNG (headless); None without matplotlib."""
     try:
         import matplotlib

@@ -237,3 +237,65 @@ def test_parameter_server_goes_on_when_a_trainer_is_killed(mode, tmp_path):
     assert summary["lost_trainers"] == ["trainer2"]
     assert [r["epoch"] for r in summary["epochs"]] == [1, 2, 3]
     assert re.search(rf"final test accuracy 0\.\d+ \({mode} mode\)", out), out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "lr"), [("sync", "0.05"), ("hogwild", "0.005")])
+def test_parameter_server_takes_back_a_restarted_trainer(mode, lr, tmp_path):
+    """``--rejoin`` (a dynamic group): trainer 2 is killed (-9) mid-training, the
+    server drops it, and the same trainer started again (same rank, same
+    launcher environment) joins the running job and trains again: it reports
+    the last epochs, and the job finishes every epoch."""
+    from rpcdist.launch._hosting import free_port
+
+    port, world = free_port(), 4
+    args = [
+        # (long enough for a restart: a trainer's start-up takes seconds)
+        *("--mode", mode, "--epochs", "12", "--batch-size", "2", "--min-accuracy", "0.5"),
+        *("--lr", lr, "--out-dir", str(tmp_path), "--rejoin"),
+    ]
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "parameter_server.py"), *args],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    procs = [start(rank) for rank in range(world)]
+    try:
+        ps = procs[0]
+        assert ps.stdout is not None
+        lines = []
+
+        def read_until(pattern: str) -> None:
+            for line in ps.stdout:  # (bounded by the test's timeout)
+                lines.append(line)
+                if re.search(pattern, line):
+                    return
+            pytest.fail("".join(lines))
+
+        read_until(r" \d+/\d+ steps")  # every trainer is mid-training
+        procs[1 + 1].kill()
+        read_until(r"\[ps\] trainer2 lost")
+        procs.append(start(2))  # the same trainer, started again
+        out = "".join(lines) + ps.stdout.read()
+        assert ps.wait(timeout=120) == 0, out
+        for p in (procs[1], procs[3], procs[4]):
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert re.search(r"\[ps\] trainer2 rejoined; it trains from epoch \d+", out), out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost_trainers"] == ["trainer2"]
+    assert [r["epoch"] for r in summary["epochs"]] == list(range(1, 13))
+    assert summary["epochs"][-1]["trainers"] == [1, 2, 3]  # trainer 2 trained again
+    assert re.search(rf"final test accuracy 0\.\d+ \({mode} mode\)", out), out

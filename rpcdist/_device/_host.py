@@ -49,6 +49,10 @@ class _Registry(Protocol):
     def install(self, ext: Any) -> None: ...
 
 
+class _Workers(Protocol):
+    def __getitem__(self, rank: int) -> WorkerInfo: ...
+
+
 class Host(Protocol):
     """The agent, as a device extension sees it."""
 
@@ -59,7 +63,7 @@ class Host(Protocol):
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
     @property
-    def workers(self) -> list[WorkerInfo]: ...
+    def workers(self) -> _Workers: ...
     @property
     def links(self) -> _Links: ...
     @property

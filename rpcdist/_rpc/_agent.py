@@ -59,7 +59,7 @@ from .._transport._frames import (
 )
 from .._transport._frames import Meta as Meta
 from .._worker import WorkerInfo, check_worker_name
-from . import _dispatch, _doctor, _join, _shutdown
+from . import _dispatch, _doctor, _join, _members, _shutdown
 from ._activity import Activity
 from ._busy_poll import BusyPoll
 from ._calls import Calls, send_control
@@ -70,6 +70,7 @@ from ._registry import BUILTIN_EXTENSIONS, Extension, Registry
 from ._started import Started
 from ._sync_pool import NOT_TAKEN, SyncPool, channel_limit
 from ._sync_serving import SyncServing
+from ._table import WorkerTable
 from ._wire import WireContext
 
 __all__ = ["AUTO", "Agent"]
@@ -112,20 +113,22 @@ class Agent:
         self.options = (options or RpcOptions()).validated()
         deadline_for(rpc_timeout, None)  # validates
         self._rpc_timeout = rpc_timeout
-        self._spec = parse_init_method(init_method, rank, world_size)
+        self._spec = parse_init_method(init_method, rank, world_size, dynamic=True)
         self.options.check_store_host(self._spec.host, self._spec.rank)
         #: What peers may call here by name (see ``RpcOptions.callable_policy``).
         self.policy = CallablePolicy(
             self.options.callable_policy, frozenset(self.options.allowed_callables)
         )
         self.rank = self._spec.rank
+        #: 0 in a dynamic group (no world size: workers join and leave, see
+        #: ``_members``).
         self.world_size = self._spec.world_size
+        self.dynamic = self.world_size == 0
         self.closed = False
         #: What this agent serves: "rpc" (init_rpc) and/or "collectives"
         #: (init_process_group). It shuts down when the last role is released.
         self.roles: set[str] = set()
-        self.workers: list[WorkerInfo] = []
-        self._by_name: dict[str, WorkerInfo] = {}
+        self.workers = WorkerTable()
         #: Host identity (hostname and boot id) of every worker, by rank.
         self.hosts: dict[int, str] = {}
         self._store: Any = None
@@ -154,6 +157,8 @@ class Agent:
             self.sync_serving = SyncServing(self, limit, self.busy_poll)
             self.liveness = Liveness(self)
             self.registry.add_handler(PING, on_ping)
+            #: A dynamic group's membership (``None``: a static job).
+            self.membership = _members.install(self) if self.dynamic else None
             for path in BUILTIN_EXTENSIONS:
                 module, _, factory = path.partition(":")
                 getattr(importlib.import_module(module), factory)(self)
@@ -182,9 +187,14 @@ class Agent:
         self.calls.start()
         # (without a token, this also sets the job's secret as the links' token)
         self._store, self._store_server = await _join.open_job_store(self, self._spec)
+        if self.membership is not None:
+            await _members.join(self, self.membership, await self.links.serve())
+            self.liveness.start()
+            return
+        if self.rank == 0:
+            await _members.mark_static(self)
         infos = await _join.join(self, await self.links.serve())
-        self.workers = [WorkerInfo(i["name"], i["rank"]) for i in infos]
-        self._by_name = {w.name: w for w in self.workers}
+        self.workers = WorkerTable(WorkerInfo(i["name"], i["rank"]) for i in infos)
         self.hosts = {i["rank"]: i["host"] for i in infos}
         self.links.set_peers({i["rank"]: i["link"] for i in infos}, self.hosts)
         self.liveness.learn(infos)
@@ -207,8 +217,7 @@ class Agent:
         rename = getattr(self.links.transport, "rename", None)
         if rename is not None:
             rename(name)
-        self.workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
-        self._by_name = {w.name: w for w in self.workers}
+        self.workers = WorkerTable(WorkerInfo(n, r) for r, n in enumerate(names))
         await self._store.barrier("rpc/rename", self.world_size, timeout)
 
     # ----------------------------------------------------------------- lookups
@@ -236,27 +245,44 @@ class Agent:
 
         Raises:
             ConfigError: no such worker.
+            WorkerLostError: it left the dynamic group, or was lost and taken
+                out of it.
         """
         if isinstance(to, WorkerInfo):
-            w = self._by_name.get(to.name)
+            w = self.workers.named(to.name)
             if w is None or w.id != to.id:
+                self._check_departed(rank=to.id, name=to.name)
                 raise ConfigError(f"unknown worker {to!r}; workers are {self._names()}")
             return w
         if isinstance(to, str):
-            w = self._by_name.get(to)
+            w = self.workers.named(to)
             if w is None:
+                self._check_departed(name=to)
                 raise ConfigError(
                     f"unknown worker name {to!r} (could not find destination); "
                     f"workers are {self._names()}"
                 )
             return w
         if isinstance(to, int) and not isinstance(to, bool):
-            if not 0 <= to < len(self.workers):
+            if not self.workers.knows(to):
+                self._check_departed(rank=to)
+                if self.dynamic:
+                    raise ConfigError(f"no worker of rank {to}; workers are {self._names()}")
                 raise ConfigError(f"worker rank {to} out of range [0, {len(self.workers)})")
             return self.workers[to]
         raise ConfigError(
             f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}"
         )
+
+    def _check_departed(self, *, rank: int | None = None, name: str | None = None) -> None:
+        """Raises: WorkerLostError: that worker left the group or was lost."""
+        why = self.workers.departed(rank=rank, name=name)
+        if why is not None:
+            who = f"worker {name!r}" if name is not None else f"worker of rank {rank}"
+            raise WorkerLostError(
+                f"{who} is no longer in the group of {self.name!r}: {why}; workers are "
+                f"{self._names()}"
+            )
 
     def _names(self) -> str:
         return ", ".join(repr(w.name) for w in self.workers)
@@ -607,9 +633,11 @@ class Agent:
         self._loop_thread.check_not_loop_thread("shutdown()")
         clean = False
         try:
-            skipped = self._loop_thread.run(
-                _shutdown.shutdown(self, graceful, timeout), "shutdown()"
-            )
+            if self.membership is not None:
+                how = _members.shutdown(self, self.membership, graceful, timeout)
+            else:
+                how = _shutdown.shutdown(self, graceful, timeout)
+            skipped = self._loop_thread.run(how, "shutdown()")
             clean = graceful
             return skipped
         finally:

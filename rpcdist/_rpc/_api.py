@@ -46,12 +46,18 @@ def init_rpc(
 ) -> None:
     """Start this process's agent and rendezvous with the other workers.
 
-    Blocks until every one of ``world_size`` workers has joined.
+    Blocks until every one of ``world_size`` workers has joined. Without a
+    world size (none given, none in ``init_method``'s query, no
+    ``WORLD_SIZE``), the worker starts (rank 0) or joins a *dynamic group*,
+    as PyTorch's: it returns once every member knows it, and its
+    ``shutdown()`` leaves the group while the others go on (see
+    ``docs/guides/rpc.md``, "Workers that join and leave").
 
     Args:
         name: This worker's unique name (1-127 letters, digits, ``_ - :``).
         rank: This worker's rank; defaults to ``RANK`` from the environment.
-        world_size: Number of workers; defaults to ``WORLD_SIZE``.
+        world_size: Number of workers; defaults to ``WORLD_SIZE``; none at
+            all: a dynamic group.
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
         rpc_timeout: Default timeout of calls in seconds (``None``/0: none).
         num_worker_threads: Size of the pool running plain-function handlers.
@@ -63,8 +69,10 @@ def init_rpc(
     as one user, on loopback (docs/threat-model.md).
 
     Raises:
-        ConfigError: bad arguments, duplicate names, already initialised, or
-            listening or meeting beyond loopback without a token or TLS.
+        ConfigError: bad arguments, duplicate names, already initialised,
+            listening or meeting beyond loopback without a token or TLS, a
+            dynamic worker meeting a job with a world size (or the reverse),
+            or a joiner whose rank or name a live member has.
         ConnectError: the rendezvous store could not be reached in time, or
             this rank's job token was refused.
         RpcTimeoutError: a rank did not arrive within ``init_timeout`` (the
@@ -159,8 +167,12 @@ def release_agent(
 def shutdown(graceful: bool = True, timeout: float | None = None) -> list[WorkerInfo]:
     """Shut down this process's agent.
 
-    A graceful shutdown is collective: it waits until every live worker has
-    called ``shutdown`` (as long as they keep working, unless ``timeout`` is
+    In a dynamic group (``init_rpc`` without a world size) a member's
+    graceful shutdown leaves the group alone (the others go on; calls to it
+    then raise ``WorkerLostError``), and rank 0's waits until every other
+    member has left. Otherwise, a graceful shutdown is collective: it waits
+    until every live worker has called ``shutdown`` (as long as they keep
+    working, unless ``timeout`` is
     given: a parameter server may call it at once and serve its trainers
     until they finish) and then until no worker has calls in flight
     (fire-and-forget nested chains included, for at most ``timeout`` or

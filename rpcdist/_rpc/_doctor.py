@@ -34,7 +34,10 @@ def snapshot(agent: AgentView) -> dict[str, Any]:
     workers = agent.workers
 
     def name(rank: int) -> str:
-        return workers[rank].name if 0 <= rank < len(workers) else f"rank {rank}"
+        try:  # (a dynamic group's table also names the workers that departed)
+            return workers[rank].name
+        except IndexError:
+            return f"rank {rank}"
 
     pending: dict[str, dict[str, Any]] = {}
     for dst, label, started, deadline in sorted(agent.calls.outstanding(), key=lambda c: c[2]):

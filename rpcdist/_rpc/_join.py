@@ -42,6 +42,7 @@ __all__ = [
     "agree_names",
     "barrier",
     "check",
+    "entry",
     "host_id",
     "join",
     "open_job_store",
@@ -119,16 +120,10 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-async def join(agent: AgentView, published: dict[str, Any]) -> list[dict[str, Any]]:
-    """Publish this worker (name, rank, host, what its transport needs to be
-    dialled) and return every worker's entry, by rank.
-
-    The caller fills in its tables, then passes the ``"rpc/init"`` barrier:
-    after it every worker has its table (so may be called) and has read every
-    entry (so rank 0 may stop the store on failure).
-    """
-    store, timeout = agent.store, agent.options.init_timeout
-    me = {
+def entry(agent: AgentView, published: dict[str, Any]) -> dict[str, Any]:
+    """What this worker publishes: name, rank, host, process, and what its
+    transport needs to be dialled."""
+    return {
         "name": agent.name,
         "rank": agent.rank,
         "host": host_id(),
@@ -139,6 +134,18 @@ async def join(agent: AgentView, published: dict[str, Any]) -> list[dict[str, An
         "wire": WIRE_PROTOCOL,
         "version": _version(),
     }
+
+
+async def join(agent: AgentView, published: dict[str, Any]) -> list[dict[str, Any]]:
+    """Publish this worker (name, rank, host, what its transport needs to be
+    dialled) and return every worker's entry, by rank.
+
+    The caller fills in its tables, then passes the ``"rpc/init"`` barrier:
+    after it every worker has its table (so may be called) and has read every
+    entry (so rank 0 may stop the store on failure).
+    """
+    store, timeout = agent.store, agent.options.init_timeout
+    me = entry(agent, published)
     await store.set(f"rpc/worker/{agent.rank}", msgpack.packb(me))
     entries = await watching_refusals(
         agent,

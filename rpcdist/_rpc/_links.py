@@ -16,6 +16,7 @@ A link closed for a protocol error loses only that link.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from .._errors import (
 )
 from .._transport import Hooks, Link, LinkFactory, Peer, Transport, make_transport
 from .._transport._frames import P2P, OutMessage
+from . import _members
 
 if TYPE_CHECKING:
     from ._agent_view import AgentView
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["Links"]
 
 _log = logging.getLogger(__name__)
+#: How long a refused link gets to end (a dynamic group's unknown peer).
+_REFUSED_WAIT = 1.0
 
 
 class Links:
@@ -72,6 +76,18 @@ class Links:
         self._info = infos
         self._hosts = hosts
 
+    def add_peer(self, rank: int, info: dict[str, Any], host: str) -> None:
+        """A worker joined the dynamic group (on the loop)."""
+        self._info = {**self._info, rank: info}
+        self._hosts = {**self._hosts, rank: host}
+
+    def release(self, rank: int) -> None:
+        """Worker ``rank`` left the group: half-close our link to it, so that
+        it sees the end of what we sent (on the loop)."""
+        link = self._dialled.get(rank)
+        if link is not None and link.closed is None:
+            self._agent.spawn(link.aclose_write())
+
     def address(self, rank: int) -> str:
         return str(self._info[rank].get("addr", "?"))
 
@@ -90,7 +106,9 @@ class Links:
     def _refusal(self, rank: int, name: str) -> str | None:
         agent = self._agent
         workers = agent.workers
-        if not 0 <= rank < len(workers) or workers[rank].name != name:
+        if not workers.knows(rank) or workers[rank].name != name:
+            if agent.dynamic and not agent.closed:
+                return None  # a joining worker: _accept looks for its entry
             return f"worker {name!r} (rank {rank}) is not part of this job"
         why = agent.liveness.lost.get(rank)
         if why is not None:
@@ -195,6 +213,8 @@ class Links:
     async def _accept(self, rank: int, name: str, sync: bool, make: LinkFactory) -> None:
         """A peer connected and passed the handshake (on the loop)."""
         agent = self._agent
+        if not await self._admitted(rank, name, make):
+            return
         same_host = self._hosts.get(rank) == self._hosts.get(agent.rank)
         if sync and agent.sync_serving.serve(rank, name, make, same_host):
             return  # a thread of its own serves it
@@ -222,6 +242,21 @@ class Links:
             # peer's own link (while we run) means it is gone or going.
             if not agent.closed and not broken:
                 agent.liveness.probe(rank, str(link.closed))
+
+    async def _admitted(self, rank: int, name: str, make: LinkFactory) -> bool:
+        """Whether to serve a link from ``rank``/``name``: a member, or in a
+        dynamic group a joining worker (its entry is in the store)."""
+        agent = self._agent
+        workers = agent.workers
+        if not agent.dynamic or (workers.knows(rank) and workers[rank].name == name):
+            return True
+        if await _members.admit_link(agent, rank, name):
+            return True
+        refused = make(Hooks(on_message=agent.on_message))
+        refused.abort(ConnectError(f"worker {name!r} (rank {rank}) is not in the group"))
+        with contextlib.suppress(RpcdistError, TimeoutError):
+            await asyncio.wait_for(refused.run(), _REFUSED_WAIT)
+        return False
 
     def adopt_late(self, link: Link) -> None:
         """On the loop: serve a thread-driven link whose call timed out.

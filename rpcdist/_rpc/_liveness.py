@@ -122,11 +122,18 @@ class Liveness:
     def learn(self, infos: list[dict[str, Any]]) -> None:
         """Note which peers' processes this worker can see (their rendezvous entries)."""
         me, pid = _procview.seat(), os.getpid()
-        self._pids = {
-            i["rank"]: int(i["pid"])
+        self._pids.update(
+            (i["rank"], int(i["pid"]))
             for i in infos
             if me and i.get("seat") == me and i.get("pid") not in (None, pid)
-        }
+        )
+
+    def forget(self, rank: int) -> None:
+        """A worker joins the dynamic group with ``rank``: nothing known of an
+        earlier one of that rank holds for it (on the loop)."""
+        for table in (self.lost, self.lost_at, self._gaps, self._pids):
+            table.pop(rank, None)
+        self.suspected.discard(rank)
 
     def start(self) -> None:
         """Start the detector (on the loop, once the workers table is known)."""
@@ -154,8 +161,10 @@ class Liveness:
         return WorkerLostError(f"{prefix}{self._describe(rank)} was lost: {self.lost[rank]}")
 
     def _describe(self, rank: int) -> str:
-        workers = self._agent.workers
-        name = workers[rank].name if 0 <= rank < len(workers) else "?"
+        try:
+            name = self._agent.workers[rank].name
+        except IndexError:
+            name = "?"
         return f"worker {name!r} (rank {rank})"
 
     def declare(self, rank: int, why: str) -> None:
@@ -163,7 +172,7 @@ class Liveness:
         agent = self._agent
         if rank == agent.rank or rank in self.lost or agent.closed:
             return
-        if not 0 <= rank < len(agent.workers):
+        if not agent.workers.knows(rank):
             return
         self.lost[rank] = why
         self.suspected.discard(rank)
@@ -212,7 +221,7 @@ class Liveness:
         agent = self._agent
         if rank == agent.rank or rank in self.lost or agent.closed or rank in self._probing:
             return
-        if not 0 <= rank < len(agent.workers):
+        if not agent.workers.knows(rank):
             return
         self._probing.add(rank)
         agent.spawn(self._probe(rank, why))

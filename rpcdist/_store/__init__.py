@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._common import TOKEN_METADATA_KEY, GrpcTls, format_address
-from ._rendezvous import RendezvousSpec, open_store, parse_init_method
+from ._rendezvous import MIXED, RendezvousSpec, open_store, parse_init_method
 
 if TYPE_CHECKING:
     from ._client import StoreClient
     from ._server import StoreServer
 
 __all__ = [
+    "MIXED",
     "TOKEN_METADATA_KEY",
     "GrpcTls",
     "RendezvousSpec",

@@ -61,7 +61,7 @@ async def open_private_store(
     if spec.rank == 0:
         secret = secrets.token_hex(16)
         # (a job of one has nobody to share the secret with: no file)
-        path = private_secret_path(spec) if spec.world_size > 1 else None
+        path = private_secret_path(spec) if spec.world_size != 1 else None
         store, server = await open_store(
             spec, token=secret, timeout=timeout, tls=tls, secret_file=path
         )
@@ -142,7 +142,9 @@ async def _reach(
     from ._client import StoreClient
 
     if spec.scheme == "file" and spec.path is not None:
-        return await join_file(rendezvous_file(spec.path), token, attempt, spec.rank, tls, probe)
+        return await join_file(
+            rendezvous_file(spec.path), token, attempt, spec.rank, tls, probe, dynamic=spec.dynamic
+        )
     store = StoreClient(
         spec.address, token=token, timeout=timeout, rank=spec.rank, tls=tls, probe=probe
     )

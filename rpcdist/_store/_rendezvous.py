@@ -8,7 +8,9 @@ Three schemes, as in ``torch.distributed``:
 - ``tcp://host:port`` (``tcp://[::1]:29500`` for IPv6).
 - ``file:///abs/path``: rank 0 serves the store on a port the OS picks (host
   ``RPCDIST_STORE_HOST``, default ``127.0.0.1``) and publishes
-  ``host:port\\n<server id>`` in ``/abs/path.rpcdist`` (:func:`rendezvous_file`);
+  ``host:port\\n<server id>\\n<static|dynamic>`` in ``/abs/path.rpcdist``
+  (:func:`rendezvous_file`; the last line says whether the job has a world
+  size, so that a worker that disagrees is refused even once the store is gone);
   the other ranks read it. The path itself is left alone, for a torch
   ``FileStore`` on the same ``init_method`` (``init_rpc`` then
   ``torch.distributed.init_process_group`` with one file, as hybrid
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # (imported where used: they load grpc, which init_rpc needs 
     from ._server import StoreServer
 
 __all__ = [
+    "MIXED",
     "Polling",
     "RendezvousSpec",
     "join_file",
@@ -51,6 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: PyTorch's words for a worker without a world size meeting a job with one,
+#: or the reverse (its tests check them).
+MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 _DIGITS = re.compile(r"[0-9]+")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 #: How long one attempt to reach the address read from a rendezvous (or
@@ -75,6 +81,11 @@ class RendezvousSpec:
     rank: int
     world_size: int
     path: str | None
+
+    @property
+    def dynamic(self) -> bool:
+        """No world size: a dynamic group (``world_size`` is 0)."""
+        return self.world_size == 0
 
     @property
     def address(self) -> str:
@@ -169,8 +180,13 @@ def parse_init_method(
     rank: int | None,
     world_size: int | None,
     env: Mapping[str, str] = os.environ,
+    *,
+    dynamic: bool = False,
 ) -> RendezvousSpec:
     """Parse ``init_method`` (``None``: ``env://``) into a :class:`RendezvousSpec`.
+
+    ``dynamic``: a world size given nowhere (argument, query, ``WORLD_SIZE``)
+    means a dynamic group (``world_size`` 0) instead of an error.
 
     Raises:
         ConfigError: A value is missing or invalid; the message names the URL
@@ -190,11 +206,16 @@ def parse_init_method(
     if parts.fragment:
         raise ConfigError(f"init_method {url!r}: unexpected fragment #{parts.fragment}")
     query = _query(parts, url)
-    size = _pick("world_size", world_size, query, env, "WORLD_SIZE", url)
-    if size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {size}")
+    if dynamic and world_size is None and "world_size" not in query and "WORLD_SIZE" not in env:
+        size = 0
+    else:
+        size = _pick("world_size", world_size, query, env, "WORLD_SIZE", url)
+        if size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {size}")
     me = _pick("rank", rank, query, env, "RANK", url)
-    if not 0 <= me < size:
+    if size == 0 and me < 0:
+        raise ConfigError(f"rank must be >= 0, got {me}")
+    if size and not 0 <= me < size:
         raise ConfigError(f"rank must be in [0, {size}) for world_size {size}, got {me}")
     path = None
     if parts.scheme == "file":
@@ -218,10 +239,11 @@ def parse_init_method(
                 port = 0
             else:
                 raise ConfigError(
-                    f"MASTER_PORT is not set; env:// needs it for world_size {size} "
+                    f"MASTER_PORT is not set; env:// needs it for "
+                    f"{f'world_size {size}' if size else 'a dynamic group'} "
                     "(the port rank 0 serves the store on)"
                 )
-        if port == 0 and size > 1:
+        if port == 0 and size != 1:
             raise ConfigError(
                 f"store port 0 in init_method {url!r} works only for world_size 1: "
                 "the other ranks would not know where to connect"
@@ -257,7 +279,7 @@ async def open_store(
         path = rendezvous_file(spec.path)
         if spec.rank == 0:
             return await _serve_file(spec, path, token, timeout, tls, secret_file)
-        return await join_file(path, token, timeout, spec.rank, tls), None
+        return await join_file(path, token, timeout, spec.rank, tls, dynamic=spec.dynamic), None
     from ._client import StoreClient
     from ._server import StoreServer
 
@@ -320,8 +342,8 @@ class Polling:
         return True
 
 
-def _file_contents(address: str, server_id: str) -> str:
-    return f"{address}\n{server_id}\n"
+def _file_contents(address: str, server_id: str, dynamic: bool) -> str:
+    return f"{address}\n{server_id}\n{'dynamic' if dynamic else 'static'}\n"
 
 
 async def _serve_file(
@@ -350,7 +372,9 @@ async def _serve_file(
         temporary = f"{path}.{server.server_id}.tmp"
         try:
             with open(temporary, "w", encoding="utf-8") as file:
-                file.write(_file_contents(format_address(advertised, port), server.server_id))
+                file.write(
+                    _file_contents(format_address(advertised, port), server.server_id, spec.dynamic)
+                )
             os.replace(temporary, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -365,8 +389,9 @@ async def _serve_file(
     return store, server
 
 
-def _read_file(path: str) -> tuple[str, str] | str:
-    """``(address, server id)`` from a rendezvous file, or why there is none."""
+def _read_file(path: str) -> tuple[str, str, str | None] | str:
+    """``(address, server id, "static" or "dynamic")`` from a rendezvous
+    file (``None``: an older file that does not say), or why there is none."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
@@ -379,7 +404,7 @@ def _read_file(path: str) -> tuple[str, str] | str:
     lines = text.splitlines()
     if len(lines) < 2 or ":" not in lines[0] or not lines[1]:
         return f"the file holds {text[:80]!r}, not a store address and server id"
-    return lines[0], lines[1]
+    return lines[0], lines[1], lines[2] if len(lines) > 2 else None
 
 
 async def join_file(
@@ -389,6 +414,8 @@ async def join_file(
     rank: int | None = None,
     tls: GrpcTls | None = None,
     probe: bool = False,
+    *,
+    dynamic: bool | None = None,
 ) -> StoreClient:
     """Connect to the store whose address rank 0 wrote to ``path``
     (``probe``: see :class:`StoreClient`).
@@ -396,6 +423,11 @@ async def join_file(
     The file may be stale (left by an earlier run) until rank 0 replaces it,
     so an address that fails, rejects the token or answers with another
     server id sends us back to reading the file until the deadline.
+
+    Raises:
+        ConnectError: no store of the file's was reached in time.
+        ConfigError: the file's job has a world size and ``dynamic`` (this
+            worker) has none, or the reverse (:data:`MIXED`).
     """
     from ._client import StoreClient
 
@@ -406,7 +438,15 @@ async def join_file(
         if isinstance(found, str):
             problem = found
         else:
-            address, server_id = found
+            address, server_id, mode = found
+            if dynamic is not None and mode is not None and dynamic != (mode == "dynamic"):
+                raise ConfigError(
+                    f"{MIXED} (rpcdist: rank {rank} was started "
+                    f"{'without' if dynamic else 'with'} a world size, but the rendezvous file "
+                    f"{path!r} names the store of a {mode} group (a file left by an earlier "
+                    "job is replaced when its rank 0 starts): pass the same world_size to "
+                    "every worker, or none to any)"
+                )
             store = StoreClient(
                 address, token=token, timeout=timeout, rank=rank, tls=tls, probe=probe
             )

@@ -289,7 +289,8 @@ def init_rpc(
         name: This worker's unique name.
         backend: Ignored (rpcdist has one transport).
         rank: This worker's rank; ``-1``: ``RANK`` from the environment.
-        world_size: Number of workers; ``None``: ``WORLD_SIZE``.
+        world_size: Number of workers; ``None``: ``WORLD_SIZE``, and
+            without it a dynamic group, as torch's (ranks join and leave).
         rpc_backend_options: A :class:`TensorPipeRpcBackendOptions`.
 
     Raises:

@@ -1,0 +1,291 @@
+"""Dynamic membership (``init_rpc`` without a world size): workers join a
+running group and leave it, across processes started as the launcher
+starts them (``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``RPCDIST_TOKEN``;
+no ``WORLD_SIZE``). Each member is ``tests/dynamic_member.py``, driven one
+JSON command at a time; every process is killed at the end whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rpcdist import ConfigError
+from rpcdist._store import parse_init_method
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+MEMBER = Path(__file__).resolve().parent / "dynamic_member.py"
+ROOT = Path(__file__).resolve().parent.parent
+#: Seconds to wait for one answer from a member.
+ANSWER = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Member:
+    """A running ``dynamic_member.py``: send commands, read answers."""
+
+    def __init__(self, name: str, env: dict[str, str], init_timeout: float = 60.0) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MEMBER), name, str(init_timeout)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def answer(self) -> dict[str, Any]:
+        """The next answer (fails the test after ``ANSWER`` seconds)."""
+        try:
+            line = self._lines.get(timeout=ANSWER)
+        except queue.Empty:
+            pytest.fail(f"{self.name} did not answer in {ANSWER} s; stderr: {self.err()}")
+        if line is None:
+            pytest.fail(f"{self.name} exited ({self.proc.wait()}); stderr: {self.err()}")
+        got: dict[str, Any] = json.loads(line)
+        return got
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def ok(self, **cmd: Any) -> Any:
+        got = self.ask(**cmd)
+        assert "ok" in got, (self.name, cmd, got, self.err())
+        return got["ok"]
+
+    def shutdown(self) -> None:
+        """A graceful shutdown: it leaves no rpcdist thread behind and exits 0."""
+        assert self.ok(op="shutdown") == []
+        assert self.proc.wait(timeout=ANSWER) == 0, self.err()
+
+    def err(self) -> str:
+        return "".join(self.stderr)[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+class Group:
+    """Members started with the launcher's environment of one job."""
+
+    def __init__(self, token: str) -> None:
+        self.port = _free_port()
+        self.token = token
+        self.members: list[Member] = []
+
+    def env(self, rank: int, token: str | None) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "RPCDIST_TOKEN", "MASTER_ADDR", "MASTER_PORT")
+        }
+        env.update(
+            RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.port),
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+        )
+        if token is not None:
+            env["RPCDIST_TOKEN"] = token
+        return env
+
+    def start(self, name: str, rank: int, *, token: str | None = "", **kw: Any) -> Member:
+        member = Member(name, self.env(rank, self.token if token == "" else token), **kw)
+        self.members.append(member)
+        return member
+
+    def join(self, name: str, rank: int) -> Member:
+        """Start a member and wait until it has joined; returns it."""
+        member = self.start(name, rank)
+        got = member.answer()
+        assert "ok" in got, (name, got, member.err())
+        assert name in got["ok"]
+        return member
+
+    def kill_all(self) -> None:
+        for m in self.members:
+            m.kill()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    g = Group(token="dynamic-membership-test-token")
+    try:
+        yield g
+    finally:
+        g.kill_all()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_parse_init_method_without_a_world_size_is_dynamic() -> None:
+    spec = parse_init_method("tcp://127.0.0.1:29500", 2, None, env={}, dynamic=True)
+    assert spec.dynamic and spec.world_size == 0 and spec.rank == 2
+    # WORLD_SIZE in the environment keeps a job static, as before
+    spec = parse_init_method("env://", None, None, env=_env(RANK="1", WORLD_SIZE="3"), dynamic=True)
+    assert not spec.dynamic and spec.world_size == 3
+    with pytest.raises(ConfigError, match="world_size is not known"):
+        parse_init_method("tcp://127.0.0.1:29500", 2, None, env={})
+    with pytest.raises(ConfigError, match="MASTER_PORT is not set.*dynamic group"):
+        parse_init_method("env://", 1, None, env={}, dynamic=True)
+
+
+def _env(**kw: str) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **kw}
+
+
+def test_join_calls_both_ways_and_graceful_leave(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    # the new member calls an existing one, and the other way round
+    assert t1.ok(op="call", to="ps", x=1) == 2
+    assert ps.ok(op="info", name="trainer1") == ["trainer1", 1]
+    assert ps.ok(op="call", to="trainer1", x=2) == 3
+    t2 = group.join("trainer2", 2)
+    assert sorted(t2.ok(op="until", present=True, name="trainer1")) == [
+        "ps",
+        "trainer1",
+        "trainer2",
+    ]
+    assert t1.ok(op="until", present=True, name="trainer2")
+    assert t2.ok(op="call", to="trainer1", x=3) == 4
+    assert t1.ok(op="call", to="trainer2", x=4) == 5
+
+    t1.shutdown()  # a graceful leave: the others see it gone, without a loss
+    for m in (ps, t2):
+        assert m.ok(op="until", present=False, name="trainer1") == sorted(["ps", "trainer2"])
+        got = m.ask(op="call", to="trainer1", x=0)
+        assert got["error"] == "WorkerLostError" and "left the group" in got["message"], got
+        got = m.ask(op="info", name="trainer1")
+        assert got["error"] == "WorkerLostError", got
+    assert ps.ok(op="call", to="trainer2", x=5) == 6
+    t2.shutdown()
+    ps.shutdown()
+    for m in (ps, t1, t2):
+        assert " is lost" not in m.err(), m.err()
+    assert _port_free(group.port)  # rank 0 stopped the store
+
+
+def test_killed_member_is_found_lost_and_removed(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    assert t2.ok(op="call", to="trainer1", x=1) == 2
+    t1.kill()  # SIGKILL, from outside
+    # rank 0 watches every member; it takes the dead one out and tells the rest
+    assert ps.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+    assert t2.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+    for m in (ps, t2):
+        got = m.ask(op="call", to="trainer1", x=0)
+        assert got["error"] == "WorkerLostError" and "lost" in got["message"], got
+    assert ps.ok(op="call", to="trainer2", x=7) == 8
+    t2.shutdown()
+    ps.shutdown()
+
+
+def test_a_restarted_member_joins_again(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    assert ps.ok(op="call", to="trainer1", x=1) == 2
+    t1.kill()
+    assert ps.ok(op="until", present=False, name="trainer1")
+    again = group.join("trainer1", 1)  # same rank and name, a new process
+    assert ps.ok(op="call", to="trainer1", x=10) == 11
+    assert t2.ok(op="until", present=True, name="trainer1")
+    assert t2.ok(op="call", to="trainer1", x=20) == 21
+    assert again.ok(op="call", to="trainer2", x=30) == 31
+    for m in (again, t2, ps):
+        m.shutdown()
+
+
+def test_a_duplicate_live_member_is_refused(group: Group) -> None:
+    ps = group.join("ps", 0)
+    group.join("trainer1", 1)
+    twin = group.start("trainer1", 1)
+    got = twin.answer()
+    assert got["error"] == "ConfigError" and "is taken" in got["message"], got
+    assert ps.ok(op="call", to="trainer1", x=1) == 2
+
+
+@pytest.mark.parametrize("token", ["not-the-job-token", None], ids=["wrong-token", "no-token"])
+def test_a_joiner_without_the_token_is_refused(group: Group, token: str | None) -> None:
+    ps = group.join("ps", 0)
+    stranger = group.start("stranger", 1, token=token, init_timeout=5.0)
+    got = stranger.answer()
+    assert got["error"] in ("ConnectError", "RpcTimeoutError"), got
+    assert stranger.proc.wait(timeout=ANSWER) == 0
+    # the group never heard of it, and goes on
+    got = ps.ask(op="info", name="stranger")
+    assert got["error"] == "ConfigError", got
+    t1 = group.join("trainer1", 1)
+    assert t1.ok(op="call", to="ps", x=1) == 2
+    t1.shutdown()
+    ps.shutdown()
+
+
+def test_a_dynamic_joiner_of_a_static_job_is_refused(group: Group) -> None:
+    env = group.env(0, group.token)
+    env["WORLD_SIZE"] = "1"  # a static job of one
+    static = Member("static0", env)
+    group.members.append(static)
+    assert static.answer()["ok"] == ["static0"]
+    joiner = group.start("joiner", 1)
+    got = joiner.answer()
+    assert got["error"] == "ConfigError", got
+    assert got["message"].startswith(
+        "RPC group mixes statically and dynamically initialized members which is not supported."
+    )
+    static.shutdown()
