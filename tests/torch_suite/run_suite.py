@@ -193,10 +193,6 @@ KNOWN_GAPS = (
     "of the received module with torch's private list `_REMOTE_MODULE_PICKLED_ATTRIBUTES` "
     "(`on`, `is_device_map_set`, `generated_methods`...); rpcdist's RemoteModule "
     "keeps its own.",
-    "Dynamic membership (4, the `test_dynamic_*` tests): `init_rpc` without `world_size` "
-    "(ranks joining and "
-    "leaving a running group) is not implemented; `world_size=None` means `WORLD_SIZE` "
-    "from the environment. (A rank given nowhere is refused with torch's text.)",
 )
 
 #: Where rpcdist keeps a behaviour that differs from PyTorch's on purpose:
