@@ -235,6 +235,27 @@ def test_killed_member_is_found_lost_and_removed(group: Group) -> None:
     ps.shutdown()
 
 
+def test_a_member_found_lost_stays_out_when_it_resumes(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    os.killpg(t1.proc.pid, signal.SIGSTOP)  # hung, from outside
+    try:
+        assert ps.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+        assert t2.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+    finally:
+        os.killpg(t1.proc.pid, signal.SIGCONT)
+    # fail-stop: its old self is refused, whatever it tries
+    got = t1.ask(op="call", to="ps", x=1)
+    assert got["error"] in ("WorkerLostError", "ConnectError"), got
+    got = t1.ask(op="call", to="trainer2", x=1)
+    assert got["error"] in ("WorkerLostError", "ConnectError"), got
+    assert ps.ok(op="call", to="trainer2", x=2) == 3
+    t1.kill()
+    t2.shutdown()
+    ps.shutdown()
+
+
 def test_a_restarted_member_joins_again(group: Group) -> None:
     ps = group.join("ps", 0)
     t1 = group.join("trainer1", 1)
