@@ -310,3 +310,20 @@ def test_a_dynamic_joiner_of_a_static_job_is_refused(group: Group) -> None:
         "RPC group mixes statically and dynamically initialized members which is not supported."
     )
     static.shutdown()
+
+
+def test_collectives_refuse_a_dynamic_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rpcdist
+    import rpcdist.collectives
+
+    for var in ("RANK", "WORLD_SIZE", "RPCDIST_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    port = _free_port()
+    opts = rpcdist.RpcOptions(init_timeout=1.0)  # (its shutdown waits that long for a joiner)
+    rpcdist.init_rpc("alone", rank=0, init_method=f"tcp://127.0.0.1:{port}", options=opts)
+    try:
+        with pytest.raises(ConfigError, match="dynamic group"):
+            rpcdist.collectives.init_process_group(init_method=f"tcp://127.0.0.1:{port}")
+    finally:
+        rpcdist.shutdown()
+    assert _port_free(port)

@@ -144,6 +144,11 @@ def start_agent_for(
             )
             agent.start()
             set_default_agent(agent)
+        elif agent.dynamic:
+            raise ConfigError(
+                f"this process's agent {agent.name!r} is in a dynamic group (init_rpc without "
+                f"a world size), which {role} cannot use: they need a fixed world size"
+            )
         agent.roles.add(role)
         return agent
 
