@@ -256,6 +256,20 @@ def test_a_member_found_lost_stays_out_when_it_resumes(group: Group) -> None:
     ps.shutdown()
 
 
+def test_members_go_on_and_leave_when_rank_0_is_killed(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    assert t1.ok(op="call", to="ps", x=1) == 2
+    ps.kill()
+    assert t1.ok(op="until", present=False, name="ps") == ["trainer1", "trainer2"]
+    got = t1.ask(op="call", to="ps", x=0)
+    assert got["error"] == "WorkerLostError", got
+    assert t1.ok(op="call", to="trainer2", x=1) == 2  # the others still talk
+    t1.shutdown()  # no group to tell: it leaves anyway, without hanging
+    t2.shutdown()
+
+
 def test_a_restarted_member_joins_again(group: Group) -> None:
     ps = group.join("ps", 0)
     t1 = group.join("trainer1", 1)
