@@ -127,8 +127,10 @@ clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # PyTorch's own RPC test suite (the nine classes of tests/torch_suite) run unchanged
-# against rpcdist.torch and against PyTorch, one test at a time with a hard timeout;
-# rewrites docs/compatibility.md. Hours on a small machine; JOBS=4 where cores allow.
+# against rpcdist.torch and against PyTorch, one test at a time with a hard timeout,
+# each forked from a parent that imported torch once (--start spawn: as PyTorch's own
+# driver, ~18 s a test); records in tests/torch_suite/results, from which it rewrites
+# docs/compatibility.md. Tens of minutes on a small machine; JOBS=4 where cores allow.
 JOBS ?= 1
 test-torch-suite: $(STAMP) $(TORCH_STAMP)
 	@$(BIN)/python -c "import expecttest" 2>/dev/null || $(PIP) expecttest $(QUIET_PIP)

@@ -18,6 +18,11 @@ ordinary DDP's (process group, shared-memory collectives), measured by
 the ranks themselves over a fixed number of steps.
 
     python benchmarks/bench_fault_tolerance.py [--quick] [--duration S] [--kill-every S]
+
+``--fault-free`` measures only the overhead: ``--rounds`` alternating pairs
+of the mode's fault-free run (``--duration`` s) and the ordinary DDP's
+(``--plain-steps``), each with its wall-clock rate and its ranks' CPU time
+per step (on a shared machine the CPU figure moves less than the rate).
 """
 
 from __future__ import annotations
@@ -99,15 +104,81 @@ def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple
     return step / duration, out
 
 
+def plain_run(steps: int) -> str:
+    """The ordinary DDP for ``steps`` steps under the launcher; its output."""
+    cmd = [sys.executable, "-m", "rpcdist.launch", "--nproc-per-node", str(WORKERS)]
+    cmd += [str(EXAMPLES / "ddp_fault_tolerant.py"), "--mode", "plain", "--steps", str(steps)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+
+
+def plain_figures(out: str) -> tuple[float, float]:
+    """Steps per second and rank 0's CPU ms per step from :func:`plain_run`'s output."""
+    m = re.search(r"plain DDP: ([0-9.]+) steps/s, ([0-9.]+) ms CPU", out)
+    return (float(m.group(1)), float(m.group(2))) if m else (float("nan"), float("nan"))
+
+
+def fault_free(a: argparse.Namespace) -> int:
+    """Alternating pairs of the mode's and the ordinary DDP's fault-free runs."""
+    argv = ["--workers", str(WORKERS), "--steps", str(HUGE)]
+    args = ex.parse_args(argv)
+    rows, ratios, cpu_ratios = [], [], []
+    for i in range(a.rounds):
+        load = os.getloadavg()[0]
+        pair: dict[str, tuple[float, float]] = {}
+        for which in ("ft", "plain") if i % 2 == 0 else ("plain", "ft"):
+            if which == "ft":
+                free = ex.run_job(args, argv, 0, duration=a.duration)
+                pair[which] = (free["rate"], free["cpu_ms"])
+            else:
+                pair[which] = plain_figures(plain_run(a.plain_steps))
+        (ft_rate, ft_cpu), (pl_rate, pl_cpu) = pair["ft"], pair["plain"]
+        ratios.append(pl_rate / ft_rate - 1)
+        cpu_ratios.append(ft_cpu / pl_cpu - 1)
+        wall, cpu = f"{ratios[-1]:+.0%}", f"{cpu_ratios[-1]:+.0%}"
+        rows.append((i + 1, f"{load:.1f}", ft_rate, pl_rate, wall, ft_cpu, pl_cpu, cpu))
+    body = (
+        f"{WORKERS} ranks of `examples/ddp_fault_tolerant.py`, no faults; {a.rounds} "
+        f"alternating pairs: the fault-tolerant mode for {a.duration:.0f} s, the ordinary "
+        f"DDP (process group, shared-memory collectives) for {a.plain_steps} steps. "
+        "Overhead: the mode's step time over the ordinary DDP's (wall clock), and its "
+        "ranks' CPU time per step over the ordinary DDP's rank 0's.\n\n"
+        + table(
+            [
+                "round",
+                "load",
+                "FT steps/s",
+                "DDP steps/s",
+                "step time overhead",
+                "FT CPU ms/step",
+                "DDP CPU ms/step",
+                "CPU overhead",
+            ],
+            rows,
+        )
+        + f"\n\nMedian overhead: {median(ratios):+.0%} (wall clock, spread "
+        f"{min(ratios):+.0%} to {max(ratios):+.0%}), {median(cpu_ratios):+.0%} (CPU per step, "
+        f"spread {min(cpu_ratios):+.0%} to {max(cpu_ratios):+.0%}).\n"
+    )
+    print(body)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a check, not a measure)")
     ap.add_argument("--duration", type=float, default=180.0, help="seconds per configuration")
     ap.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills")
+    ap.add_argument("--fault-free", action="store_true", help="only the fault-free overhead")
+    ap.add_argument("--rounds", type=int, default=3, help="--fault-free: pairs of runs")
+    ap.add_argument("--plain-steps", type=int, default=1500, help="--fault-free: DDP steps")
     a = ap.parse_args()
+    byte_compile()
+    if a.fault_free:
+        if a.quick:
+            a.duration, a.rounds, a.plain_steps = 4.0, 1, 300
+        return fault_free(a)
     if a.quick:
         a.duration, a.kill_every = 12.0, 4.0
-    byte_compile()
     random.seed(0)
     argv = ["--workers", str(WORKERS), "--steps", str(HUGE)]
     args = ex.parse_args(argv)
@@ -115,25 +186,8 @@ def main() -> int:
     free = ex.run_job(args, argv, 0, duration=a.duration)
     faulty = ex.run_job(args, argv, 0, kill_every_s=a.kill_every, duration=a.duration)
     plain_steps = 300 if a.quick else 3000
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rpcdist.launch",
-            "--nproc-per-node",
-            str(WORKERS),
-            str(EXAMPLES / "ddp_fault_tolerant.py"),
-            "--mode",
-            "plain",
-            "--steps",
-            str(plain_steps),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
-    m = re.search(r"plain DDP: ([0-9.]+) steps/s", out)
-    plain_rate = float(m.group(1)) if m else float("nan")
+    out = plain_run(plain_steps)
+    plain_rate = plain_figures(out)[0]
     ckpt_free, _ = launcher_run(a.duration, 0.0)
     ckpt_faulty, log = launcher_run(a.duration, a.kill_every)
     restarts = log.count("restarting the worker group")

@@ -110,7 +110,7 @@ def plain_rank(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> int:
     sampler = DistributedSampler(len(x), seed=args.seed)
     model = DDP(Net(args.hidden))
     opt = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step, start = 0, 0.0
+    step, start, cpu = 0, 0.0, 0.0
     work = args.workdir
     ckpt = os.path.join(work, "checkpoint.npz") if work else ""
     if work:
@@ -134,7 +134,7 @@ def plain_rank(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> int:
         opt.step()
         step += 1
         if step == 1:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
         if work and rank == 0 and args.checkpoint_every and step % args.checkpoint_every == 0:
             state = {
                 "model": model.module.state_dict(),
@@ -148,7 +148,8 @@ def plain_rank(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> int:
             os.replace(os.path.join(work, "progress.tmp"), os.path.join(work, "progress"))
     if rank == 0 and step > 1:
         rate = (step - 1) / (time.perf_counter() - start)
-        print(f"plain DDP: {rate:.1f} steps/s", flush=True)
+        per = (time.process_time() - cpu) / (step - 1) * 1e3
+        print(f"plain DDP: {rate:.1f} steps/s, {per:.3f} ms CPU per step (rank 0)", flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -185,6 +186,7 @@ def run_job(
             time.sleep(0.01)  # the clock starts at the first committed step
         next_kill, began = kill_every, time.monotonic()
         next_time = began + kill_every_s
+        cpu0, step0 = {r: cpu_seconds(p.pid) for r, p in procs.items()}, coord.step
         while any(p.poll() is None for p in procs.values()):
             now = time.monotonic()
             if duration and now - began > duration:
@@ -204,6 +206,8 @@ def run_job(
                 spares.append(start("spare"))  # the next one, started ahead
                 next_kill, next_time = coord.step + kill_every, now + kill_every_s
             time.sleep(0.005)
+        cpu = [cpu_seconds(procs[r].pid) - c for r, c in cpu0.items() if not kills]
+        cpu_steps = coord.step - step0
         codes = [p.returncode for p in procs.values()]
     finally:
         for p in [*procs.values(), *others]:
@@ -241,7 +245,19 @@ def run_job(
         "steps": coord.step,
         "kills": len(kills),
         "redone": sum(kind == "redo" for _, kind, _ in coord.events),
+        # Without kills: the ranks' CPU per committed step (median rank), in ms.
+        "cpu_ms": float(np.median(cpu)) / max(cpu_steps, 1) * 1e3 if cpu else float("nan"),
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a running process so far (NaN once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

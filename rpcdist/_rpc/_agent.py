@@ -201,6 +201,7 @@ class Agent:
         # Only with its tables filled in may a worker pass this: peers call at once.
         await _join.barrier(self, "rpc/init")
         await _join.check(self, infos)
+        await _shutdown.passed_init(self)
         self.liveness.start()
 
     async def rename(self, name: str, timeout: float) -> None:
@@ -257,7 +258,10 @@ class Agent:
             w = self.workers.named(to)
             if w is None:
                 self._check_departed(name=to)
-                raise ConfigError(f"unknown worker name {to!r}; workers are {self._names()}")
+                raise ConfigError(
+                    f"unknown worker name {to!r} (could not find destination); "
+                    f"workers are {self._names()}"
+                )
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             if not self.workers.knows(to):

@@ -40,7 +40,8 @@ def current_agent() -> Agent:
     agent = _wire.bound_agent() or _wire.default_agent()
     if agent is None or agent.closed:
         raise NotInitializedError(
-            "RPC has not been initialized: rpcdist is not initialised in this process: "
+            "RPC has not been initialized (Current RPC agent is not set! Did you initialize "
+            "the RPC framework?): rpcdist is not initialised in this process: "
             "call rpcdist.init_rpc() first"
             + (" (the agent has shut down)" if agent is not None else "")
         )

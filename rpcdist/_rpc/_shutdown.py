@@ -66,6 +66,11 @@ _LOST_GRACE = 0.1
 _LEAVE_LIMIT = 1.0
 #: How long rank 0 waits for the others to leave its store.
 _LEAVE_WAIT = 5.0
+#: Shutting down at once: how long rank 0 waits for the others to finish
+#: their init with its store (an init is short; a rank lost in it is not).
+_INIT_WAIT = 5.0
+#: The counter of ranks past init, and the key the last one sets.
+_PASSED = "rpc/init/passed"
 
 
 async def shutdown(agent: AgentView, graceful: bool, timeout: float | None) -> list[WorkerInfo]:
@@ -337,14 +342,25 @@ def _report_key(round_no: int, rank: int) -> str:
     return f"rpc/quiesce/{round_no}/{rank}"
 
 
+async def passed_init(agent: AgentView) -> None:
+    """Tell the store this rank is done with init (the last rank marks it)."""
+    if await agent.store.add(_PASSED, 1) == agent.world_size:
+        await agent.store.set(f"{_PASSED}/done", b"1")
+
+
 async def close(agent: AgentView, *, graceful: bool = False, leave: bool = False) -> None:
     """Close ``agent`` (on its loop): fail what is pending, end links and tasks,
     leave and close the store. ``leave``: tell rank 0's store we are done (rank
-    0: wait for the others to be done with it, still watching them)."""
-    if leave and agent.rank == 0 and agent.store is not None and not agent.closed:
+    0: wait for the others to be done with it, still watching them). Rank 0
+    never stops its store under a rank still in init (``shutdown(graceful=False)``
+    right after ``init_rpc``), waiting at most ``_INIT_WAIT`` for them."""
+    if agent.rank == 0 and agent.store is not None and not agent.closed:
         try:
-            async with asyncio.timeout(_LEAVE_WAIT):
-                await _wait_for_leavers(agent)
+            if leave:
+                async with asyncio.timeout(_LEAVE_WAIT):
+                    await _wait_for_leavers(agent)
+            elif agent._store_server is not None and agent.workers:
+                await agent.store.get(f"{_PASSED}/done", _INIT_WAIT)
         except (RpcdistError, TimeoutError) as e:
             log.debug("store leave on %s: %s", agent.name, e)
     exc = ClosedError(f"agent {agent.name!r} shut down")

@@ -227,7 +227,9 @@ def _after_creation(
         return
     try:
         early = rref._early
-        if early is None:
+        # (a to_here() whose call carries metadata, a distributed autograd
+        # context, fetches: the early copy was encoded outside its context)
+        if early is None or meta:
             fetch = call_owner(rref, FETCH, [*rref._rid], deadline, what, meta=meta)
             fetch.add_done_callback(functools.partial(_copy, out))
             return

@@ -45,11 +45,12 @@ FAILED: Final = 3  # the function raised; the error is kept
 
 
 class Ids:
-    """Makes this worker's RRefIds and ForkIds (one counter, unique per worker)."""
+    """Makes this worker's RRefIds and ForkIds (one counter, unique per
+    worker, from 0 as torch's)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._next = itertools.count(1).__next__
+        self._next = itertools.count(0).__next__
 
     def new(self) -> tuple[int, int]:
         return (self.rank, self._next())

@@ -149,9 +149,20 @@ class RRef(Generic[T]):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise RRefError(
-            f"{self!r} cannot be pickled or copied: an RRef can only be sent as an argument "
+            f"Can not pickle rref in python pickler: {self!r} cannot be pickled or copied: "
+            "an RRef can only be sent as an argument "
             "or result of an RPC (rpc_sync, rpc_async, remote)"
         )
+
+    def __str__(self) -> str:
+        """torch's form: ``OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))``,
+        ``UserRRef(RRefId = ..., ForkId = ...)``."""
+        try:
+            if self._fork is None:
+                return f"OwnerRRef({_gid(self._rid)})"
+            return f"UserRRef(RRefId = {_gid(self._rid)}, ForkId = {_gid(self._fork)})"
+        except Exception:
+            return "RRef(<uninitialised>)"
 
     def __repr__(self) -> str:
         try:
@@ -202,7 +213,11 @@ class RRef(Generic[T]):
         self._check("local_value()")
         rec = self._record
         if rec is None:
-            raise RRefError(
+            me, owner = self._ctx.agent.info, self.owner()
+            raise RRefError(  # (torch's words first: programs match them)
+                f"For UserRRef(rref_id={_gid(self._rid)}, fork_id={_gid(self._fork)}), "
+                f"can't call localValue() on user WorkerInfo(id={me.id}, name={me.name}). "
+                f"Call it on owner WorkerInfo(id={owner.id}, name={owner.name}): "
                 f"local_value() called on a user RRef on worker {self._ctx.agent.name!r}: "
                 f"the value lives on its owner {self.owner_name()!r}; use to_here() or "
                 "rref.rpc_sync().method()"
@@ -408,6 +423,11 @@ class RRef(Generic[T]):
                 f"(the value of {self!r} on {self.owner_name()!r})"
             )
         self._attrs = (self._attrs or set()) | {name}
+
+
+def _gid(rid: Any) -> str:
+    """An RRefId or ForkId as torch prints it."""
+    return f"GloballyUniqueId(created_on={rid[0]}, local_id={rid[1]})"
 
 
 def _invoked(rref: RRef[Any], name: str, reply: Future[list[Any]]) -> Any:

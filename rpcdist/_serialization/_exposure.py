@@ -140,7 +140,7 @@ _NDARRAY = SAFE_DUNDERS | _names(
 _TORCH_MATH = _names(
     """
     abs add addmm allclose argmax argmin bmm cat clamp clone cos div dot eq equal exp flatten ge
-    gt le log log_softmax lt matmul max mean min mm mul ne neg norm pow prod relu reshape
+    gt le log log_softmax lt matmul max mean min mm mul ne neg nonzero norm pow prod relu reshape
     sigmoid sin softmax sqrt squeeze stack std sub sum t tanh transpose unsqueeze var where
     """
 )
@@ -160,6 +160,15 @@ _TENSOR = (
     """
     )
 )
+#: torch.linalg's functions, by the name they travel under (torch._C._linalg's).
+_TORCH_LINALG = _names(
+    """
+    linalg_multi_dot linalg_norm linalg_vector_norm linalg_matrix_norm linalg_inv linalg_det
+    linalg_solve linalg_qr linalg_svd linalg_eigh linalg_cholesky
+    """
+)
+#: torch's functions written in Python (torch.split is torch.functional.split).
+_TORCH_FUNCTIONAL = _names("split einsum tensordot broadcast_tensors meshgrid chain_matmul cdist")
 _NN_FUNCTIONAL = _names(
     """
     relu gelu sigmoid tanh softmax log_softmax linear conv1d conv2d dropout mse_loss
@@ -190,6 +199,8 @@ CURATED: dict[str, frozenset[str]] = {
     "numpy": _NUMPY,
     "numpy.linalg": _LINALG,
     "torch": _TORCH,
+    "torch._C._linalg": _TORCH_LINALG,
+    "torch.functional": _TORCH_FUNCTIONAL,
     "torch.nn.functional": _NN_FUNCTIONAL,
 }
 _BUILTIN_TYPES = _names(

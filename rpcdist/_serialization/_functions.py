@@ -284,7 +284,10 @@ def resolve_function(name: str, policy: CallablePolicy = DEFAULT_POLICY) -> Call
         try:
             target = getattr(target, part)
         except AttributeError as exc:
-            raise SerializationError(f"{prefix}: {exc}") from exc
+            raise SerializationError(
+                f"{prefix}: {exc} (RPC pickler does not serialize function code: functions "
+                "travel by name; define it on both caller and callee)"
+            ) from exc
         walked.append(target)
     if not callable(target):
         raise SerializationError(f"{prefix}: {type(target).__qualname__} object is not callable")

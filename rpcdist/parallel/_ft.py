@@ -27,8 +27,10 @@ membership every member re-shards it (``_ft_shard.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
+import select
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,6 +41,7 @@ from .._errors import ConfigError, WorkerLostError
 from .._save import load, save
 from ..tensor import Tensor, default_generator
 from ._ft_mesh import Mesh
+from ._ft_shm import HEAD_WORDS, MAX_SAMPLES, ShmGroup, StalledError, setup
 from ._ft_wire import connect, pack, recv_frame, send_frame, unpack
 
 __all__ = ["FaultTolerance"]
@@ -104,6 +107,9 @@ class FaultTolerance:
         self._coord = connect(address, None)
         self._mesh = Mesh(self._coord.getsockname()[0], timeout)
         self._qid = -1
+        self._shm: ShmGroup | None = None
+        self._shm_qid = -1  # the quorum whose shared-memory setup ran (None: not possible)
+        self._heads: list[list[int]] = []  # every member's header of this step (shared memory)
         self._addrs: dict[int, str] = {}
         self._send_to: list[int] = []
         self._heal_from: int | None = None
@@ -189,31 +195,79 @@ class FaultTolerance:
         """
         ok = not self._failed
         self._point("before_allreduce")
+        self._heads = []
+        stalled: StalledError | None = None
+        flat = np.zeros(0)
         if ok:
             try:
-                self._write_grads(self._allreduce(self._flat_grads()))
+                flat = self._flat_grads()
+                self._write_grads(self._allreduce(flat))
                 for obj in self._sharded:  # e.g. ZeRO's step and all-gather, undone if no commit
                     obj._ft_prepare()
+            except StalledError as e:
+                stalled = e
             except _FAILURES:
                 ok = False
                 self._fail()
         self._point("after_allreduce")
         batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
-        epoch = getattr(self.sampler, "epoch", 0)
-        send_frame(
-            self._coord,
-            {"op": "vote", "ok": ok, "epoch": epoch, "samples": batch.tolist()},
-        )
-        reply = self._coord_reply()
-        committed = bool(reply["commit"])
-        for obj in self._sharded:
-            obj._ft_finish(committed)
+        if stalled is not None and self._sharded:
+            ok = False  # the others stepped their shards already: this rank cannot catch up
+            self._fail()
+        if ok and stalled is None and self._heads and not any(h[0] for h in self._heads):
+            # Every member passed the vote in shared memory: committed, no coordinator.
+            send_frame(self._coord, {"op": "done", "step": self.step, **self._record()})
+            self.step += 1
+            committed = True
+        else:
+
+            def finish() -> None:  # the others passed the vote this rank timed out in
+                if stalled is not None:
+                    stalled.finish()
+                    self._write_grads(flat)
+
+            committed = self._coord_vote(ok and not self._failed, batch, finish)
         if committed:
             self._committed += len(batch)
-        self._apply(reply)
         self._failed = False
         self._point("after_commit")
         return committed
+
+    def _coord_vote(
+        self, ok: bool, batch: np.ndarray[Any, Any], finish: Callable[[], None]
+    ) -> bool:
+        """Vote with the coordinator and apply its decision (``finish()`` first if it
+        commits); whether the step committed."""
+        epoch = getattr(self.sampler, "epoch", 0)
+        send_frame(
+            self._coord,
+            {"op": "vote", "ok": ok, "step": self.step, "epoch": epoch, "samples": batch.tolist()},
+        )
+        reply = self._coord_reply()
+        committed = bool(reply["commit"])
+        if committed:
+            finish()
+        for obj in self._sharded:
+            obj._ft_finish(committed)
+        self._apply(reply)
+        return committed
+
+    def _record(self) -> dict[str, Any]:
+        """The step's record for the coordinator: the epoch and every member's batch."""
+        batches = [[m, h[HEAD_WORDS:]] for m, h in zip(self.members, self._heads, strict=True)]
+        return {"epoch": self._heads[0][1], "batches": batches}
+
+    def _header(self) -> list[int]:
+        """This step's header in shared memory: ``[wants the coordinator, epoch, count,
+        batch...]``. The coordinator is wanted when it has something to say (a rank
+        waits to join), or the step has a sharded object or a batch too long to carry."""
+        batch = self._batch if self._batch is not None else np.zeros(0, np.int64)
+        want = bool(self._sharded) or batch.size > MAX_SAMPLES
+        if not want:
+            readable, _, _ = select.select([self._coord], [], [], 0)
+            want = bool(readable)
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        return [int(want), epoch, int(batch.size), *batch.tolist()[:MAX_SAMPLES]]
 
     def _fail(self) -> None:
         """Mark this step failed (it votes ``ok=False``) and close the mesh, so peers fail too."""
@@ -272,7 +326,12 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Leave: close the connections (the others go on without this rank)."""
+        self._drop_mesh()
         self._mesh.close(self._qid)
+        with contextlib.suppress(OSError):  # unread notes would make close() reset the
+            self._coord.setblocking(False)  # connection, losing this rank's last record
+            while self._coord.recv(4096):
+                pass
         with contextlib.suppress(OSError):
             self._coord.shutdown(socket.SHUT_RDWR)
         self._coord.close()
@@ -284,11 +343,14 @@ class FaultTolerance:
             self.hook(name)
 
     def _coord_reply(self) -> dict[str, Any]:
+        """The coordinator's next decision (its notes, that a rank waits to join, skipped)."""
         try:
-            reply, _ = recv_frame(self._coord)
+            while True:
+                reply, _ = recv_frame(self._coord)
+                if "note" not in reply:
+                    return reply
         except OSError as e:
             raise WorkerLostError("fault tolerance: the coordinator went away") from e
-        return reply
 
     def _apply(self, reply: dict[str, Any]) -> None:
         members = [int(m) for m, _ in reply["members"]]
@@ -376,6 +438,9 @@ class FaultTolerance:
         return self._mesh.peers(self.id, self._qid, self.members, self._addrs)
 
     def _drop_mesh(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         self._mesh.drop(self._qid)
 
     def _exchange(
@@ -387,9 +452,20 @@ class FaultTolerance:
         return self._mesh.exchange(self._peers(), outgoing, shapes, into)
 
     def _allreduce(self, flat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """The average over the members, in place in ``flat`` (returned)."""
+        """The average over the members, in place in ``flat`` (returned): in shared
+        memory where every member is on this host (``_ft_shm.py``), else over the mesh."""
         n = self.world_size
         if n == 1:
+            return flat
+        mesh = self._peers()
+        if self._shm_qid != self._qid:
+            self._shm_qid = self._qid
+            socks = {self.members.index(m): s for m, s in mesh.items()}
+            gather = self._gather_infos
+            self._shm = setup(gather, self.rank, socks, flat.nbytes, self.timeout)
+        if self._shm is not None:
+            mid = functools.partial(self._point, "mid_allreduce")
+            self._heads = self._shm.all_reduce(flat, self._header(), mid)
             return flat
         bounds = np.linspace(0, flat.size, n + 1).astype(int)
         chunk = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
@@ -407,6 +483,10 @@ class FaultTolerance:
         into = {m: chunk[idx[m]] for m in others}
         self._exchange({m: total for m in others}, {m: c.size for m, c in into.items()}, into)
         return flat
+
+    def _gather_infos(self, info: dict[str, Any]) -> list[dict[str, Any]]:
+        got = self._all_gather_frames(info, [])
+        return [got[m][0] for m in self.members]
 
     def _flat_grads(self) -> np.ndarray[Any, Any]:
         """A new float64 vector of this rank's gradients: one copy of each (the average is

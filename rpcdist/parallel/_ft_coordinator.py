@@ -144,7 +144,13 @@ class FaultToleranceCoordinator:
                     if msg["op"] == "join":
                         rid = int(msg["id"])
                         self._join(rid, sock, str(msg["addr"]))
-                    elif rid is not None and rid in self._conns:
+                    elif rid is None or self._conns.get(rid) is not sock:
+                        pass  # not (or no longer) a member: a lost rank's last words
+                    elif msg["op"] == "done":
+                        self._done(msg)
+                    elif int(msg.get("step", self.step)) < self.step:
+                        self._late_vote(rid, bool(msg.get("ok")))
+                    else:
                         self._votes[rid] = msg
                         if self._deadline is None:
                             self._deadline = time.monotonic() + self.timeout
@@ -173,6 +179,36 @@ class FaultToleranceCoordinator:
         self._conns[rid], self._addrs[rid] = sock, addr
         self._joiners.append(rid)
         self._note("join", rid)
+        for m in self._members:  # members that commit in shared memory come to vote
+            with contextlib.suppress(OSError, KeyError):
+                send_frame(self._conns[m], {"note": "join"})
+
+    def _done(self, msg: dict[str, Any]) -> None:
+        """A step the members committed among themselves (their shared-memory vote)."""
+        if int(msg["step"]) != self.step:
+            return  # another member's record of it came first
+        self._record(int(msg.get("epoch", 0)), [(int(m), b) for m, b in msg["batches"]])
+        self._note("commit", (self.step, list(self._members)))
+        voters = [m for m in self._members if m in self._votes]
+        self._votes, self._deadline = {}, None
+        if voters:  # their vote's sync timed out, yet every member voted in the end
+            self._reply(self._members, voters[0], dict.fromkeys(voters, True), [], to=voters)
+
+    def _late_vote(self, rid: int, ok: bool) -> None:
+        """A vote on a step the others committed in shared memory: this rank's vote sync
+        timed out after its all-reduce finished, so it has the average and commits too."""
+        if ok:
+            self._reply(self._members, rid, {rid: True}, [], to=[rid])
+        else:  # cannot happen (no member passes the vote without this one's): drop it
+            self._lose(rid, "voted against a committed step")
+
+    def _record(self, epoch: int, batches: list[tuple[int, list[int]]]) -> None:
+        self.step += 1
+        self.commits.append((epoch, [(m, [int(i) for i in b]) for m, b in batches]))
+        seen = self._seen[epoch]
+        for _, b in batches:
+            for i in b:
+                seen[int(i)] += 1
 
     def _lose(self, rid: int, why: str) -> None:
         sock = self._conns.pop(rid, None)
@@ -207,13 +243,8 @@ class FaultToleranceCoordinator:
         votes = self._votes
         commit = not self._round_lost and all(bool(v.get("ok")) for v in votes.values())
         if commit:
-            self.step += 1
-            batches = [(m, [int(i) for i in votes[m].get("samples", ())]) for m in self._members]
-            self.commits.append((int(votes[self._members[0]].get("epoch", 0)), batches))
-            for v in votes.values():
-                seen = self._seen[int(v.get("epoch", 0))]
-                for i in v.get("samples", ()):
-                    seen[int(i)] += 1
+            batches = [(m, list(votes[m].get("samples", ()))) for m in self._members]
+            self._record(int(votes[self._members[0]].get("epoch", 0)), batches)
         survivors = sorted(self._members)
         joiners = sorted(self._joiners)
         members = sorted(survivors + joiners)
@@ -225,14 +256,19 @@ class FaultToleranceCoordinator:
         self._reply(members, survivors[0], {m: commit for m in survivors}, joiners=joiners)
 
     def _reply(
-        self, members: list[int], src: int, commits: dict[int, bool], joiners: list[int]
+        self,
+        members: list[int],
+        src: int,
+        commits: dict[int, bool],
+        joiners: list[int],
+        to: list[int] | None = None,
     ) -> None:
         base = {
             "step": self.step,
             "qid": self._qid,
             "members": [[m, self._addrs[m]] for m in members],
         }
-        for m in members:
+        for m in members if to is None else to:
             msg = dict(base, commit=commits.get(m, False))
             if m in joiners:
                 msg["heal_from"] = src

@@ -43,6 +43,7 @@ class ZeroView(Protocol):
 
     _params: list[Tensor]
     _pieces: list[tuple[int, Tensor]]
+    _full: Optimizer
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     optimizer_class: type[Optimizer]

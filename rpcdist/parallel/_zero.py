@@ -251,6 +251,9 @@ class ZeroRedundancyOptimizer(Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every slice's state on rank ``to`` (collective: call it on every rank).
 
+        With ``fault_tolerance``, every member of the step calls it at the same
+        step, and ``to`` is an index among the members (``ft.rank``).
+
         Args:
             to: The rank (in the group) that will hold the full state dict.
 
@@ -258,12 +261,12 @@ class ZeroRedundancyOptimizer(Joinable):
             ConfigError: ``to`` is not a rank of the group, or the optimizer
                 keeps state that is not elementwise.
             CollectiveError: the gather failed.
+            WorkerLostError: with ``fault_tolerance``, a member failed during
+                it; the step is redone (call it again after the next commit).
         """
-        if self._ft is not None:
-            raise ConfigError(
-                f"{_WHAT}: consolidate_state_dict is not available with fault_tolerance; the "
-                "state is re-sharded among the live members (docs/fault-tolerance.md)"
-            )
+        if self._ft is not None:  # over this step's members (_zero_ft.py)
+            self._consolidated = self._ft.consolidate(to)
+            return
         if not 0 <= to < self.world:
             raise ConfigError(f"consolidate_state_dict: to={to} is not in [0, {self.world})")
         metas = _all_gather_json(self._state_meta(), self.process_group, self.world)

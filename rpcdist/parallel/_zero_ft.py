@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._errors import ConfigError, WorkerLostError
 from ..tensor import Tensor
 from ._arrays import host
 from ._flat import FlatLayout, shard_ranges
@@ -134,6 +135,49 @@ class ZeroFaultTolerance:
                     self._write(idx, lo, hi, data[at : at + hi - lo])
                     at += layout.shard
         self.saved, self.got = [], {}
+
+    def consolidate(self, to: int) -> dict[str, Any] | None:
+        """The full state dict on member ``to``, None elsewhere (collective over the
+        members, as the re-sharding: every member sends what it holds).
+
+        Raises:
+            ConfigError: ``to`` is not a member index, or some state is not elementwise.
+            WorkerLostError: a member failed (this step then fails, and is redone).
+        """
+        ft, zero, params = self.ft, self.zero, self.zero._params
+        if not 0 <= to < ft.world_size:
+            raise ConfigError(
+                f"consolidate_state_dict: to={to} is not in [0, {ft.world_size}) (this step's "
+                "members)"
+            )
+        held, scalars = self._held()
+        dtypes = [params[idx[0]].data.dtype for idx in self.kinds]
+        try:
+            wholes = regather(ft, held, scalars, self.numels, dtypes, self.fresh)
+        except (OSError, WorkerLostError) as e:
+            ft._fail()
+            raise WorkerLostError(f"consolidate_state_dict: a member failed ({e})") from e
+        if ft.rank != to:
+            return None
+        state: dict[int, dict[str, Any]] = {}
+        for v, idx in enumerate(self.kinds):
+            whole = wholes[v]
+            for i in idx:
+                a, n = self.starts[i], params[i].data.size
+                st = {}
+                for k in whole.state:
+                    arr = whole.take(k, a, a + n)
+                    if arr is not None:
+                        st[k] = arr.reshape(params[i].data.shape)
+                for key, val in whole.scalars.items():
+                    pi, _, k = key.partition("/")
+                    if st and int(pi) == i:
+                        st[k] = val
+                if st:
+                    state[i] = st
+        sd: dict[str, Any] = zero._full.state_dict()  # groups with global indices; no state
+        sd["state"] = {i: state[i] for i in sorted(state)}
+        return sd
 
     # -- helpers ------------------------------------------------------------------------
 

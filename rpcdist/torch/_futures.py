@@ -67,6 +67,18 @@ class TorchFuture(Future[Any]):
 def _settle(out: Future[Any], callback: Callable[[Future[Any]], Any], f: Future[Any]) -> None:
     try:
         value = callback(f)
+    except Exception as e:
+        # torch's then() fails its future with a RuntimeError of the
+        # callback's own error (a TypeError from a wrong signature, say; the
+        # original is its __cause__). The error of the future it waited for
+        # passes with its own type (torch wraps that too).
+        if not isinstance(e, RuntimeError) and e is not f.exception():
+            wrapped = RuntimeError(
+                f"Got the following error when running the callback: {type(e).__name__}: {e}"
+            )
+            wrapped.__cause__ = e
+            e = wrapped
+        out.set_exception(e)
     except BaseException as e:
         out.set_exception(e)
     else:

@@ -23,6 +23,7 @@ from .._errors import ConfigError
 from .._futures import Future
 from .._options import RpcOptions
 from .._rpc import _api
+from .._rpc._context import default_agent
 from .._rref._rref import RRef
 from .._rref._rref import remote as _remote
 from .._worker import WorkerInfo
@@ -298,6 +299,12 @@ def init_rpc(
         ConnectError: the rendezvous did not complete in time.
     """
     opts = _check_init_args(backend, rpc_backend_options)
+    agent = default_agent()
+    if agent is not None and not agent.closed and "rpc" in agent.roles:
+        raise ConfigError(  # (torch's words first, before any rendezvous)
+            f"RPC is already initialized: this process runs rpcdist's worker {agent.name!r}; "
+            "call rpc.shutdown() first"
+        )
     install()
     r = None if rank is None or rank < 0 else rank
     if r is None:

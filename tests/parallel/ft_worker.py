@@ -7,12 +7,13 @@ committed step it appends ``step members sha256(parameters)`` to
 ``OUT/rank<id>.log`` and at the end writes its parameters, optimizer state
 and sampler state to ``OUT/rank<id>.npz``. With a kill point it writes
 ``OUT/kill<id>-<step>`` when the step reaches that point and then waits to
-be killed from outside. It writes ``OUT/started<id>-<restart count>`` once it asked to join.
+be killed from outside (or goes on once ``OUT/release<id>`` exists). It writes ``OUT/started<id>-<restart count>`` once it asked to join.
 With ``FT_HOLD=<step>`` it waits at that step
 until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 ``FT_OPT``: ``sgd`` (default; with momentum) or ``adam``. ``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
 ``ZeroRedundancyOptimizer``) or ``fsdp`` (a fault-tolerant
-``FullyShardedDataParallel``); the last two also save their shards.
+``FullyShardedDataParallel``); the last two also save their shards (ZeRO: and,
+on the last member, its ``consolidate_state_dict`` at the end).
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def main(argv: list[str]) -> int:
         if kill and int(kill[0]) == ft.step and kill[1] == point:
             with open(os.path.join(out, f"kill{me}-{ft.step}"), "w") as f:
                 f.write(str(os.getpid()))
-            time.sleep(120)  # killed from outside before this ends
+            release = os.path.join(out, f"release{me}")
+            end = time.monotonic() + 120  # killed from outside before this ends, or released
+            while not os.path.exists(release) and time.monotonic() < end:
+                time.sleep(0.01)
 
     sampler = DistributedSampler(N, num_replicas=1, rank=0, seed=3)
     ft = FaultTolerance(
@@ -124,7 +128,8 @@ def main(argv: list[str]) -> int:
             log.flush()
     state: dict[str, object] = {"sampler": sampler.state_dict()}
     if mode == "ddp":
-        state.update(params=net.module.state_dict(), optim=opt.state_dict())
+        shm = int(ft._shm is not None)  # the last quorum's all-reduce was in shared memory
+        state.update(params=net.module.state_dict(), optim=opt.state_dict(), shm=shm)
     elif mode == "zero":
         assert isinstance(opt, ZeRO) and opt._ft is not None
         pieces = opt._ft.pieces  # (parameter, lo, hi, piece) of the two slices held here
@@ -136,6 +141,9 @@ def main(argv: list[str]) -> int:
             pieces=np.array([[i, lo, hi] for i, lo, hi, _ in pieces], np.int64),
             momentum=np.concatenate([opt.optim.state[t][key].ravel() for *_, t in pieces]),
         )
+        opt.consolidate_state_dict(to=ft.world_size - 1)  # every member, at the same step
+        if ft.rank == ft.world_size - 1:
+            state["consolidated"] = opt.state_dict()
     else:
         assert isinstance(net, FSDP) and isinstance(opt, optim.Optimizer)
         units = net._shared.units

@@ -174,9 +174,13 @@ def test_kill_one_of_three_mid_step(tmp_path, point):
     coord = kill_one_of_three(tmp_path, 14, 5, point)
     assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
     assert len(coord.commits) == 14
-    # Step 6 (index 5) is the redone one: the lost rank's gradient is not in it.
-    assert [m for m, _ in coord.commits[5][1]] == [0, 2]
-    assert all(len(b) == 3 for _, b in coord.commits[:5])
+    # Before the all-reduce ended everywhere, step 6 (index 5) is the redone one: the
+    # lost rank's gradient is not in it. Once it ended (the ranks share a host: the
+    # all-reduce in shared memory is the vote), step 6 committed with rank 1's gradient
+    # everywhere, and step 7 is redone without it.
+    redone = 6 if point == "after_allreduce" else 5
+    assert [m for m, _ in coord.commits[redone][1]] == [0, 2]
+    assert all(len(b) == 3 for _, b in coord.commits[:redone])
     check_survivors(tmp_path, [0, 2], coord)
     redo = [e for e in coord.events if e[1] == "redo"]
     assert len(redo) == 1
@@ -256,6 +260,32 @@ def test_a_stopped_rank_is_declared_lost_and_the_job_goes_on(tmp_path):
     assert any(e[1] == "lost" and e[2] == (2, "no vote in time") for e in coord.events)
     assert [m for m, _ in coord.commits[-1][1]] == [0, 1]
     check_survivors(tmp_path, [0, 1], coord)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_stopped_past_the_timeout_then_resumed_commits_with_the_others(tmp_path):
+    """Rank 2 is stopped (SIGSTOP) before its vote in shared memory; the others' vote
+    times out and they ask the coordinator. It is resumed before the coordinator's own
+    timeout: it votes, finds every vote in, commits the step and tells the coordinator,
+    which tells the others to commit it too. Nobody redoes a step or is lost."""
+    with job(tmp_path, 3, steps=10, timeout=60.0) as ranks:
+        for r in range(3):
+            ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, timeout=2.0)
+        ranks.marker(2, 4)
+        ranks.signal(2, signal.SIGSTOP)
+        coord = ranks.coord
+        try:
+            assert coord.wait_for(lambda c: sorted(c._votes) == [0, 1], 60), "no votes came"
+        finally:
+            (tmp_path / "release2").touch()
+            ranks.signal(2, signal.SIGCONT)
+        ranks.wait([0, 1, 2])
+    assert not [e for e in coord.events if e[1] == "redo"]
+    last_commit = max(t for t, kind, _ in coord.events if kind == "commit")
+    assert all(t > last_commit for t, kind, _ in coord.events if kind == "lost")  # at the end
+    assert [len(b) for _, b in coord.commits] == [3] * 10
+    check_survivors(tmp_path, [0, 1, 2], coord)
+    assert all(rpcdist.load(str(tmp_path / f"rank{r}.npz"))["shm"] == 1 for r in range(3))
 
 
 @pytest.mark.timeout(240)

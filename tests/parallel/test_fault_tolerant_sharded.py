@@ -72,6 +72,28 @@ def check_shards(
             want = np.concatenate([flat_m[a:b] for a, b in slices])
         np.testing.assert_array_equal(f["momentum"], want)
     assert sorted(seen_ranks) == list(range(len(ranks)))
+    if mode == "zero":
+        check_consolidated(out, ranks, opt)
+
+
+def check_consolidated(out: Path, ranks: list[int], opt: Any) -> None:
+    """ZeRO's ``consolidate_state_dict`` over the final members: on the last member
+    only, equal to the oracle's unsharded optimizer state dict, bit for bit."""
+    saved = [rpcdist.load(str(out / f"rank{r}.npz")) for r in ranks]
+    got = [f["consolidated"] for f in saved if "consolidated" in f]
+    assert len(got) == 1
+    want = opt.state_dict()
+    assert sorted(int(k) for k in got[0]["state"]) == sorted(want["state"])
+    for i, st in want["state"].items():
+        mine = got[0]["state"][i] if i in got[0]["state"] else got[0]["state"][str(i)]
+        assert sorted(mine) == sorted(st)
+        for k, v in st.items():
+            np.testing.assert_array_equal(np.asarray(mine[k]), np.asarray(v), err_msg=f"{i}/{k}")
+    for g, w in zip(got[0]["param_groups"], want["param_groups"], strict=True):
+        assert {k: v for k, v in g.items() if k != "params"} == {
+            k: v for k, v in w.items() if k != "params"
+        }
+        assert list(g["params"]) == list(w["params"])
 
 
 @pytest.mark.timeout(180)

@@ -21,6 +21,7 @@ if FLAVOR != "torch":
     swap.install()
 
 import torch.distributed.rpc as rpc  # noqa: E402
+import torch.multiprocessing  # noqa: E402
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.distributed.nn.api.remote_module_test import (  # noqa: E402
     RemoteModuleTest as _RemoteModuleTest,
@@ -85,11 +86,19 @@ class RpcdistAgentTestFixture(RpcAgentTestFixture):
 
 
 class _SpawnHelper(MultiProcessTestCase):
-    """rpc_utils.SpawnHelper (file:// rendezvous; each test in its own processes)."""
+    """rpc_utils.SpawnHelper (file:// rendezvous; each test in its own processes).
+
+    The workers are spawned (PyTorch's driver) or, under
+    ``RPCDIST_TORCH_SUITE_START=fork`` (the runner's zygote, whose parent
+    imported torch and the tests already), forked.
+    """
 
     def setUp(self) -> None:
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("RPCDIST_TORCH_SUITE_START") == "fork":
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
 
 FIXTURE: type = TensorPipeRpcAgentTestFixture if FLAVOR == "torch" else RpcdistAgentTestFixture
