@@ -309,7 +309,8 @@ def statistics() -> dict[str, int]:
     CUDA IPC: ``cuda_ipc_lends`` (CuPy arrays sent by handle whose receiver
     has not yet released them) and ``cuda_ipc_block_bytes`` (device memory
     held for sending them; back to 0 about a minute after the last one).
-    ``lost_workers``: workers declared lost (it stays up after a loss).
+    ``lost_workers``: workers declared lost (it stays up after a loss);
+    ``members``: in a dynamic group, the members this worker knows.
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``busy_polls``, ``busy_poll_hits`` and ``busy_poll_yields`` (waits on
     those calls' connections, at either end, that began by polling, those
