@@ -192,8 +192,8 @@ class RRef(Generic[T]):
 
     def _check(self, what: str) -> None:
         ctx = self._ctx
-        if ctx.closed or ctx.agent.closed:
-            ctx.check_open(f"{what} on {self!r}")
+        if ctx.closed or ctx.agent.closed:  # (torch's words first: programs match them)
+            ctx.check_open(f"Cannot call {what} on it after deletion. {what} on {self!r}")
         if self._error is not None:
             raise self._error
         if self._state == RELEASED:

@@ -151,6 +151,10 @@ OUT_OF_SCOPE: dict[str, str] = {
     "RpcTest.test_wait_all_raise_in_body": _WAIT_ALL,
     "RpcTest.test_wait_all_raise_in_user_func": _WAIT_ALL,
     "RpcTest.test_wait_all_timeout": _WAIT_ALL,
+    "RpcTest.test_use_rref_after_shutdown": (
+        "torch-private internal.serialize (torch's internal RPC pickler, which needs its "
+        "PyRRef); the first half (to_here() after shutdown, torch's words) passes"
+    ),
     "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads": (
         "torch-private _get_current_rpc_agent().get_debug_info() keys of the TensorPipe agent "
         "(agent.thread_pool_size)"
@@ -184,10 +188,6 @@ KNOWN_GAPS = (
     "looks for torch's internal call `_rref_typeof_on_owner` under the profiler and for "
     "the same Future object on every non-blocking call; rpcdist asks the owner once too "
     "(the type is remembered) but is not profiled under that name and makes a new Future.",
-    "An RRef used after shutdown (`RpcTest.test_use_rref_after_shutdown`): rpcdist "
-    "refuses with its own text (the agent has shut down), not torch's \"Cannot call "
-    "to_here() on it after deletion\"; the second half pickles it with torch's own "
-    "internal pickler.",
     "RemoteModule sent over RPC (`ThreeWorkersRemoteModuleTest."
     "test_send_remote_module_over_the_wire`): the test compares the attribute names "
     "of the received module with torch's private list `_REMOTE_MODULE_PICKLED_ATTRIBUTES` "
