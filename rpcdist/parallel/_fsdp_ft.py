@@ -68,7 +68,7 @@ class FsdpFaultTolerance:
     def _ft_write(self, avg: np.ndarray[Any, Any]) -> None:
         at = 0
         for u in self._trained():
-            g = u.my_piece(avg[at : at + u.numel]).astype(u.dtype)
+            g = u.ft_reduced(u.my_piece(avg[at : at + u.numel])).astype(u.dtype)
             u.shard.grad = Tensor._wrap(u.xp.asarray(g))
             u.ft_flat = None
             at += u.numel

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ft_worker as fw
+import ml_dtypes
 import numpy as np
 import pytest
 from test_fault_tolerant_ddp import (
@@ -30,6 +31,7 @@ from test_fault_tolerant_ddp import (
 )
 
 import rpcdist
+import rpcdist.tensor as rt
 from rpcdist.parallel._flat import FlatLayout, shard_ranges
 
 pytestmark = pytest.mark.multiprocess
@@ -137,3 +139,78 @@ def test_a_replacement_receives_its_shards_from_the_survivors(
     check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, opt_name)  # full parameters: bit for bit
     oracle, opt = replay_with_optim(coord.commits, opt_name)
     check_shards(tmp_path, mode, [0, 1, 2], oracle, opt, fw.OPTIMIZERS[opt_name][2])
+
+
+def replay_mixed(commits: list[Any], mp: str) -> tuple[Any, Any]:
+    """:func:`replay_with_optim` with FSDP's mixed precision, written out independently.
+
+    Forward and backward on the parameters rounded to ``mp``; each member's
+    gradient rounded to ``mp`` (float16: divided by the member count
+    first); summed in member order and divided in float64 (the commit's
+    average); then float16 multiplied back and rounded once (the
+    reduce-scatter's float16 sum), bfloat16 rounded to float32 (its float32
+    sum); SGD on the float64 parameters.
+    """
+
+    def rounded(x: np.ndarray) -> np.ndarray:
+        low = np.float16 if mp == "float16" else ml_dtypes.bfloat16
+        return x.astype(low).astype(np.float32 if mp == "bfloat16" else np.float16)
+
+    master, work = fw.model(1), fw.model(1)
+    params, views = list(master.parameters()), list(work.parameters())
+    opt_class, options, _ = fw.OPTIMIZERS["sgd"]
+    opt = opt_class(params, **options)
+    for _, batches in commits:
+        n = len(batches)
+        for v, p in zip(views, params, strict=True):
+            v.data = rounded(p.data).astype(np.float64)
+        total = [np.zeros(p.data.shape) for p in params]
+        for _, idx in batches:
+            work.zero_grad()
+            fw.loss_of(work, np.asarray(idx)).backward()
+            for t, v in zip(total, views, strict=True):
+                g = v.grad.data * (1.0 / n) if mp == "float16" else v.grad.data
+                t += rounded(g)
+        for t, p in zip(total, params, strict=True):
+            avg = t / n
+            red = (avg * n).astype(np.float16) if mp == "float16" else avg.astype(np.float32)
+            p.grad = rt.Tensor(red.astype(np.float64))
+        opt.step()
+    return master, opt
+
+
+def check_slices(out: Path, ranks: list[int]) -> None:
+    """Every committed step, both holders of each slice logged the same digest."""
+    by_step: dict[tuple[int, str], set[str]] = {}
+    for r in ranks:
+        lines = (out / f"slices{r}.log").read_text().split()
+        assert lines
+        for step, held in zip(lines[::2], lines[1::2], strict=True):
+            for part in held.split(","):
+                q, digest = part.split(":")
+                by_step.setdefault((int(step), q), set()).add(digest)
+    assert all(len(d) == 1 for d in by_step.values()), "a slice differs between its holders"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("mp", "point"), [("float16", "mid_allreduce"), ("bfloat16", "before_allreduce")]
+)
+def test_mixed_precision_kill_one_of_three_mid_step(tmp_path, monkeypatch, mp, point):
+    """Parameters gathered and gradients reduced in 16 bits survive a kill -9: bit-identical
+    slices every step, and the mixed-precision oracle's values and momentum at the end."""
+    monkeypatch.setenv("FT_MODE", "fsdp")
+    monkeypatch.setenv("FT_MP", mp)
+    coord = kill_one_of_three(tmp_path, 10, 4, point)
+    assert len(coord.commits) == 10
+    assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
+    assert sum(e[1] == "redo" for e in coord.events) == 1
+    check_slices(tmp_path, [0, 2])
+    oracle, opt = replay_mixed(coord.commits, mp)
+    exact, _ = replay_with_optim(coord.commits)
+    finals = [rpcdist.load(str(tmp_path / f"rank{r}.npz")) for r in (0, 2)]
+    for k, v in oracle.state_dict().items():
+        for f in finals:
+            np.testing.assert_array_equal(f["params"][k], v, err_msg=k)
+        assert not np.array_equal(exact.state_dict()[k], v)  # the rounding did something
+    check_shards(tmp_path, "fsdp", [0, 2], oracle, opt)
