@@ -381,10 +381,12 @@ class FlatUnit:
         return padded[slice(*self._bounds())].copy()
 
     def ft_bounds(self) -> list[tuple[int, int]]:
-        """Fault-tolerant mode: the padded slices the shard holds (own, then successor's)."""
+        """Fault-tolerant mode: the padded slices the shard holds (own, then successor's;
+        ``no_shard``: the whole vector)."""
         sh = self.shared
-        ranks = [sh.rank] if sh.world == 1 else [sh.rank, (sh.rank + 1) % sh.world]
-        return [self.layout.bounds(q) for q in ranks]
+        if not sh.sharded or sh.world == 1:  # the whole vector
+            return [self.layout.bounds(0)]
+        return [self.layout.bounds(q) for q in (sh.rank, (sh.rank + 1) % sh.world)]
 
     def _ft_gather(self, piece: Any, out: Any, raising: bool = False) -> None:
         """Fault-tolerant mode: every member's own slice into ``out`` over the mesh.

@@ -16,7 +16,8 @@ until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 on the last member, its ``consolidate_state_dict`` at the end). FSDP also
 appends ``step q:sha256 ...`` for each padded slice it holds to
 ``OUT/slices<id>.log`` after every committed step, and takes
-``FT_MP`` (``float16``, ``bfloat16``) as its ``mixed_precision``.
+``FT_MP`` (``float16``, ``bfloat16``) as its ``mixed_precision`` and
+``FT_STRATEGY`` as its ``sharding_strategy``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def digest(m: nn.Module) -> str:
 
 def shard_digests(net: FSDP, rank: int, world: int) -> str:
     """``q:digest`` of each padded slice ``q`` this rank holds, over all units (FSDP)."""
-    held = [rank] if world == 1 else [rank, (rank + 1) % world]
+    held: list[int | str] = [rank] if world == 1 else [rank, (rank + 1) % world]
+    if net.sharding_strategy == "no_shard":
+        held = ["all"]  # every rank holds the whole vector
     parts = []
     for i, q in enumerate(held):
         h = hashlib.sha256()
@@ -115,7 +118,10 @@ def main(argv: list[str]) -> int:
     net: nn.Module
     if mode == "fsdp":
         mp = os.environ.get("FT_MP") or None  # mixed_precision: float16, bfloat16
-        net = FSDP(model(me + 1), mixed_precision=mp, fault_tolerance=ft)
+        strategy = os.environ.get("FT_STRATEGY", "full_shard")
+        net = FSDP(
+            model(me + 1), sharding_strategy=strategy, mixed_precision=mp, fault_tolerance=ft
+        )
     else:
         net = DDP(model(me + 1), fault_tolerance=ft)
     opt_class, options, key = OPTIMIZERS[os.environ.get("FT_OPT", "sgd")]

@@ -46,7 +46,13 @@ def expected_zero_pieces(sizes: list[int], world: int, rank: int) -> list[tuple[
 
 
 def check_shards(
-    out: Path, mode: str, ranks: list[int], oracle: Any, opt: Any, key: str = "momentum_buffer"
+    out: Path,
+    mode: str,
+    ranks: list[int],
+    oracle: Any,
+    opt: Any,
+    key: str = "momentum_buffer",
+    whole: bool = False,
 ) -> None:
     params = list(oracle.parameters())
     sizes = [p.data.size for p in params]
@@ -62,8 +68,9 @@ def check_shards(
             assert sorted(pieces) == sorted(expected_zero_pieces(sizes, world, rank))
             want = np.concatenate([moms[i][lo:hi] for i, lo, hi in pieces])
         else:
-            layout = FlatLayout(sum(sizes), world)
-            slices = [layout.bounds(q) for q in (rank, (rank + 1) % world)]
+            layout = FlatLayout(sum(sizes), 1 if whole else world)
+            held = [0] if whole else [rank, (rank + 1) % world]  # no_shard: the whole vector
+            slices = [layout.bounds(q) for q in held]
             flat_p = np.zeros(layout.padded)
             flat_p[: layout.numel] = np.concatenate([p.data.ravel() for p in params])
             flat_m = np.zeros(layout.padded)
@@ -120,6 +127,18 @@ def test_kill_one_of_three_mid_step_reshards(tmp_path, monkeypatch, mode, point)
     check_shards(tmp_path, mode, [0, 2], oracle, opt)  # re-formed at world 2, same values
 
 
+def replace_rank_two(tmp_path: Path) -> Any:
+    """Ranks 0-2 train 16 steps; rank 2 is killed (-9) mid-step 4 and replaced (at step 9)."""
+    with job(tmp_path, 3, steps=16) as ranks:
+        for r in range(3):
+            ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, hold=9 if r == 0 else -1)
+        ranks.marker(2, 4)
+        ranks.signal(2, signal.SIGKILL)
+        ranks.replace(2, survivors=[0, 1])  # rank 0 holds the job at step 9 until it joins
+        ranks.wait([0, 1, 2])
+        return ranks.coord
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])  # Adam: its scalar step re-sharded too
 @pytest.mark.parametrize("mode", ["zero", "fsdp"])
@@ -128,14 +147,7 @@ def test_a_replacement_receives_its_shards_from_the_survivors(
 ):
     monkeypatch.setenv("FT_MODE", mode)
     monkeypatch.setenv("FT_OPT", opt_name)
-    with job(tmp_path, 3, steps=16) as ranks:
-        for r in range(3):
-            ranks.start(r, kill="4:mid_allreduce" if r == 2 else None, hold=9 if r == 0 else -1)
-        ranks.marker(2, 4)
-        ranks.signal(2, signal.SIGKILL)
-        ranks.replace(2, survivors=[0, 1])  # rank 0 holds the job at step 9 until it joins
-        ranks.wait([0, 1, 2])
-        coord = ranks.coord
+    coord = replace_rank_two(tmp_path)
     check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, opt_name)  # full parameters: bit for bit
     oracle, opt = replay_with_optim(coord.commits, opt_name)
     check_shards(tmp_path, mode, [0, 1, 2], oracle, opt, fw.OPTIMIZERS[opt_name][2])
@@ -214,3 +226,31 @@ def test_mixed_precision_kill_one_of_three_mid_step(tmp_path, monkeypatch, mp, p
             np.testing.assert_array_equal(f["params"][k], v, err_msg=k)
         assert not np.array_equal(exact.state_dict()[k], v)  # the rounding did something
     check_shards(tmp_path, "fsdp", [0, 2], oracle, opt)
+
+
+@pytest.mark.timeout(180)
+def test_no_shard_kill_one_of_three_mid_step(tmp_path, monkeypatch):
+    """``no_shard``: every member holds the whole model; a kill -9 mid-step leaves the
+    survivors bit-identical every step and equal to the oracle, momentum included."""
+    monkeypatch.setenv("FT_MODE", "fsdp")
+    monkeypatch.setenv("FT_STRATEGY", "no_shard")
+    coord = kill_one_of_three(tmp_path, 10, 4, "mid_allreduce")
+    assert len(coord.commits) == 10
+    assert [m for m, _ in coord.commits[-1][1]] == [0, 2]
+    assert sum(e[1] == "redo" for e in coord.events) == 1
+    check_slices(tmp_path, [0, 2])
+    check_survivors(tmp_path, [0, 2], coord)
+    oracle, opt = replay_with_optim(coord.commits)
+    check_shards(tmp_path, "fsdp", [0, 2], oracle, opt, whole=True)
+
+
+@pytest.mark.timeout(240)
+def test_no_shard_replacement_receives_the_whole_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("FT_MODE", "fsdp")
+    monkeypatch.setenv("FT_STRATEGY", "no_shard")
+    monkeypatch.setenv("FT_OPT", "adam")
+    coord = replace_rank_two(tmp_path)
+    check_slices(tmp_path, [0, 1, 2])
+    check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, "adam")
+    oracle, opt = replay_with_optim(coord.commits, "adam")
+    check_shards(tmp_path, "fsdp", [0, 1, 2], oracle, opt, fw.OPTIMIZERS["adam"][2], whole=True)
