@@ -26,6 +26,7 @@ import hashlib
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +89,26 @@ def shard_digests(net: FSDP, rank: int, world: int) -> str:
             h.update(np.ascontiguousarray(u.shard.data[i * n : (i + 1) * n]).tobytes())
         parts.append(f"{q}:{h.hexdigest()}")
     return ",".join(parts)
+
+
+def process_group_run(
+    rank: int, world: int, init_method: str, commits: list[Any], mp: str | None
+) -> dict[str, Any]:
+    """The committed steps ``commits`` (one batch per member) replayed by FSDP over a
+    process group, without fault tolerance (a ``run_workers`` entry): its full parameters."""
+    from rpcdist import collectives as dist
+
+    dist.init_process_group(init_method=init_method, rank=rank, world_size=world, timeout=60)
+    net = FSDP(model(1), mixed_precision=mp)
+    opt_class, options, _ = OPTIMIZERS["sgd"]
+    opt = opt_class(net.parameters(), **options)
+    for _, batches in commits:
+        opt.zero_grad()
+        loss_of(net, np.asarray(batches[rank][1])).backward()
+        opt.step()
+    params = net.state_dict("full", rank0_only=False)
+    dist.destroy_process_group()
+    return params
 
 
 def main(argv: list[str]) -> int:

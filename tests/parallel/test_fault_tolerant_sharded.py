@@ -9,7 +9,10 @@ oracle replays the coordinator's record of the committed steps in one
 process: the survivors' full parameters must equal it bit for bit, and each
 rank's shards (its own slice and its successor's, of the padded flat
 layout at the final world size) must hold the oracle's parameters and
-momentum at exactly those elements.
+momentum at exactly those elements. FSDP is also run with mixed precision
+(``FT_MP``; against an oracle that rounds as FSDP does, and against FSDP
+over a process group) and with ``no_shard`` (``FT_STRATEGY``; every rank
+holds the whole vector).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from test_fault_tolerant_ddp import (
 import rpcdist
 import rpcdist.tensor as rt
 from rpcdist.parallel._flat import FlatLayout, shard_ranges
+from rpcdist.testing import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -254,3 +258,26 @@ def test_no_shard_replacement_receives_the_whole_model(tmp_path, monkeypatch):
     check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, "adam")
     oracle, opt = replay_with_optim(coord.commits, "adam")
     check_shards(tmp_path, "fsdp", [0, 1, 2], oracle, opt, fw.OPTIMIZERS["adam"][2], whole=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mp", ["float16", "bfloat16"])
+def test_mixed_precision_rounds_as_over_a_process_group(tmp_path, monkeypatch, mp):
+    """Two ranks, no fault: the same batches through FSDP over a process group, in the same
+    mixed precision, give the same parameters bit for bit (two 16-bit values sum exactly)."""
+    monkeypatch.setenv("FT_MODE", "fsdp")
+    monkeypatch.setenv("FT_MP", mp)
+    with job(tmp_path, 2, steps=5) as ranks:
+        for r in range(2):
+            ranks.start(r)
+        ranks.wait([0, 1])
+        coord = ranks.coord
+    assert [len(b) for _, b in coord.commits] == [2] * 5
+    commits = [(s, [(m, list(map(int, idx))) for m, idx in b]) for s, b in coord.commits]
+    want = run_workers(fw.process_group_run, 2, args=(commits, mp), timeout=120)
+    exact, _ = replay_with_optim(coord.commits)
+    for r in range(2):
+        got = rpcdist.load(str(tmp_path / f"rank{r}.npz"))["params"]
+        for k, v in want[r].items():
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+            assert not np.array_equal(exact.state_dict()[k], v)  # the rounding did something
