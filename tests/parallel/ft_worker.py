@@ -92,14 +92,14 @@ def shard_digests(net: FSDP, rank: int, world: int) -> str:
 
 
 def process_group_run(
-    rank: int, world: int, init_method: str, commits: list[Any], mp: str | None
+    rank: int, world: int, init_method: str, commits: list[Any], mp: str | None, strategy: str
 ) -> dict[str, Any]:
     """The committed steps ``commits`` (one batch per member) replayed by FSDP over a
     process group, without fault tolerance (a ``run_workers`` entry): its full parameters."""
     from rpcdist import collectives as dist
 
     dist.init_process_group(init_method=init_method, rank=rank, world_size=world, timeout=60)
-    net = FSDP(model(1), mixed_precision=mp)
+    net = FSDP(model(1), sharding_strategy=strategy, mixed_precision=mp)
     opt_class, options, _ = OPTIMIZERS["sgd"]
     opt = opt_class(net.parameters(), **options)
     for _, batches in commits:

@@ -261,12 +261,16 @@ def test_no_shard_replacement_receives_the_whole_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mp", ["float16", "bfloat16"])
-def test_mixed_precision_rounds_as_over_a_process_group(tmp_path, monkeypatch, mp):
+@pytest.mark.parametrize(
+    ("mp", "strategy"),
+    [("float16", "full_shard"), ("bfloat16", "full_shard"), ("float16", "no_shard")],
+)
+def test_mixed_precision_rounds_as_over_a_process_group(tmp_path, monkeypatch, mp, strategy):
     """Two ranks, no fault: the same batches through FSDP over a process group, in the same
     mixed precision, give the same parameters bit for bit (two 16-bit values sum exactly)."""
     monkeypatch.setenv("FT_MODE", "fsdp")
     monkeypatch.setenv("FT_MP", mp)
+    monkeypatch.setenv("FT_STRATEGY", strategy)
     with job(tmp_path, 2, steps=5) as ranks:
         for r in range(2):
             ranks.start(r)
@@ -274,7 +278,7 @@ def test_mixed_precision_rounds_as_over_a_process_group(tmp_path, monkeypatch, m
         coord = ranks.coord
     assert [len(b) for _, b in coord.commits] == [2] * 5
     commits = [(s, [(m, list(map(int, idx))) for m, idx in b]) for s, b in coord.commits]
-    want = run_workers(fw.process_group_run, 2, args=(commits, mp), timeout=120)
+    want = run_workers(fw.process_group_run, 2, args=(commits, mp, strategy), timeout=120)
     exact, _ = replay_with_optim(coord.commits)
     for r in range(2):
         got = rpcdist.load(str(tmp_path / f"rank{r}.npz"))["params"]
