@@ -32,6 +32,7 @@ import numpy as np
 
 import rpcdist
 import rpcdist.tensor as rt
+from rpcdist import collectives as dist
 from rpcdist import nn, optim
 from rpcdist.data import DistributedSampler
 from rpcdist.nn import functional as F
@@ -96,8 +97,6 @@ def process_group_run(
 ) -> dict[str, Any]:
     """The committed steps ``commits`` (one batch per member) replayed by FSDP over a
     process group, without fault tolerance (a ``run_workers`` entry): its full parameters."""
-    from rpcdist import collectives as dist
-
     dist.init_process_group(init_method=init_method, rank=rank, world_size=world, timeout=60)
     net = FSDP(model(1), sharding_strategy=strategy, mixed_precision=mp)
     opt_class, options, _ = OPTIMIZERS["sgd"]
