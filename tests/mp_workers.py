@@ -45,6 +45,14 @@ def survive_dead_peer(rank, world_size, init_method):
     return outcome, elapsed, after
 
 
+def init_and_shutdown_at_once(rank, world_size, init_method):
+    # rank 0 serves the store: its shutdown right after init must not fail a
+    # rank still finishing its own init (torch's test_local_shutdown)
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30)
+    rpcdist.shutdown(graceful=False)
+    return "initialised"
+
+
 def duplicate_name(rank, world_size, init_method):
     try:
         rpcdist.init_rpc("same", rank, world_size, init_method=init_method, rpc_timeout=10)

@@ -235,6 +235,41 @@ def test_killed_member_is_found_lost_and_removed(group: Group) -> None:
     ps.shutdown()
 
 
+def test_a_member_found_lost_stays_out_when_it_resumes(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    os.killpg(t1.proc.pid, signal.SIGSTOP)  # hung, from outside
+    try:
+        assert ps.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+        assert t2.ok(op="until", present=False, name="trainer1") == ["ps", "trainer2"]
+    finally:
+        os.killpg(t1.proc.pid, signal.SIGCONT)
+    # fail-stop: its old self is refused, whatever it tries
+    got = t1.ask(op="call", to="ps", x=1)
+    assert got["error"] in ("WorkerLostError", "ConnectError"), got
+    got = t1.ask(op="call", to="trainer2", x=1)
+    assert got["error"] in ("WorkerLostError", "ConnectError"), got
+    assert ps.ok(op="call", to="trainer2", x=2) == 3
+    t1.kill()
+    t2.shutdown()
+    ps.shutdown()
+
+
+def test_members_go_on_and_leave_when_rank_0_is_killed(group: Group) -> None:
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t2 = group.join("trainer2", 2)
+    assert t1.ok(op="call", to="ps", x=1) == 2
+    ps.kill()
+    assert t1.ok(op="until", present=False, name="ps") == ["trainer1", "trainer2"]
+    got = t1.ask(op="call", to="ps", x=0)
+    assert got["error"] == "WorkerLostError", got
+    assert t1.ok(op="call", to="trainer2", x=1) == 2  # the others still talk
+    t1.shutdown()  # no group to tell: it leaves anyway, without hanging
+    t2.shutdown()
+
+
 def test_a_restarted_member_joins_again(group: Group) -> None:
     ps = group.join("ps", 0)
     t1 = group.join("trainer1", 1)
@@ -289,3 +324,20 @@ def test_a_dynamic_joiner_of_a_static_job_is_refused(group: Group) -> None:
         "RPC group mixes statically and dynamically initialized members which is not supported."
     )
     static.shutdown()
+
+
+def test_collectives_refuse_a_dynamic_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rpcdist
+    import rpcdist.collectives
+
+    for var in ("RANK", "WORLD_SIZE", "RPCDIST_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    port = _free_port()
+    opts = rpcdist.RpcOptions(init_timeout=1.0)  # (its shutdown waits that long for a joiner)
+    rpcdist.init_rpc("alone", rank=0, init_method=f"tcp://127.0.0.1:{port}", options=opts)
+    try:
+        with pytest.raises(ConfigError, match="dynamic group"):
+            rpcdist.collectives.init_process_group(init_method=f"tcp://127.0.0.1:{port}")
+    finally:
+        rpcdist.shutdown()
+    assert _port_free(port)

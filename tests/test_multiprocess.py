@@ -39,6 +39,11 @@ def test_dead_peer_gives_typed_error_within_deadline():
 
 
 @pytest.mark.timeout(120)
+def test_an_immediate_shutdown_of_the_store_host_lets_the_others_finish_init():
+    assert run_workers(mp_workers.init_and_shutdown_at_once, 4, timeout=90) == ["initialised"] * 4
+
+
+@pytest.mark.timeout(120)
 def test_duplicate_names_fail_on_every_worker():
     msgs = run_workers(mp_workers.duplicate_name, 2, timeout=90)
     assert all("'same'" in m and "unique" in m for m in msgs)

@@ -144,6 +144,11 @@ def start_agent_for(
             )
             agent.start()
             set_default_agent(agent)
+        elif agent.dynamic:
+            raise ConfigError(
+                f"this process's agent {agent.name!r} is in a dynamic group (init_rpc without "
+                f"a world size), which {role} cannot use: they need a fixed world size"
+            )
         agent.roles.add(role)
         return agent
 
@@ -304,7 +309,8 @@ def statistics() -> dict[str, int]:
     CUDA IPC: ``cuda_ipc_lends`` (CuPy arrays sent by handle whose receiver
     has not yet released them) and ``cuda_ipc_block_bytes`` (device memory
     held for sending them; back to 0 about a minute after the last one).
-    ``lost_workers``: workers declared lost (it stays up after a loss).
+    ``lost_workers``: workers declared lost (it stays up after a loss);
+    ``members``: in a dynamic group, the members this worker knows.
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``busy_polls``, ``busy_poll_hits`` and ``busy_poll_yields`` (waits on
     those calls' connections, at either end, that began by polling, those

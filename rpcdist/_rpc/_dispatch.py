@@ -119,6 +119,13 @@ def call(fn: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
         raise e
 
 
+def log_user_error(name: str, caller: str, e: BaseException) -> None:
+    """One line on this (the callee's) log for a user function that raised:
+    the caller gets the error itself, as PyTorch's agent logs it too."""
+    # (formatted here: a log record holding ``e`` would keep its traceback's frames)
+    _log.warning("%s", f"{name}() called by {caller} raised {e!r} (sent back to the caller)")
+
+
 def blocked_handler(agent: AgentView, ident: int, waits_on: object) -> tuple[str, str]:
     """What blocked thread ``ident``'s handler runs and what it waits on,
     for the handler pool's warnings (its ``describe`` hook; any thread, only
@@ -290,7 +297,11 @@ async def serve(
             _check_deadline(deadline, m.method, peer.name)
             await wire.wait_gates(deadline)
             scopes = agent.registry.enter_scopes(CallInfo(agent, peer, m.method, m.meta, deadline))
-            result = await call_user(agent, fn, m.method, args, kwargs)
+            try:
+                result = await call_user(agent, fn, m.method, args, kwargs)
+            except Exception as e:
+                log_user_error(m.method, peer.name, e)
+                raise
         wire.meta = agent.registry.meta()
         header, buffers = encode(
             result, allow_pickle=agent.options.allow_pickle, context=wire, where="result"
@@ -333,7 +344,11 @@ def run_handler(
         if agent.registry.wants_scopes(m.meta):
             info = CallInfo(agent, wire.peer, m.method, m.meta, m.deadline)
             scopes = agent.registry.enter_scopes(info)
-        result = call(fn, m.method, args, kwargs)
+        try:
+            result = call(fn, m.method, args, kwargs)
+        except Exception as e:
+            log_user_error(m.method, wire.peer.name, e)
+            raise
         kind = REPLY
         wire.meta = agent.registry.meta()
         header, buffers = encode(

@@ -100,6 +100,10 @@ class Membership:
     def __init__(self, agent: AgentView) -> None:
         self._agent = agent
         self.entries: dict[int, dict[str, Any]] = {}
+        #: Each worker that departed (left or lost): rank -> its incarnation,
+        #: whose links are refused (a lost worker stays lost; a restarted one
+        #: has a new incarnation).
+        self.gone: dict[int, str] = {}
         self.incarnation = secrets.token_hex(8)
         #: Rank 0: joins and leaves are applied one at a time.
         self._lock: asyncio.Lock | None = None
@@ -129,6 +133,8 @@ class Membership:
         """A member was declared lost: out of the group (rank 0 tells the others)."""
         agent = self._agent
         entry = self.entries.pop(rank, None)
+        if entry is not None:
+            self.gone[rank] = entry["incarnation"]
         agent.workers.remove(rank, f"it was lost: {agent.liveness.lost.get(rank, '?')}")
         self._notify_changed()
         if agent.rank == 0 and entry is not None and not agent.closed:
@@ -157,7 +163,9 @@ class Membership:
         """Worker ``rank`` left the group (on the loop): out of the tables,
         and our link to it half-closed, so that it sees us done."""
         agent = self._agent
-        self.entries.pop(rank, None)
+        entry = self.entries.pop(rank, None)
+        if entry is not None:
+            self.gone[rank] = entry["incarnation"]
         if agent.workers.remove(rank, why) is not None:
             agent.links.release(rank)
             agent.peer_lost(rank)  # the layers above free what it held
@@ -386,9 +394,14 @@ async def admit_link(agent: AgentView, rank: int, name: str) -> bool:
     """A link came from ``rank``/``name``, not (yet) in our table: accept it
     if that worker published its entry (it is joining; on the loop)."""
     try:
-        await agent.store.get(_entry_key(rank, name), _ENTRY_WAIT)
+        entry = msgpack.unpackb(await agent.store.get(_entry_key(rank, name), _ENTRY_WAIT))
     except RpcdistError as e:
         log.warning("%s: refused a link from %r (rank %d): %s", agent.name, name, rank, e)
+        return False
+    if _membership(agent).gone.get(rank) == entry.get("incarnation"):
+        log.warning(
+            "%s: refused a link from %r (rank %d): it left or was lost", agent.name, name, rank
+        )
         return False
     agent.workers.hear(WorkerInfo(name, rank))
     return True

@@ -359,7 +359,7 @@ async def close(agent: AgentView, *, graceful: bool = False, leave: bool = False
             if leave:
                 async with asyncio.timeout(_LEAVE_WAIT):
                     await _wait_for_leavers(agent)
-            elif agent._store_server is not None and agent.workers:
+            elif agent._store_server is not None and agent.workers and not agent.dynamic:
                 await agent.store.get(f"{_PASSED}/done", _INIT_WAIT)
         except (RpcdistError, TimeoutError) as e:
             log.debug("store leave on %s: %s", agent.name, e)

@@ -18,7 +18,7 @@ from .._deadline import current_deadline, remaining
 from .._errors import RpcdistError, RpcTimeoutError
 from .._rpc._context import WireContext, current_agent
 from .._rpc._dispatch import call as _call
-from .._rpc._dispatch import call_user, is_async_execution
+from .._rpc._dispatch import call_user, is_async_execution, log_user_error
 from .._rpc._dispatch import resolve as _resolve
 from .._serialization import encode
 from .._serialization._functions import check_method
@@ -124,7 +124,11 @@ async def _on_remote(agent: Agent, src: WorkerInfo, payload: list[Any]) -> list[
             check_method(agent.policy, owned, target[2])
             fn = getattr(owned, target[2])
             label = f"{type(owned).__qualname__}.{target[2]}"
-        value = await call_user(agent, fn, label, args, kwargs)
+        try:
+            value = await call_user(agent, fn, label, args, kwargs)
+        except Exception as e:
+            log_user_error(label, src.name, e)
+            raise
     except asyncio.CancelledError:
         raise
     except BaseException as e:
@@ -146,6 +150,8 @@ def create_value(src: int, n: int, f: int | None, name: str, args: Any, kwargs: 
     try:
         value = _call(_resolve(name), name, args, kwargs)
     except BaseException as e:
+        if isinstance(e, Exception):
+            log_user_error(name, agent.workers[src].name, e)
         ctx.owners.finish_creation(rec, error=e)
         del rec  # (see _on_remote)
         return [False]

@@ -118,7 +118,7 @@ class RRef(Generic[T]):
         self._early: list[Any] | None = None  # a copy of the value, while that reply settles
         self._attrs: set[str] | None = None  # attributes known to exist (remote() proxies)
         self._plain: set[str] | None = None  # methods known to be plain functions
-        self._type: type | None = None  # the value's class, once asked (_get_type)
+        self._type: Future[Any] | None = None  # the value's class, once asked (_get_type)
 
     @classmethod
     def _make(
@@ -192,8 +192,8 @@ class RRef(Generic[T]):
 
     def _check(self, what: str) -> None:
         ctx = self._ctx
-        if ctx.closed or ctx.agent.closed:
-            ctx.check_open(f"{what} on {self!r}")
+        if ctx.closed or ctx.agent.closed:  # (torch's words first: programs match them)
+            ctx.check_open(f"Cannot call {what} on it after deletion. {what} on {self!r}")
         if self._error is not None:
             raise self._error
         if self._state == RELEASED:
@@ -315,8 +315,10 @@ class RRef(Generic[T]):
 
     def _get_type(self, timeout: float | Unset | None = UNSET, blocking: bool = True) -> Any:
         """The value's class (torch's ``RRef._get_type``), asked of the owner
-        once and then remembered; ``blocking=False``: a Future of it.
-        ``timeout`` as for :meth:`to_here` (torch's ``-1`` too: the default).
+        once and then remembered; ``blocking=False``: a Future of it, the
+        same Future on every call (as torch's). ``timeout`` as for
+        :meth:`to_here` (torch's ``-1`` too: the default); a failed ask is
+        not remembered.
 
         Raises:
             SerializationError: the class has no name to travel by (it was
@@ -325,21 +327,27 @@ class RRef(Generic[T]):
         """
         if timeout == -1:
             timeout = UNSET
-        fut: Future[Any] = Future()
-        known = self._type
-        if known is not None:
-            fut.set_result(known)
-        elif self._record is not None:
-            try:
-                fut.set_result(type(self.local_value()))
-            except BaseException as e:
-                fut.set_exception(e)
-        else:
-            self._check("_get_type()")
-            fut = self._ctx.agent.rpc_async(self.owner(), value_type, (self,), None, timeout)
-        if known is None:
-            fut = fut.then(functools.partial(_remember_type, self))
+        fut = self._type
+        if fut is None:
+            if self._record is not None:
+                fut = Future()
+                try:
+                    fut.set_result(type(self.local_value()))
+                except BaseException as e:
+                    fut.set_exception(e)
+            else:
+                self._check("_get_type()")
+                fut = self._typeof_owner(timeout)
+            self._type = fut
+            fut.add_done_callback(functools.partial(_forget_failed_type, self))
         return fut.wait() if blocking else fut
+
+    def _typeof_owner(self, timeout: float | Unset | None) -> Future[Any]:
+        """Ask the owner for the value's class (``rpcdist.torch`` profiles
+        this call under torch's name for it)."""
+        return self._ctx.agent.rpc_async(
+            self.owner(), _rref_typeof_on_owner, (self,), None, timeout
+        )
 
     # ------------------------------------------------------------- proxies
 
@@ -566,11 +574,12 @@ def _gate(wctx: WireContext, fut: Future[Any]) -> None:
 register_extension(RRef, RREF_CODE, _encode_rref, _decode_rref)
 
 
-def value_type(rref: RRef[Any]) -> type:
-    """The class of ``rref``'s value (run on its owner, for ``RRef._get_type``)."""
+def _rref_typeof_on_owner(rref: RRef[Any]) -> type:
+    """The class of ``rref``'s value (run on its owner, for ``RRef._get_type``;
+    torch's name for it, which its profiler shows)."""
     return type(rref.local_value())
 
 
-def _remember_type(rref: RRef[Any], fut: Future[type]) -> type:
-    rref._type = t = fut.value()
-    return t
+def _forget_failed_type(rref: RRef[Any], fut: Future[Any]) -> None:
+    if fut.exception() is not None and rref._type is fut:
+        rref._type = None

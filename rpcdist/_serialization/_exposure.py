@@ -54,7 +54,7 @@ PROTOCOL_ENTRIES = frozenset(
     {
         "rpcdist._rref._owner:create_value",
         "rpcdist._rref._owner:call_method",
-        "rpcdist._rref._rref:value_type",
+        "rpcdist._rref._rref:_rref_typeof_on_owner",
         "rpcdist.autograd._backward:apply_grads",
         "rpcdist.torch._backward:apply_grad",
         "rpcdist.nn._remote:_make",

@@ -108,10 +108,6 @@ class FullyShardedDataParallel(Module, Joinable):
         params = list(module.named_parameters())
         buffers = list(module.named_buffers())
         if fault_tolerance is not None:  # the members of each step: see _fsdp_ft.py
-            if mp is not None or sharding_strategy == "no_shard":
-                raise ConfigError(
-                    f"{_WHAT}: fault_tolerance takes neither mixed_precision nor 'no_shard'"
-                )
             rank, world = 0, 1  # until the first quorum; every rank holds everything
         else:
             rank, world = group_size(process_group, _WHAT)

@@ -10,7 +10,10 @@ two slices of the average it holds. A failed gather fills zeros and marks
 the step failed (the vote is ``ok=False``; the step is redone). At each
 change of membership the units are re-sharded for the new world from the
 members' slices; before the first quorum every rank holds its whole model,
-and the lowest id's values win, as DDP broadcasts rank 0's.
+and the lowest id's values win, as DDP broadcasts rank 0's. Under
+``no_shard`` a unit's shard is its whole vector (nothing to gather) and
+stays so at every membership. Mixed precision rounds as a process group's
+collectives would (:meth:`FlatUnit.ft_reduced`).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class FsdpFaultTolerance:
     def _ft_write(self, avg: np.ndarray[Any, Any]) -> None:
         at = 0
         for u in self._trained():
-            g = u.my_piece(avg[at : at + u.numel]).astype(u.dtype)
+            g = u.ft_reduced(u.my_piece(avg[at : at + u.numel])).astype(u.dtype)
             u.shard.grad = Tensor._wrap(u.xp.asarray(g))
             u.ft_flat = None
             at += u.numel
@@ -100,11 +103,13 @@ class FsdpFaultTolerance:
         sh.rank, sh.world = self.ft.rank, self.ft.world_size
         sh.kept = False
         for u, whole in zip(self.units, wholes, strict=True):
-            u.layout = FlatLayout(u.numel, sh.world)
+            u.layout = FlatLayout(u.numel, sh.world if sh.sharded else 1)
             u.padded, u.shard_size = u.layout.padded, u.layout.shard
             u._buf = u._mm = None  # made again at the new size
             u.acc = u.ft_flat = None
             u.shard.data = u.xp.asarray(u.my_piece(whole.params))
+            if not sh.sharded:  # no_shard: the module computes on the shard itself
+                u._buf = u.shard.data
             u.shard.grad = None
             for opt in self.optimizers:
                 st: dict[str, Any] = {}

@@ -93,6 +93,14 @@ def _comm_dtype(name: str | None) -> Any:
     return {None: None, "float16": np.float16, "bfloat16": np.uint16}[name]
 
 
+def round_to(x: Any, name: str | None) -> Any:
+    """``x`` rounded to ``"float16"`` or ``"bfloat16"`` (widened to float32, exactly); None: ``x``."""
+    low = _comm_dtype(name)
+    if low is np.uint16:
+        return from_bf16(to_bf16(x))
+    return x if low is None else x.astype(low)
+
+
 class FlatUnit:
     """The flat, padded, sharded parameters of one unit and their gathered copy."""
 
@@ -147,8 +155,11 @@ class FlatUnit:
     def _all_gather(self, buf: Any) -> tuple[Any, Any]:
         """Launch the all-gather of the shard (in the communication dtype) into ``buf``."""
         sh = self.shared
-        if sh.ft is not None:
-            self._ft_gather(self.shard.data, buf)
+        if sh.ft is not None:  # rounded as the wire below rounds, gathered exactly
+            mine = round_to(
+                self.shard.data[: self.shard_size], sh.mp.param_dtype if sh.mp else None
+            )
+            self._ft_gather(mine, buf)
             return buf, _Done()
         low = _comm_dtype(sh.mp.param_dtype) if sh.mp else None
         data = self.shard.data
@@ -261,6 +272,18 @@ class FlatUnit:
         sh = self.shared
         return 1.0 if sh.mp and sh.mp.reduce_dtype == "float16" else 1.0 / sh.divisor
 
+    def ft_reduced(self, avg: Any) -> Any:
+        """Fault-tolerant mode: ``ft.commit()``'s float64 average as the reduction's result.
+
+        In the reduce dtype, as the reduce-scatter would give it: float16 was
+        divided before the sum (the commit divided again: undone), rounded
+        once; bfloat16 summed in float32.
+        """
+        name = self.shared.mp.reduce_dtype if self.shared.mp else None
+        if name == "float16":
+            return (avg * self.shared.divisor).astype(np.float16)
+        return avg.astype(np.float32) if name == "bfloat16" else avg
+
     def reduce(self, flat: Any, in_buffer: bool = False) -> None:
         """Average ``flat`` over the group into this rank's shard gradient (async).
 
@@ -268,13 +291,10 @@ class FlatUnit:
         except in float16, which divides first so that the sum cannot overflow.
         """
         sh = self.shared
-        low = _comm_dtype(sh.mp.reduce_dtype) if sh.mp else None
-        if low is np.float16:
+        name = sh.mp.reduce_dtype if sh.mp else None
+        if name == "float16":
             flat *= 1.0 / sh.divisor
-        if low is np.uint16:  # bfloat16 rounding; summed in float32
-            flat = from_bf16(to_bf16(flat))
-        elif low is not None:
-            flat = flat.astype(low)
+        flat = round_to(flat, name)  # bfloat16: summed in float32
         if sh.ft is not None:  # averaged by ft.commit() with the other units' (_fsdp_ft.py)
             self.ft_flat = self.xp.array(flat[: self.numel])
             if in_buffer:
@@ -361,10 +381,12 @@ class FlatUnit:
         return padded[slice(*self._bounds())].copy()
 
     def ft_bounds(self) -> list[tuple[int, int]]:
-        """Fault-tolerant mode: the padded slices the shard holds (own, then successor's)."""
+        """Fault-tolerant mode: the padded slices the shard holds (own, then successor's;
+        ``no_shard``: the whole vector)."""
         sh = self.shared
-        ranks = [sh.rank] if sh.world == 1 else [sh.rank, (sh.rank + 1) % sh.world]
-        return [self.layout.bounds(q) for q in ranks]
+        if not sh.sharded or sh.world == 1:  # the whole vector
+            return [self.layout.bounds(0)]
+        return [self.layout.bounds(q) for q in (sh.rank, (sh.rank + 1) % sh.world)]
 
     def _ft_gather(self, piece: Any, out: Any, raising: bool = False) -> None:
         """Fault-tolerant mode: every member's own slice into ``out`` over the mesh.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import threading
 import time
@@ -534,3 +535,24 @@ def install() -> None:
     record_function: Any = torch.autograd.profiler.record_function
     record_function._call_end_callbacks_on_future = _end_on_any_future
     RRef._get_profiling_future = _rref_profiling_future  # type: ignore[attr-defined]
+    if not hasattr(_typeof_owner, "plain"):
+        _typeof_owner.plain = RRef._typeof_owner  # type: ignore[attr-defined]
+        RRef._typeof_owner = _typeof_owner  # type: ignore[method-assign,assignment]
+
+
+def _typeof_owner(rref: RRef[Any], timeout: Any) -> Future[Any]:
+    """``RRef._get_type``'s ask of the owner, profiled as torch's
+    (``rpc_async#_rref_typeof_on_owner(caller -> owner)``)."""
+    plain: Any = _typeof_owner.plain  # type: ignore[attr-defined]
+    if not enabled():
+        return plain(rref, timeout)  # type: ignore[no-any-return]
+    from .._rref._rref import _rref_typeof_on_owner
+
+    call = functools.partial(plain, rref, timeout)
+    fut, profiling = profiled("rpc_async", rref.owner(), _rref_typeof_on_owner, call, _same)
+    assert profiling is not None
+    return after(fut, profiling)
+
+
+def _same(fut: Future[Any]) -> Future[Any]:
+    return fut

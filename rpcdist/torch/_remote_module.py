@@ -121,6 +121,13 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
 
     __module__ = "rpcdist.torch.nn"
 
+    #: As torch's: rpcdist applies no device map to a RemoteModule's calls
+    #: (``TensorPipeRpcBackendOptions.device_maps`` are recorded, not applied).
+    is_device_map_set = False
+    #: As torch's for a module made without a module interface: rpcdist runs
+    #: no TorchScript.
+    is_scriptable = False
+
     def __init__(
         self,
         remote_device: str,
@@ -166,6 +173,11 @@ class RemoteModule(torch.nn.Module):  # type: ignore[misc]  # Any without torch
                 f"{type(module_rref).__name__}"
             )
         return _make(module_rref.owner(), module_rref, device)
+
+    @property
+    def on(self) -> str:
+        """The owner's name (torch's ``RemoteModule.on``)."""
+        return self.owner.name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward on its owner and return the result (blocking)."""

@@ -13,7 +13,11 @@ until ``OUT/go`` exists (so a test can have a replacement join mid-run).
 ``FT_OPT``: ``sgd`` (default; with momentum) or ``adam``. ``FT_MODE``: ``ddp`` (default), ``zero`` (DDP with a fault-tolerant
 ``ZeroRedundancyOptimizer``) or ``fsdp`` (a fault-tolerant
 ``FullyShardedDataParallel``); the last two also save their shards (ZeRO: and,
-on the last member, its ``consolidate_state_dict`` at the end).
+on the last member, its ``consolidate_state_dict`` at the end). FSDP also
+appends ``step q:sha256 ...`` for each padded slice it holds to
+``OUT/slices<id>.log`` after every committed step, and takes
+``FT_MP`` (``float16``, ``bfloat16``) as its ``mixed_precision`` and
+``FT_STRATEGY`` as its ``sharding_strategy``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import hashlib
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 import rpcdist
 import rpcdist.tensor as rt
+from rpcdist import collectives as dist
 from rpcdist import nn, optim
 from rpcdist.data import DistributedSampler
 from rpcdist.nn import functional as F
@@ -71,6 +77,39 @@ def digest(m: nn.Module) -> str:
     return h.hexdigest()
 
 
+def shard_digests(net: FSDP, rank: int, world: int) -> str:
+    """``q:digest`` of each padded slice ``q`` this rank holds, over all units (FSDP)."""
+    held: list[int | str] = [rank] if world == 1 else [rank, (rank + 1) % world]
+    if net.sharding_strategy == "no_shard":
+        held = ["all"]  # every rank holds the whole vector
+    parts = []
+    for i, q in enumerate(held):
+        h = hashlib.sha256()
+        for u in net._shared.units:
+            n = u.shard_size
+            h.update(np.ascontiguousarray(u.shard.data[i * n : (i + 1) * n]).tobytes())
+        parts.append(f"{q}:{h.hexdigest()}")
+    return ",".join(parts)
+
+
+def process_group_run(
+    rank: int, world: int, init_method: str, commits: list[Any], mp: str | None, strategy: str
+) -> dict[str, Any]:
+    """The committed steps ``commits`` (one batch per member) replayed by FSDP over a
+    process group, without fault tolerance (a ``run_workers`` entry): its full parameters."""
+    dist.init_process_group(init_method=init_method, rank=rank, world_size=world, timeout=60)
+    net = FSDP(model(1), sharding_strategy=strategy, mixed_precision=mp)
+    opt_class, options, _ = OPTIMIZERS["sgd"]
+    opt = opt_class(net.parameters(), **options)
+    for _, batches in commits:
+        opt.zero_grad()
+        loss_of(net, np.asarray(batches[rank][1])).backward()
+        opt.step()
+    params = net.state_dict("full", rank0_only=False)
+    dist.destroy_process_group()
+    return params
+
+
 def main(argv: list[str]) -> int:
     out, steps = argv[0], int(argv[1])
     me = int(os.environ["RANK"])
@@ -98,7 +137,11 @@ def main(argv: list[str]) -> int:
     # Each rank's model differs on purpose: the first quorum heals them from the lowest id.
     net: nn.Module
     if mode == "fsdp":
-        net = FSDP(model(me + 1), fault_tolerance=ft)
+        mp = os.environ.get("FT_MP") or None  # mixed_precision: float16, bfloat16
+        strategy = os.environ.get("FT_STRATEGY", "full_shard")
+        net = FSDP(
+            model(me + 1), sharding_strategy=strategy, mixed_precision=mp, fault_tolerance=ft
+        )
     else:
         net = DDP(model(me + 1), fault_tolerance=ft)
     opt_class, options, key = OPTIMIZERS[os.environ.get("FT_OPT", "sgd")]
@@ -112,6 +155,7 @@ def main(argv: list[str]) -> int:
     restarts = os.environ.get("RPCDIST_RESTART_COUNT", "0")
     open(os.path.join(out, f"started{me}-{restarts}"), "w").close()  # joining: sent
     log = open(os.path.join(out, f"rank{me}.log"), "a")  # noqa: SIM115 (closed at exit)
+    slices = open(os.path.join(out, f"slices{me}.log"), "a")  # noqa: SIM115 (closed at exit)
     hold = int(os.environ.get("FT_HOLD", "-1"))  # wait for OUT/go before this step
     while ft.step < steps:
         while ft.step == hold and not os.path.exists(os.path.join(out, "go")):
@@ -126,6 +170,9 @@ def main(argv: list[str]) -> int:
                 f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module) if mode != 'fsdp' else '-'} {float(loss.item())!r}\n"
             )
             log.flush()
+            if mode == "fsdp":  # each slice's digest: its two holders must agree every step
+                slices.write(f"{ft.step} {shard_digests(net, ft.rank, ft.world_size)}\n")
+                slices.flush()
     state: dict[str, object] = {"sampler": sampler.state_dict()}
     if mode == "ddp":
         shm = int(ft._shm is not None)  # the last quorum's all-reduce was in shared memory

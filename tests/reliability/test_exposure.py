@@ -290,7 +290,7 @@ def test_allowlist_refuses_rpcdists_own_functions_but_runs_its_protocols():
         rref = rpcdist.remote(1, rf.ones, args=(4,))  # RRef creation (create_value)
         assert rref.to_here(10).sum() == 4
         with pytest.raises(rpcdist.CallPolicyError, match="numpy:ndarray"):
-            rref._get_type()  # value_type runs; the class in its reply is not allowed here
+            rref._get_type()  # _rref_typeof_on_owner runs; the class in its reply is not allowed here
         assert rref.rpc_sync().sum() == 4  # a curated method through a proxy
         with pytest.raises(rpcdist.CallPolicyError, match="tofile"):
             rref.rpc_sync().tofile("/tmp/never")

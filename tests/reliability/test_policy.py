@@ -78,7 +78,9 @@ def test_allowed_entries_admit_more_and_allowlist_mode_is_exclusive():
         resolve_function("operator:add", only)
     with pytest.raises(rpcdist.CallPolicyError, match="refuses"):  # not every rpcdist function
         resolve_function("rpcdist._rpc._api:debug_info", only)
-    assert callable(resolve_function("rpcdist._rref._rref:value_type", only))  # its protocols
+    assert callable(
+        resolve_function("rpcdist._rref._rref:_rref_typeof_on_owner", only)
+    )  # its protocols
     assert callable(resolve_function("os:system", CallablePolicy("any")))
     assert DEFAULT_POLICY.mode == "exposed"
 

@@ -323,14 +323,20 @@ def test_a_remote_module_over_a_module_already_in_an_rref(agents):
             RemoteModule.init_from_module_rref("worker1", local)
 
 
+def _remote_linear():
+    """A RemoteModule of a Linear(3, 2) on worker1, a local copy of it, an input."""
+    from rpcdist.torch.nn import RemoteModule
+
+    torch.manual_seed(0)
+    rm = RemoteModule("worker1", torch.nn.Linear, args=(3, 2))
+    return rm, rm.get_module_rref().to_here(), torch.randn(4, 3)
+
+
 def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents):
     from rpcdist.torch.nn import RemoteModule
 
     with as_current(agents[0]):
-        torch.manual_seed(0)
-        rm = RemoteModule("worker1", torch.nn.Linear, args=(3, 2))
-        local = rm.get_module_rref().to_here()
-        x = torch.randn(4, 3)
+        rm, local, x = _remote_linear()
         model = torch.nn.Sequential(rm, torch.nn.ReLU(), torch.nn.Linear(2, 1))
         assert isinstance(rm, torch.nn.Module)
         torch.testing.assert_close(model(x), model[2](torch.relu(local(x))))
@@ -372,6 +378,48 @@ def test_a_remote_module_is_an_nn_module_here_with_no_tensors_of_its_own(agents)
         # sent to another worker, it is one there too
         back = rpc.rpc_sync("worker2", tf.echo_kind, args=(rm,))
         assert back == "RemoteModule is an nn.Module"
+
+
+def test_a_remote_module_sent_to_a_third_worker_keeps_torchs_public_state(agents):
+    with as_current(agents[0]):
+        rm, local, x = _remote_linear()
+        want = {
+            "on": "worker1",
+            "device": "cpu",
+            "is_device_map_set": False,
+            "is_scriptable": False,
+            "owner": "worker1",
+        }
+        assert tf.public_state(rm) == want
+        assert rpc.rpc_sync("worker2", tf.public_state, args=(rm,)) == want
+        sync, fut = rpc.rpc_sync("worker2", tf.forward_there, args=(rm, x))
+        torch.testing.assert_close(sync, local(x))
+        torch.testing.assert_close(fut, local(x))
+
+
+def test_to_here_before_the_value_is_made_fetches_it_inside_the_context(agents):
+    # Regression: a remote() made outside any autograd context replies with an
+    # early copy of a small value (encoded with no context, so no edges); a
+    # to_here() issued inside a context before that reply took the copy, and
+    # no gradient reached the owner's parameter. It must fetch in its context.
+    x = tf.param(5, (2, 3)).detach()
+    tf.CREATION_GATE.clear()
+    with as_current(agents[0]):
+        try:
+            rref = rpc.remote("worker1", tf.layer_when_released, args=(x,))
+            with dist_autograd.context() as cid:
+                fut = rref.to_here_async()  # (to_here() waits on this)
+                assert not fut.done()  # the owner is still making the value
+                tf.CREATION_GATE.set()
+                y = fut.wait()
+                assert y.requires_grad
+                dist_autograd.backward(cid, [(y * y).sum()])
+                remote = rpc.rpc_sync("worker1", tf.grads_here, args=(cid,))
+        finally:
+            tf.CREATION_GATE.set()
+    _, want_w = _oracle(x, ["worker1"])
+    assert "worker1" in remote, "no gradient reached the owner"
+    torch.testing.assert_close(remote["worker1"], want_w["worker1"])
 
 
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])

@@ -90,3 +90,23 @@ def test_a_then_callback_may_wait_for_another_call_it_makes(agent):
     failing = rpc.rpc_async("worker1", tf.fail_with, args=("boom",)).then(lambda f: f.wait())
     with pytest.raises(ValueError, match="boom"):
         failing.wait(timeout=60)
+
+
+def test_a_then_callbacks_own_error_is_a_runtime_error_with_torchs_words(agent):
+    # torch's test_callback_wrong_arg_num / _wrong_arg_type: a TypeError the
+    # callback itself raises reaches wait() as torch's RuntimeError, the
+    # original as its cause; the error of the future it waited for keeps its type
+    def two_args(a, b):
+        return a
+
+    fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1))
+    wrong_num = fut.then(two_args)
+    with pytest.raises(RuntimeError, match="when running the callback: TypeError: ") as info:
+        wrong_num.wait(timeout=60)
+    assert isinstance(info.value.__cause__, TypeError)
+    wrong_type = fut.then(lambda f: f + 1)
+    with pytest.raises(RuntimeError, match=r"unsupported operand type\(s\) for \+"):
+        wrong_type.wait(timeout=60)
+    remote = rpc.rpc_async("worker1", tf.fail_with, args=("boom",)).then(lambda f: f.wait())
+    with pytest.raises(ValueError, match="boom"):
+        remote.wait(timeout=60)

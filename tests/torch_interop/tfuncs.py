@@ -12,6 +12,8 @@ import rpcdist.torch.rpc as rpc
 
 #: Parameters by worker name (the agents share this process).
 PARAMS: dict[str, torch.Tensor] = {}
+#: Holds back :func:`layer_when_released` until a test opens it.
+CREATION_GATE = threading.Event()
 
 
 def param(seed: int, shape: tuple[int, ...] = (3, 3)) -> torch.Tensor:
@@ -117,6 +119,25 @@ class Plain:
 
 def bump(p: Plain) -> Plain:
     return Plain(p.n + 1)
+
+
+def layer_when_released(x: torch.Tensor) -> torch.Tensor:
+    """:func:`layer` once the test opens ``CREATION_GATE`` (a ``remote()``
+    value still being made meanwhile)."""
+    if not CREATION_GATE.wait(60):
+        raise TimeoutError("the test never opened CREATION_GATE")
+    return layer(x)
+
+
+def public_state(m: Any) -> dict[str, Any]:
+    """What a worker that received RemoteModule ``m`` sees of torch's public state."""
+    names = ("on", "device", "is_device_map_set", "is_scriptable")
+    return {n: getattr(m, n) for n in names} | {"owner": m.get_module_rref().owner().name}
+
+
+def forward_there(m: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m``'s forward and forward_async, run by the worker ``m`` was sent to."""
+    return m(x), m.forward_async(x).wait()
 
 
 def echo_kind(m: Any) -> str:
