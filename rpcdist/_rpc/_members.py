@@ -55,6 +55,7 @@ from .._store import MIXED
 from .._worker import WorkerInfo
 from . import _join, _shutdown
 from ._liveness import PING
+from ._registry import BaseExtension
 
 if TYPE_CHECKING:
     from ._agent_view import AgentView
@@ -91,7 +92,7 @@ async def mark_static(agent: AgentView) -> None:
     await agent.store.set(_MODE, msgpack.packb({"mode": "static"}))
 
 
-class Membership:
+class Membership(BaseExtension):
     """One dynamic agent's view of the group: every member's entry, and on
     rank 0 what the coordination needs."""
 
@@ -119,15 +120,6 @@ class Membership:
 
     def statistics(self) -> dict[str, int]:
         return {"members": len(self.entries)}
-
-    async def drain(self) -> None:
-        return None
-
-    def check(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
     def peer_lost(self, rank: int) -> None:
         """A member was declared lost: out of the group (rank 0 tells the others)."""
