@@ -198,7 +198,9 @@ def busy_polling_beside_a_handler(rank, world_size, init_method):
         world_size,
         init_method=init_method,
         rpc_timeout=30,
-        options=rpcdist.RpcOptions(busy_poll_us=200),
+        # (a window no reply on a loaded machine outlasts: a wait polls only
+        # if the last of its kind ended within it)
+        options=rpcdist.RpcOptions(busy_poll_us=50_000),
     )
     try:
         if rank == 1:
