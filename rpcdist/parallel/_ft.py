@@ -71,7 +71,10 @@ class FaultTolerance:
             state transfer before the step fails.
         hook: Called as ``hook(point)`` at ``"before_allreduce"``,
             ``"mid_allreduce"`` (between the reduce-scatter and the
-            all-gather), ``"after_allreduce"`` and ``"after_commit"`` (tests time faults with it).
+            all-gather), ``"after_allreduce"`` and ``"after_commit"``, and
+            at ``"shm_created"`` (a quorum's first all-reduce on one host:
+            this rank's shared-memory file exists, its name not yet sent)
+            (tests time faults with it).
 
     Attributes:
         step: Steps committed so far (the same on every member).
@@ -447,7 +450,7 @@ class FaultTolerance:
             self._shm_qid = self._qid
             socks = {self.members.index(m): s for m, s in mesh.items()}
             gather = self._gather_infos
-            self._shm = setup(gather, self.rank, socks, flat.nbytes, self.timeout)
+            self._shm = setup(gather, self.rank, socks, flat.nbytes, self.timeout, self._point)
         if self._shm is not None:
             mid = functools.partial(self._point, "mid_allreduce")
             self._heads = self._shm.all_reduce(flat, self._header(), mid)
