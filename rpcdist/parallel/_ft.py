@@ -48,7 +48,7 @@ from .._errors import ConfigError, WorkerLostError
 from ..tensor import Tensor
 from ._ft_heal import LiveState
 from ._ft_mesh import Mesh
-from ._ft_shm import HEAD_WORDS, MAX_SAMPLES, ShmGroup, StalledError, setup
+from ._ft_shm import HEAD_WORDS, MAX_SAMPLES, ShmGroup, StalledError, setup, sweep
 from ._ft_wire import connect, pack, recv_frame, send_frame, unpack
 
 __all__ = ["FaultTolerance"]
@@ -333,6 +333,7 @@ class FaultTolerance:
     def close(self) -> None:
         """Leave: close the connections (the others go on without this rank)."""
         self._drop_mesh()
+        sweep()  # shared-memory files of members that died before sharing them
         self._mesh.close(self._qid)
         with contextlib.suppress(*_FAILURES):
             if self._last is not None:  # in case the first member died before sending it

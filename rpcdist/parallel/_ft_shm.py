@@ -33,7 +33,8 @@ and unlinked once every member mapped it (or gave up). A member killed
 between creating its file and the exchange that tells the others its name
 leaves a file nobody knows of: every member's :func:`setup` first unlinks
 the files of its pid namespace whose process is gone (:func:`sweep`), so
-the survivors' next quorum removes it.
+the survivors' next quorum removes it, and so does every member's
+``FaultTolerance.close()`` (a lone survivor sets up no other quorum).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 from .._errors import WorkerLostError
 from ..collectives._shm import _attach, _create, _unlink
 
-__all__ = ["HEAD_WORDS", "MAX_SAMPLES", "ShmGroup", "StalledError", "setup"]
+__all__ = ["HEAD_WORDS", "MAX_SAMPLES", "ShmGroup", "StalledError", "setup", "sweep"]
 
 _DIR = "/dev/shm"
 _CTRL = 16384
@@ -350,9 +351,11 @@ def _gone(pid: int) -> bool:
     return state in ([b"Z"], [b"X"])
 
 
-def sweep(ns: int) -> list[str]:
-    """Unlink the segment files of pid namespace ``ns`` whose process has ended (see
-    the module doc); the names removed. Nothing without a namespace to check (``ns`` 0)."""
+def sweep(ns: int | None = None) -> list[str]:
+    """Unlink the segment files of pid namespace ``ns`` (default: this process's) whose
+    process has ended (see the module doc); the names removed. Nothing without a
+    namespace to check (``ns`` 0)."""
+    ns = _pid_namespace() if ns is None else ns
     if not ns:
         return []
     try:
