@@ -418,9 +418,10 @@ def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
     epochs first, or in the asynchronous modes) leaves no call to fail, so the server
     also probes each live trainer once a second (:func:`alive`); a probe that fails
     has the agent declare the trainer lost. The autograd mode needs nothing more:
-    the server frees a lost trainer's distributed autograd contexts itself (after
-    ``RpcOptions``' lease), and its ``DistributedOptimizer`` steps only the contexts
-    that trainers still alive send.
+    the server frees a lost trainer's distributed autograd contexts itself (after a
+    lease of seconds; a restarted trainer of that rank holds none of them, and makes
+    other context ids), and its ``DistributedOptimizer`` steps only the contexts that
+    trainers still alive send.
     """
     lost: list[str] = []  # every loss, in order
     gone: set[str] = set()  # lost and not back
