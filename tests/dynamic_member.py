@@ -15,6 +15,15 @@ command a line and answers each with one JSON line:
   leaves the context (a thread holds it until the process ends);
 * ``{"op": "contexts", "count": n}``: wait (polling, up to ``timeout``)
   until this worker holds ``n`` autograd contexts;
+* ``{"op": "remote", "key": k, "to": name, "value": v}``: keep ``remote(to,
+  identity, (v,))`` as ``k``; ``{"op": "own", "key": k, "value": v}``: keep
+  ``RRef(v)`` as ``k``; both answer ``str(rref)``;
+* ``{"op": "share", "key": k, "to": name, "as": k2}``: ``to`` keeps the RRef
+  ``k`` as ``k2`` (sent in an ``rpc_sync``'s arguments);
+* ``{"op": "fetch", "key": k}``: ``to_here()`` of the RRef ``k``;
+  ``{"op": "drop", "key": k}``: let go of it;
+* ``{"op": "rrefs", "want": {gauge: n}}``: wait (polling, up to ``timeout``)
+  until this worker's RRef gauges (``rpcdist.statistics()``) are ``want``;
 * ``{"op": "shutdown"}``: a graceful ``shutdown()``; answers with the rpcdist
   threads still alive, then exits.
 
@@ -27,6 +36,7 @@ Usage: ``python dynamic_member.py NAME [INIT_TIMEOUT]``.
 
 from __future__ import annotations
 
+import gc
 import json
 import operator
 import os
@@ -42,6 +52,50 @@ import rpcdist
 import rpcdist.autograd as dist_autograd
 from rpcdist._rpc._context import current_agent
 from rpcdist.tensor import Tensor
+
+#: RRefs kept by the ops, by key.
+KEPT: dict[str, rpcdist.RRef[Any]] = {}
+
+
+def identity(value: Any) -> Any:
+    return value
+
+
+def keep_rref(key: str, rref: rpcdist.RRef[Any]) -> None:
+    KEPT[key] = rref
+
+
+def _rrefs(want: dict[str, int], timeout: float) -> dict[str, int]:
+    end = time.monotonic() + timeout
+    while True:
+        stats = rpcdist.statistics()
+        got = {k: stats[k] for k in want}
+        if got == want:
+            return got
+        if time.monotonic() > end:
+            raise TimeoutError(f"RRef gauges {got} after {timeout} s, not {want}")
+        gc.collect()
+        time.sleep(0.05)
+
+
+def _rref_op(op: str, cmd: dict[str, Any]) -> Any:
+    key = cmd.get("key", "")
+    if op == "remote":
+        KEPT[key] = rpcdist.remote(cmd["to"], identity, args=(cmd["value"],), timeout=30)
+        return str(KEPT[key])
+    if op == "own":
+        KEPT[key] = rpcdist.RRef(cmd["value"])
+        return str(KEPT[key])
+    if op == "share":
+        return rpcdist.rpc_sync(cmd["to"], keep_rref, args=(cmd["as"], KEPT[key]), timeout=30)
+    if op == "fetch":
+        return KEPT[key].to_here(timeout=30)
+    if op == "drop":
+        del KEPT[key]
+        return gc.collect()
+    if op == "rrefs":
+        return _rrefs(cmd["want"], cmd.get("timeout", 30.0))
+    raise ValueError(f"unknown op {op!r}")
 
 
 def _names() -> list[str]:
@@ -100,7 +154,7 @@ def _run(cmd: dict[str, Any]) -> Any:
         return _context(cmd["to"], cmd.get("keep", False))
     if op == "contexts":
         return _contexts(cmd["count"], cmd.get("timeout", 30.0))
-    raise ValueError(f"unknown op {op!r}")
+    return _rref_op(op, cmd)
 
 
 def _say(obj: Any) -> None:

@@ -362,3 +362,76 @@ def test_collectives_refuse_a_dynamic_agent(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         rpcdist.shutdown()
     assert _port_free(port)
+
+
+_IDLE = {"rref_owners": 0, "rref_forks": 0, "rref_pending_users": 0, "rref_pending_children": 0}
+
+
+def test_a_restarted_member_makes_rrefs_its_predecessor_did_not(group: Group) -> None:
+    """trainer1 made RRefs owned by ps (ps shares one back, and keeps it) and
+    RRefs it owns that ps holds, and is killed (-9); a new process with its
+    rank joins and does the same: its RRefs are its own (right values, ps's
+    records go back to none), its predecessor's stay failed, ps keeps its own
+    value, and ps may use the new process's RRefs (it owns some again)."""
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    t1.ok(op="remote", key="a", to="ps", value="old-a")
+    t1.ok(op="remote", key="b", to="ps", value="old-b")
+    t1.ok(op="share", key="b", to="ps", **{"as": "b"})  # ps keeps b itself
+    ps.ok(op="share", key="b", to="trainer1", **{"as": "b0"})  # and shares it back
+    t1.ok(op="own", key="c", value="old-c")
+    t1.ok(op="share", key="c", to="ps", **{"as": "c"})
+    assert t1.ok(op="fetch", key="b0") == "old-b"
+    assert ps.ok(op="fetch", key="c") == "old-c"
+    env = dict(group.env(1, group.token), DYNAMIC_MEMBER_WAIT="1")
+    again = Member("trainer1", env)  # imports done, it waits for a line to join
+    group.members.append(again)
+    t1.kill()
+    assert ps.ok(op="until", present=False, name="trainer1")
+    ps.ok(op="rrefs", want=_IDLE)  # the forks trainer1 held went with it
+    got = ps.ask(op="fetch", key="c")
+    assert got["error"] == "OwnerLostError", got
+    assert again.ask(op="go") == {"ok": ["ps", "trainer1"]}
+
+    # the new trainer1 makes as many RRefs, in the same order
+    again.ok(op="remote", key="x", to="ps", value="new-x")
+    again.ok(op="remote", key="y", to="ps", value="new-y")
+    again.ok(op="share", key="y", to="ps", **{"as": "y"})
+    again.ok(op="own", key="z", value="new-z")
+    again.ok(op="share", key="z", to="ps", **{"as": "z"})
+    ps.ok(op="remote", key="w", to="trainer1", value="ps-w")
+    ps.ok(op="share", key="w", to="trainer1", **{"as": "w"})
+    for m, key, value in [
+        (again, "x", "new-x"),
+        (again, "y", "new-y"),
+        (again, "y", "new-y"),  # (again: the first may have come with remote()'s reply)
+        (ps, "y", "new-y"),
+        (ps, "b", "old-b"),
+        (ps, "z", "new-z"),
+        (ps, "w", "ps-w"),
+        (again, "w", "ps-w"),
+    ]:
+        assert m.ok(op="fetch", key=key) == value, (m.name, key)
+    got = ps.ask(op="fetch", key="c")  # the predecessor's stays failed
+    assert got["error"] == "OwnerLostError", got
+    assert ps.ok(op="rrefs", want={"rref_owners": 2}) == {"rref_owners": 2}  # x and y
+    assert again.ok(op="rrefs", want={"rref_owners": 2}) == {"rref_owners": 2}  # z and w
+    for m, keys in [(again, "xyzw"), (ps, "yzwbc")]:
+        for key in keys:
+            m.ok(op="drop", key=key)
+    for m in (ps, again):
+        assert m.ok(op="rrefs", want=_IDLE) == _IDLE, m.name
+    again.shutdown()
+    ps.shutdown()
+
+
+def test_a_static_jobs_rref_ids_start_at_0(group: Group) -> None:
+    env = group.env(0, group.token)
+    env["WORLD_SIZE"] = "1"
+    static = Member("static0", env)
+    group.members.append(static)
+    assert static.answer()["ok"] == ["static0"]
+    assert static.ok(op="own", key="v", value=1) == (
+        "OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))"
+    )
+    static.shutdown()

@@ -74,7 +74,7 @@ def call_owner(
     """
     ctx = rref._ctx
     agent = ctx.agent
-    if rref._owner in ctx.lost:
+    if ctx.is_lost(rref._owner):
         raise ctx.lost_error(rref._owner, f"{what} on {rref!r}")
     confirmed = rref._confirmed
     if blocking and (confirmed is None or confirmed.done()):
@@ -158,7 +158,7 @@ def start_owner_call(
     if confirmed is not None and not confirmed.done():
         return call_owner(rref, method, payload, deadline, what, args, kwargs, internal)
     owner = rref._owner
-    if owner in ctx.lost:
+    if ctx.is_lost(owner):
         raise ctx.lost_error(owner, f"{what} on {rref!r}")
     what = f"{what} on RRef {rref._rid}"
     try:
@@ -308,7 +308,7 @@ def create(
         rec = ctx.owners.record(rid)
         rref = make(ctx, rid, None, owner.id, rec, CONFIRMED)
     else:
-        if owner.id in ctx.lost:
+        if ctx.is_lost(owner.id):
             raise ctx.lost_error(owner.id, f"remote {what}")
         fork = ctx.ids.new()
         rref = make(ctx, rid, fork, owner.id, None, PENDING)

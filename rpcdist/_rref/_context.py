@@ -109,10 +109,11 @@ class RRefContext(BaseExtension):
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self.ids = Ids(agent.rank)
+        self.ids = Ids(agent.rank, fresh=agent.dynamic)
         self.owners = OwnerTable(tombstone_ttl=max(300.0, 2 * (agent.rpc_timeout or 60.0)))
         self.users = UserTable()
-        self.lost: set[int] = set()
+        #: Ranks found lost, each with the worker that was (see :meth:`is_lost`).
+        self.lost: dict[int, WorkerInfo] = {}
         self.closed = False
         self.leak_error: RRefError | None = None
         self._queue: deque[tuple[int, str, list[Any]]] = deque()
@@ -161,16 +162,27 @@ class RRefContext(BaseExtension):
             f"{what}: the owner {self.worker(rank).name!r} is gone (worker lost){detail}"
         )
 
+    def is_lost(self, rank: int) -> bool:
+        """Whether the worker of ``rank`` is one found lost: not so once a new
+        process took its rank (a dynamic group's table then has a new entry)."""
+        gone = self.lost.get(rank)
+        return gone is not None and gone is self.worker(rank)
+
     def mark_lost(self, rank: int) -> None:
-        """``rank`` is gone: fail RRefs waiting on it and drop forks it held."""
-        if rank in self.lost or rank == self.agent.rank:
+        """``rank`` is gone: fail RRefs waiting on it or owned by it (for good:
+        a new process may take its rank) and drop forks it held."""
+        if rank == self.agent.rank or self.is_lost(rank):
             return
-        self.lost.add(rank)
+        self.lost[rank] = self.worker(rank)
         err = self.lost_error(rank, "RRef confirmation")
         for fid in self.users.pending_of(rank):
             self.settle(fid, FAILED, err)
         for fid in self.users.children_of(rank):
             self.users.accept_child(fid)
+        for rref in self.users.live_users():
+            if rref._owner == rank and rref._error is None:
+                rref._error = self.lost_error(rank, f"using {rref!r}")
+                rref._state = FAILED  # (its finaliser sends nothing)
         dropped = self.owners.forget_holder(rank)
         del dropped
         self.poke()
@@ -242,7 +254,7 @@ class RRefContext(BaseExtension):
     async def _send(self, dst: int, method: str, items: list[list[Any]]) -> None:
         current_deadline.set(None)  # control messages have their own retry budget
         try:
-            if dst in self.lost:
+            if self.is_lost(dst):
                 raise self.lost_error(dst, method)
             self.control_messages += 1
             self.control_items += len(items)
@@ -314,7 +326,7 @@ class RRefContext(BaseExtension):
             self.settle((it[2], it[3]), CONFIRMED)
 
     def _forks_failed(self, dst: int, items: list[list[Any]], exc: RpcdistError) -> None:
-        if dst in self.lost:
+        if self.is_lost(dst):
             err: RRefError = self.lost_error(dst, "RRef fork request", exc)
         else:
             err = RRefError(

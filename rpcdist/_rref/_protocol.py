@@ -10,6 +10,7 @@ their finalisers (which may queue RRef deletes) run after the lock is let go.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ __all__ = [
     "ABSENT",
     "CREATING",
     "FAILED",
+    "FRESH_START",
     "READY",
     "ForkId",
     "Ids",
@@ -38,6 +40,10 @@ RRefId = tuple[int, int]
 ForkId = tuple[int, int]
 """``(creating worker id, counter)``: names one user RRef instance."""
 
+#: A dynamic group's counters start below this (2**62: each may make 2**62
+#: ids more, within torch's int64 ``local_id``).
+FRESH_START: Final = 1 << 62
+
 ABSENT: Final = 0  # referenced before its remote() reached the owner
 CREATING: Final = 1  # remote() is running the function
 READY: Final = 2
@@ -45,12 +51,15 @@ FAILED: Final = 3  # the function raised; the error is kept
 
 
 class Ids:
-    """Makes this worker's RRefIds and ForkIds (one counter, unique per
-    worker, from 0 as torch's)."""
+    """Makes this worker's RRefIds and ForkIds: one counter, unique per
+    worker, from 0 as torch's; with ``fresh`` (a dynamic group) from a random
+    point below ``FRESH_START``, so that a process taking a lost one's rank
+    does not make the ids its predecessor made (``docs/design.md``)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, *, fresh: bool = False) -> None:
         self.rank = rank
-        self._next = itertools.count(0).__next__
+        start = secrets.randbelow(FRESH_START) if fresh else 0
+        self._next = itertools.count(start).__next__
 
     def new(self) -> tuple[int, int]:
         return (self.rank, self._next())
