@@ -5,6 +5,14 @@ Pure bookkeeping with no I/O and no event loop (see ``docs/rref.md``);
 (one lock per table) and calls nothing out while holding its lock: values
 and RRefs that stop being referenced are handed back to the caller, so that
 their finalisers (which may queue RRef deletes) run after the lock is let go.
+
+Ids in a dynamic group start at a random point per process (:class:`Ids`):
+a process that takes a lost worker's rank would otherwise make the ids its
+predecessor made, and survivors keep records, forks and tombstones keyed by
+them (a new value with an old id was taken for the old one). Dropping those
+at the loss is not sound (survivors may still hold values the lost worker
+created, by those ids); an incarnation beside the id would change every
+message; a random start keeps the wire and ``str(rref)``'s form.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ class Ids:
     """Makes this worker's RRefIds and ForkIds: one counter, unique per
     worker, from 0 as torch's; with ``fresh`` (a dynamic group) from a random
     point below ``FRESH_START``, so that a process taking a lost one's rank
-    does not make the ids its predecessor made (``docs/design.md``)."""
+    does not make the ids its predecessor made (``docs/rref.md``)."""
 
     def __init__(self, rank: int, *, fresh: bool = False) -> None:
         self.rank = rank
