@@ -164,7 +164,8 @@ class RRefContext(BaseExtension):
 
     def is_lost(self, rank: int) -> bool:
         """Whether the worker of ``rank`` is one found lost: not so once a new
-        process took its rank (a dynamic group's table then has a new entry)."""
+        process took its rank (a dynamic group's table then holds a new
+        ``WorkerInfo`` for it; a fixed job's never changes)."""
         gone = self.lost.get(rank)
         return gone is not None and gone is self.worker(rank)
 
