@@ -1,6 +1,6 @@
 """Fault-tolerant DDP under ``kill -9``: goodput, recovery time, fault-free overhead.
 
-Four configurations of the same training (``examples/ddp_fault_tolerant.py``:
+The same training in each configuration (``examples/ddp_fault_tolerant.py``:
 the digits classifier, 4 ranks, 32 samples per rank and step), each for
 ``--duration`` seconds:
 
@@ -9,7 +9,12 @@ the digits classifier, 4 ranks, 32 samples per rank and step), each for
   its place and pulls the live state);
 * the ordinary DDP under the launcher (``--max-restarts``), checkpointing
   every 50 steps, without faults and with the same kills: the launcher
-  restarts every rank, and they resume from the checkpoint.
+  restarts every rank, and they resume from the checkpoint;
+* where torch is installed, the baseline: the same training with PyTorch's
+  DDP over Gloo (``_torch_ddp_ckpt.py``) under torchrun (``--max-restarts``),
+  checkpointing every 50 steps, without faults and with the same kills of
+  a random worker; torchrun restarts the group, which resumes from the
+  checkpoint. Without torch this part is skipped, saying so.
 
 Goodput: committed steps per second over the same path's fault-free rate.
 Recovery: the kill to the first step committed by all 4 ranks again.
@@ -17,7 +22,7 @@ Overhead: the fault-tolerant mode's fault-free step rate against the
 ordinary DDP's (process group, shared-memory collectives), measured by
 the ranks themselves over a fixed number of steps.
 
-    python benchmarks/bench_fault_tolerance.py [--quick] [--duration S] [--kill-every S]
+    python benchmarks/bench_fault_tolerance.py [--quick] [--duration S] [--kill-every S] [--no-write]
 
 ``--fault-free`` measures only the overhead: ``--rounds`` alternating pairs
 of the mode's fault-free run (``--duration`` s) and the ordinary DDP's
@@ -39,7 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import byte_compile, median, table, write_section
+from _report import byte_compile, have_torch_distributed, median, table, write_section
+from _torch_ddp_ckpt import read_beacon
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -48,6 +54,11 @@ import ddp_fault_tolerant as ex
 
 WORKERS = 4
 HUGE = 10**9
+#: Steps between checkpoints on both launcher paths (rpcdist's and torchrun's):
+#: about 0.2 s of training at the fault-free rate here, a checkpoint of this
+#: model (9,610 parameters and their momentum) takes about a millisecond.
+CHECKPOINT_EVERY = 50
+TORCH_WORKER = Path(__file__).resolve().parent / "_torch_ddp_ckpt.py"
 
 
 def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple[float, str]:
@@ -68,7 +79,7 @@ def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple
             "--workdir",
             work,
             "--checkpoint-every",
-            "50",
+            str(CHECKPOINT_EVERY),
             "--steps",
             str(steps),
         ]
@@ -102,6 +113,142 @@ def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple
                 os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
     return step / duration, out
+
+
+def torchrun_run(duration: float, kill_every: float) -> dict:
+    """torchrun + PyTorch DDP (``_torch_ddp_ckpt.py``), checkpointing every
+    ``CHECKPOINT_EVERY`` steps, for ``duration`` s from its first step;
+    ``kill -9`` of a random worker (a child of the torchrun agent) every
+    ``kill_every`` s, once the job is back from the previous kill. torchrun
+    (``--max-restarts``) restarts the group; it resumes from the checkpoint."""
+    with tempfile.TemporaryDirectory(prefix="rpcdist-ft-torch-") as work:
+        beacon = os.path.join(work, "beacon")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--local-addr", "127.0.0.1", "--nproc-per-node", str(WORKERS)]
+        cmd += ["--max-restarts", "1000", str(TORCH_WORKER), "--workdir", work]
+        cmd += ["--checkpoint-every", str(CHECKPOINT_EVERY)]
+        gone = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in gone}
+        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", RPCDIST_FT_BENCH_JOB=work)
+        # A store per group: with the agent's shared one (the default), the
+        # restarted group's Gloo mesh failed to connect here (torch 2.13:
+        # "connectFullMesh failed ... Connection refused", the previous
+        # group's addresses still in the store), and torchrun never got back.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        with open(os.path.join(work, "torchrun.log"), "w+") as log:
+            agent = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                return _drive_torchrun(agent, beacon, duration, kill_every)
+            except RuntimeError:
+                log.seek(0)
+                print(log.read()[-3000:], file=sys.stderr)
+                raise
+            finally:
+                stop_job(agent, "RPCDIST_FT_BENCH_JOB=" + work)
+
+
+def _drive_torchrun(
+    agent: subprocess.Popen, beacon: str, duration: float, kill_every: float
+) -> dict:
+    """The clock, the kills and the figures of :func:`torchrun_run`."""
+
+    def alive() -> dict[str, float]:
+        if agent.poll() is not None:
+            raise RuntimeError(f"torchrun exited with {agent.returncode}")
+        return read_beacon(beacon) or {"attempt": 0.0, "step": 0.0}
+
+    start = time.monotonic()
+    while (b0 := alive())["step"] < 1:  # the clock starts at the first step
+        if time.monotonic() - start > 300:
+            raise RuntimeError("torchrun's job made no step in 300 s")
+        time.sleep(0.01)
+    began = time.monotonic()
+    next_kill = began + kill_every if kill_every else float("inf")
+    pending: tuple[float, float, float] | None = None  # kill time, attempt, last step
+    kills, recoveries, lost = 0, [], []
+    while (now := time.monotonic()) - began < duration:
+        b = alive()
+        if pending and b["attempt"] > pending[1]:  # back: the next attempt made a step
+            recoveries.append(b["first"] - pending[0])
+            lost.append(pending[2] - b["resumed"])
+            pending = None
+        elif pending:
+            pending = (*pending[:2], max(pending[2], b["step"]))  # steps ended after the kill
+        elif now >= next_kill and len(ranks := worker_ranks(agent.pid)) == WORKERS:
+            victim = random.choice(sorted(ranks))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ranks[victim], signal.SIGKILL)
+            pending, kills = (time.monotonic(), b["attempt"], b["step"]), kills + 1
+            next_kill = now + kill_every
+        time.sleep(0.01)
+    b, end = alive(), time.monotonic()
+    if not kills:  # rank 0's own clock, as the mode's rate is the ranks'
+        rate = (b["step"] - b0["step"]) / (b["last"] - b0["last"])
+    else:  # progress kept: back to the checkpoint if the last kill is not over
+        rate = ((b["saved"] if pending else b["step"]) - b0["step"]) / (end - began)
+    while pending and time.monotonic() - end < 300:  # the last recovery, out of the clock
+        if (b := alive())["attempt"] > pending[1]:
+            recoveries.append(b["first"] - pending[0])
+            lost.append(pending[2] - b["resumed"])
+            pending = None
+        time.sleep(0.01)
+    return {
+        "rate": rate,
+        "kills": kills,
+        "recoveries": recoveries,
+        "lost": lost,
+    }
+
+
+def worker_ranks(agent: int) -> dict[int, int]:
+    """The torchrun agent's workers now: their ``RANK`` to their pid."""
+    out = {}
+    for pid in _pids():
+        with contextlib.suppress(OSError, KeyError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == agent:
+                out[int(_environ(pid)[b"RANK"])] = pid
+    return out
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    """A process's environment (empty once it is gone or not ours)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    return dict(v.split(b"=", 1) for v in raw.split(b"\0") if b"=" in v)
+
+
+def stop_job(agent: subprocess.Popen, marker: str) -> None:
+    """Stop torchrun's agent and every worker it started: the workers run in
+    sessions of their own, so each carries ``marker`` in its environment and
+    is found by it, including one the agent spawned just before it stopped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGSTOP)  # spawns nothing more
+    key, value = (v.encode() for v in marker.split("=", 1))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = [p for p in _pids() if p != agent.pid and _environ(p).get(key) == value]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if not left:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
 
 
 def plain_run(steps: int) -> str:
@@ -171,14 +318,21 @@ def main() -> int:
     ap.add_argument("--fault-free", action="store_true", help="only the fault-free overhead")
     ap.add_argument("--rounds", type=int, default=3, help="--fault-free: pairs of runs")
     ap.add_argument("--plain-steps", type=int, default=1500, help="--fault-free: DDP steps")
+    ap.add_argument("--no-write", action="store_true", help="print, do not update the report")
     a = ap.parse_args()
     byte_compile()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups
     if a.fault_free:
         if a.quick:
             a.duration, a.rounds, a.plain_steps = 4.0, 1, 300
         return fault_free(a)
     if a.quick:
         a.duration, a.kill_every = 12.0, 4.0
+    return with_kills(a)
+
+
+def with_kills(a: argparse.Namespace) -> int:
+    """Every path without and with kills; the table."""
     random.seed(0)
     argv = ["--workers", str(WORKERS), "--steps", str(HUGE)]
     args = ex.parse_args(argv)
@@ -191,6 +345,12 @@ def main() -> int:
     ckpt_free, _ = launcher_run(a.duration, 0.0)
     ckpt_faulty, log = launcher_run(a.duration, a.kill_every)
     restarts = log.count("restarting the worker group")
+    torch_free = torch_faulty = None
+    if have_torch_distributed():
+        torch_free = torchrun_run(a.duration, 0.0)
+        torch_faulty = torchrun_run(a.duration, a.kill_every)
+    else:
+        print("torchrun + PyTorch DDP skipped: torch.distributed is not installed")
     rec = faulty["recoveries"]
     nan = float("nan")
     rows = [
@@ -198,6 +358,7 @@ def main() -> int:
             "fault-tolerant mode",
             free["rate"],
             faulty["rate"],
+            faulty["rate"] / free["rate"],
             faulty["rate"] / free["rate"],
             faulty["sample_rate"] / free["sample_rate"],
             faulty["kills"],
@@ -210,6 +371,7 @@ def main() -> int:
             ckpt_free,
             ckpt_faulty,
             ckpt_faulty / ckpt_free if ckpt_free else nan,
+            ckpt_faulty / free["rate"],
             "n/a",
             f"{restarts} restarts",
             "since checkpoint",
@@ -217,6 +379,22 @@ def main() -> int:
             "n/a",
         ),
     ]
+    if torch_free and torch_faulty:
+        rec, t_rate = torch_faulty["recoveries"], torch_faulty["rate"]
+        rows.append(
+            (
+                "torchrun + PyTorch DDP, checkpoint",
+                torch_free["rate"],
+                t_rate,
+                t_rate / torch_free["rate"],
+                t_rate / free["rate"],
+                "n/a",
+                torch_faulty["kills"],
+                f"{sum(torch_faulty['lost']):.0f}",
+                median(rec) if rec else nan,
+                max(rec, default=nan),
+            )
+        )
     overhead = plain_rate / free["rate"] - 1  # step time over the ordinary DDP's
     coverage = all(
         c and least >= 1 and extra < WORKERS for c, extra, least in faulty["coverage"].values()
@@ -227,7 +405,8 @@ def main() -> int:
         f"`kill -9` of a random rank every {a.kill_every:.0f} s; load average "
         f"{load:.1f} at the start (on 2 cores shared with other jobs, so rates are "
         "noisy). Goodput: steps per second with faults over the same path's "
-        "fault-free rate (the launcher path counts only checkpointed steps). "
+        "fault-free rate (the launcher path counts only checkpointed steps); "
+        "goodput over the mode's: over the fault-tolerant mode's fault-free rate. "
         "Goodput (samples): samples trained per second, the same ratio (a step at "
         "3 ranks trains fewer samples, and on 2 cores is also faster). "
         "Recovery: kill to the first step committed by all ranks again.\n\n"
@@ -237,6 +416,7 @@ def main() -> int:
                 "fault-free steps/s",
                 "with faults steps/s",
                 "goodput (steps)",
+                "goodput over the mode's",
                 "goodput (samples)",
                 "kills",
                 "steps redone",
@@ -251,11 +431,47 @@ def main() -> int:
         "ordinary DDP's (negative: faster). "
         f"Every sample of each finished epoch in exactly one committed batch "
         f"(padding aside): {'yes' if coverage else 'NO'}.\n"
+        + torch_note((free, faulty), plain_rate, torch_free, torch_faulty)
     )
     print(body)
-    if not a.quick:
+    if not a.quick and not a.no_write:
         write_section("fault-tolerance", "Fault-tolerant DDP under kill -9", body)
     return 0
+
+
+def torch_note(
+    ft: tuple[dict, dict], plain_rate: float, free: dict | None, faulty: dict | None
+) -> str:
+    """What the torchrun row measured, and its ratios to the mode's."""
+    if not (free and faulty):
+        return "\ntorchrun + PyTorch DDP: not measured (torch.distributed is not installed).\n"
+    ft_rate, nan = ft[0]["rate"], float("nan")
+    rec = median(faulty["recoveries"]) if faulty["recoveries"] else nan
+    ft_rec = median(ft[1]["recoveries"]) if ft[1]["recoveries"] else nan
+    return (
+        "\ntorchrun + PyTorch DDP: the same model, data, batch and optimizer "
+        "(`benchmarks/_torch_ddp_ckpt.py`: `torch.nn.parallel.DistributedDataParallel` "
+        "over Gloo on 127.0.0.1, 1 thread per rank) under `python -m "
+        f"torch.distributed.run --standalone --nproc-per-node {WORKERS} --max-restarts "
+        "1000` (with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with the agent's shared "
+        "store the restarted group's Gloo mesh failed to connect); rank 0 saves a "
+        f"checkpoint every {CHECKPOINT_EVERY} steps (as the launcher path above) and every "
+        "rank resumes from it after torchrun restarts the group. The kill: `SIGKILL` of "
+        "a random worker (a child of the torchrun agent), the next one once the job made "
+        "a step again. Its steps/s: rank 0's steps less those redone (the clock from its "
+        "first step); steps redone: past the checkpoint when the rank died; recovery: "
+        "the kill to the restarted group's first step (all ranks; a kill near the end "
+        "is waited for after the clock stopped). "
+        f"Fault-free, its step takes {ft_rate / free['rate'] - 1:+.0%} against the "
+        f"mode's and {plain_rate / free['rate'] - 1:+.0%} against the ordinary rpcdist "
+        f"DDP's; with faults, it keeps {faulty['rate'] / ft_rate:.2f} of the mode's "
+        f"fault-free rate (the mode: {ft[1]['rate'] / ft_rate:.2f}); median recovery "
+        f"{_s(rec)} against the mode's {_s(ft_rec)}.\n"
+    )
+
+
+def _s(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds:.2f} s"
 
 
 if __name__ == "__main__":
