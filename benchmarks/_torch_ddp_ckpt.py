@@ -7,12 +7,8 @@ samples per rank and step from a ``DistributedSampler``, SGD (lr 0.05,
 momentum 0.9). Rank 0 saves a checkpoint every ``--checkpoint-every``
 steps (model, optimizer, sampler epoch and position, step; written to a
 temporary file, then renamed); every rank resumes from it when torchrun
-restarts the group after a rank died.
-
-Rank 0 keeps a beacon, a small file the benchmark reads while the job
-runs: ``BEACON`` float64 fields, written through ``mmap`` after every step.
-The benchmark imports this module for :func:`read_beacon` only, so torch is
-imported in :func:`main`, not at the top.
+restarts the group after a rank died. Rank 0 keeps the benchmark's beacon
+as the example's plain mode does.
 
 Run under torchrun:
 ``python -m torch.distributed.run --nproc-per-node 4 --max-restarts 1000
@@ -27,36 +23,20 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse
-import mmap
 import struct
 import time
-from typing import Any
 
 import numpy as np
-
-#: The beacon's fields: the torchrun attempt (1 + its restart count), the last
-#: step finished, the step this attempt resumed from, when the attempt
-#: finished its first step, the last step checkpointed, when the last step
-#: finished (``time.monotonic()``, the same clock in every process).
-BEACON = ("attempt", "step", "resumed", "first", "saved", "last")
-_FMT = f"{len(BEACON)}d"
-
-
-def read_beacon(path: str) -> dict[str, float] | None:
-    """The beacon's fields (``None`` before rank 0 created it)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(struct.calcsize(_FMT))
-    except OSError:
-        return None
-    if len(raw) < struct.calcsize(_FMT):
-        return None
-    return dict(zip(BEACON, struct.unpack(_FMT, raw), strict=True))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
 
-def digits(seed: int) -> tuple[Any, Any]:
+def digits(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The example's training split of the digits (``ps_common.load_digits``)."""
-    import torch
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -75,13 +55,6 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=10**9, help="stop after this many")
     args = p.parse_args()
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DistributedSampler
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -97,14 +70,12 @@ def main() -> int:
         model.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
         step, epoch, pos = saved["step"], saved["epoch"], saved["pos"]
-    beacon = None
+    beacon = -1  # the same 6 float64 as the example's plain mode
     if rank == 0:
-        path = os.path.join(args.workdir, "beacon")
-        with open(path, "a+b") as f:
-            f.truncate(struct.calcsize(_FMT))
-            beacon = mmap.mmap(f.fileno(), 0)
-        attempt = 1.0 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    resumed = step
+        beacon = os.open(os.path.join(args.workdir, "beacon"), os.O_RDWR | os.O_CREAT)
+    attempt = 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resumed = checkpointed = step
+    first = 0.0
     while step < args.steps:
         sampler.set_epoch(epoch)
         order = torch.tensor(list(sampler), dtype=torch.int64)
@@ -114,20 +85,19 @@ def main() -> int:
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
             step, pos = step + 1, pos + len(idx)
-            if beacon is None:
+            if beacon < 0:
                 continue
-            now = time.monotonic()
-            if step == resumed + 1:  # the attempt's first step: the job is back
-                struct.pack_into("3d", beacon, 8 * BEACON.index("step"), step, resumed, now)
-                struct.pack_into("d", beacon, 0, attempt)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 state = {"model": model.module.state_dict(), "optim": opt.state_dict()}
                 state.update(step=step, epoch=epoch, pos=pos)
                 torch.save(state, ckpt + ".tmp")
                 os.replace(ckpt + ".tmp", ckpt)
-                struct.pack_into("d", beacon, 8 * BEACON.index("saved"), step)
-            struct.pack_into("d", beacon, 8 * BEACON.index("last"), now)
-            struct.pack_into("d", beacon, 8 * BEACON.index("step"), step)
+                checkpointed = step
+            now = time.monotonic()
+            first = first or now
+            os.pwrite(
+                beacon, struct.pack("6d", attempt, step, resumed, first, checkpointed, now), 0
+            )
         epoch, pos = epoch + 1, 0
     dist.destroy_process_group()
     return 0

@@ -38,6 +38,7 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,6 @@ import time
 from pathlib import Path
 
 from _report import byte_compile, have_torch_distributed, median, table, write_section
-from _torch_ddp_ckpt import read_beacon
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -61,86 +61,65 @@ CHECKPOINT_EVERY = 50
 TORCH_WORKER = Path(__file__).resolve().parent / "_torch_ddp_ckpt.py"
 
 
-def launcher_run(duration: float, kill_every: float, steps: int = HUGE) -> tuple[float, str]:
-    """The ordinary DDP under the launcher; kill a random rank every ``kill_every`` s.
-    Returns (checkpointed steps per second over the run, the output)."""
+#: The beacon (``--workdir``/beacon) rank 0 of both launcher paths rewrites
+#: after each step: 6 float64.
+BEACON = ("attempt", "step", "resumed", "first", "saved", "last")
+
+
+def read_beacon(path: str) -> dict[str, float] | None:
+    """The beacon's fields: the attempt (1 + the launcher's restarts), the
+    last step finished, the step this attempt resumed from, when it finished
+    its first step, the last step checkpointed, when the last step finished
+    (``time.monotonic()``: one clock for all processes). ``None`` before the
+    first step."""
+    size = 8 * len(BEACON)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(size)
+    except OSError:
+        return None
+    return dict(zip(BEACON, struct.unpack("6d", raw), strict=True)) if len(raw) == size else None
+
+
+def launcher_run(launcher: str, duration: float, kill_every: float) -> dict:
+    """The ordinary DDP under a launcher that restarts the group
+    (``--max-restarts``), checkpointing every ``CHECKPOINT_EVERY`` steps,
+    for ``duration`` s from its first step; ``kill -9`` of a random worker
+    (a child of the launcher) every ``kill_every`` s, once the job made a
+    step again after the previous kill. ``launcher``: ``rpcdist`` (the
+    example's plain mode under ``rpcdist.launch``) or ``torch`` (PyTorch's
+    DDP, ``_torch_ddp_ckpt.py``, under torchrun)."""
     with tempfile.TemporaryDirectory(prefix="rpcdist-ft-bench-") as work:
-        cmd = [
-            sys.executable,
-            "-m",
-            "rpcdist.launch",
-            "--nproc-per-node",
-            str(WORKERS),
-            "--max-restarts",
-            "1000",
-            str(EXAMPLES / "ddp_fault_tolerant.py"),
-            "--mode",
-            "plain",
+        gone = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in gone}
+        env["RPCDIST_FT_BENCH_JOB"] = work  # finds the workers when stopping
+        if launcher == "torch":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--local-addr", "127.0.0.1", str(TORCH_WORKER)]
+            env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+            # A store per group: with the agent's shared one (the default), the
+            # restarted group's Gloo mesh failed to connect here (torch 2.13:
+            # "connectFullMesh failed ... Connection refused", the previous
+            # group's addresses still in the store), and torchrun never got back.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        else:
+            cmd = [sys.executable, "-m", "rpcdist.launch"]
+            cmd += [str(EXAMPLES / "ddp_fault_tolerant.py"), "--mode", "plain"]
+        cmd[3:3] = ["--nproc-per-node", str(WORKERS), "--max-restarts", "1000"]
+        cmd += [
             "--workdir",
             work,
             "--checkpoint-every",
             str(CHECKPOINT_EVERY),
             "--steps",
-            str(steps),
+            str(HUGE),
         ]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        progress = Path(work, "progress")
-        try:
-            while proc.poll() is None and not progress.exists():
-                time.sleep(0.01)  # the clock starts at the first checkpoint
-            first = int(progress.read_text().split()[0])
-            began = time.monotonic()
-            next_kill = began + kill_every if kill_every else float("inf")
-            while proc.poll() is None and time.monotonic() - began < duration:
-                if time.monotonic() >= next_kill:
-                    victim = random.randrange(WORKERS)
-                    with contextlib.suppress(OSError, ValueError):
-                        pid = int(Path(work, f"pid{victim}").read_text())
-                        os.kill(pid, signal.SIGKILL)
-                    next_kill += kill_every
-                time.sleep(0.01)
-            step = int(progress.read_text().split()[0]) - first
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-    return step / duration, out
-
-
-def torchrun_run(duration: float, kill_every: float) -> dict:
-    """torchrun + PyTorch DDP (``_torch_ddp_ckpt.py``), checkpointing every
-    ``CHECKPOINT_EVERY`` steps, for ``duration`` s from its first step;
-    ``kill -9`` of a random worker (a child of the torchrun agent) every
-    ``kill_every`` s, once the job is back from the previous kill. torchrun
-    (``--max-restarts``) restarts the group; it resumes from the checkpoint."""
-    with tempfile.TemporaryDirectory(prefix="rpcdist-ft-torch-") as work:
-        beacon = os.path.join(work, "beacon")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--local-addr", "127.0.0.1", "--nproc-per-node", str(WORKERS)]
-        cmd += ["--max-restarts", "1000", str(TORCH_WORKER), "--workdir", work]
-        cmd += ["--checkpoint-every", str(CHECKPOINT_EVERY)]
-        gone = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        env = {k: v for k, v in os.environ.items() if k not in gone}
-        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", RPCDIST_FT_BENCH_JOB=work)
-        # A store per group: with the agent's shared one (the default), the
-        # restarted group's Gloo mesh failed to connect here (torch 2.13:
-        # "connectFullMesh failed ... Connection refused", the previous
-        # group's addresses still in the store), and torchrun never got back.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        with open(os.path.join(work, "torchrun.log"), "w+") as log:
+        with open(os.path.join(work, "launcher.log"), "w+") as log:
             agent = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             try:
-                return _drive_torchrun(agent, beacon, duration, kill_every)
+                return _drive(agent, os.path.join(work, "beacon"), duration, kill_every)
             except RuntimeError:
                 log.seek(0)
                 print(log.read()[-3000:], file=sys.stderr)
@@ -149,20 +128,18 @@ def torchrun_run(duration: float, kill_every: float) -> dict:
                 stop_job(agent, "RPCDIST_FT_BENCH_JOB=" + work)
 
 
-def _drive_torchrun(
-    agent: subprocess.Popen, beacon: str, duration: float, kill_every: float
-) -> dict:
-    """The clock, the kills and the figures of :func:`torchrun_run`."""
+def _drive(agent: subprocess.Popen, beacon: str, duration: float, kill_every: float) -> dict:
+    """The clock, the kills and the figures of :func:`launcher_run`."""
 
     def alive() -> dict[str, float]:
         if agent.poll() is not None:
-            raise RuntimeError(f"torchrun exited with {agent.returncode}")
+            raise RuntimeError(f"the launcher exited with {agent.returncode}")
         return read_beacon(beacon) or {"attempt": 0.0, "step": 0.0}
 
     start = time.monotonic()
     while (b0 := alive())["step"] < 1:  # the clock starts at the first step
         if time.monotonic() - start > 300:
-            raise RuntimeError("torchrun's job made no step in 300 s")
+            raise RuntimeError("the launcher's job made no step in 300 s")
         time.sleep(0.01)
     began = time.monotonic()
     next_kill = began + kill_every if kill_every else float("inf")
@@ -203,7 +180,7 @@ def _drive_torchrun(
 
 
 def worker_ranks(agent: int) -> dict[int, int]:
-    """The torchrun agent's workers now: their ``RANK`` to their pid."""
+    """The launcher's workers now: their ``RANK`` to their pid."""
     out = {}
     for pid in _pids():
         with contextlib.suppress(OSError, KeyError, ValueError, IndexError):
@@ -229,9 +206,9 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 
 
 def stop_job(agent: subprocess.Popen, marker: str) -> None:
-    """Stop torchrun's agent and every worker it started: the workers run in
+    """Stop the launcher and every worker it started: torchrun's run in
     sessions of their own, so each carries ``marker`` in its environment and
-    is found by it, including one the agent spawned just before it stopped."""
+    is found by it, including one the launcher spawned just before it stopped."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(agent.pid, signal.SIGSTOP)  # spawns nothing more
     key, value = (v.encode() for v in marker.split("=", 1))
@@ -342,18 +319,21 @@ def with_kills(a: argparse.Namespace) -> int:
     plain_steps = 300 if a.quick else 3000
     out = plain_run(plain_steps)
     plain_rate = plain_figures(out)[0]
-    ckpt_free, _ = launcher_run(a.duration, 0.0)
-    ckpt_faulty, log = launcher_run(a.duration, a.kill_every)
-    restarts = log.count("restarting the worker group")
-    torch_free = torch_faulty = None
+    paths = {"rpcdist launcher restart + checkpoint": "rpcdist"}
     if have_torch_distributed():
-        torch_free = torchrun_run(a.duration, 0.0)
-        torch_faulty = torchrun_run(a.duration, a.kill_every)
+        paths[TORCH_PATH] = "torch"
     else:
         print("torchrun + PyTorch DDP skipped: torch.distributed is not installed")
+    restarts = {
+        name: (
+            launcher_run(launcher, a.duration, 0.0),
+            launcher_run(launcher, a.duration, a.kill_every),
+        )
+        for name, launcher in paths.items()
+    }
     rec = faulty["recoveries"]
     nan = float("nan")
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (
             "fault-tolerant mode",
             free["rate"],
@@ -365,32 +345,20 @@ def with_kills(a: argparse.Namespace) -> int:
             faulty["redone"],
             median(rec) if rec else nan,
             max(rec, default=nan),
-        ),
-        (
-            "launcher restart + checkpoint",
-            ckpt_free,
-            ckpt_faulty,
-            ckpt_faulty / ckpt_free if ckpt_free else nan,
-            ckpt_faulty / free["rate"],
-            "n/a",
-            f"{restarts} restarts",
-            "since checkpoint",
-            "n/a",
-            "n/a",
-        ),
+        )
     ]
-    if torch_free and torch_faulty:
-        rec, t_rate = torch_faulty["recoveries"], torch_faulty["rate"]
+    for name, (ok, hit) in restarts.items():
+        rec = hit["recoveries"]
         rows.append(
             (
-                "torchrun + PyTorch DDP, checkpoint",
-                torch_free["rate"],
-                t_rate,
-                t_rate / torch_free["rate"],
-                t_rate / free["rate"],
+                name,
+                ok["rate"],
+                hit["rate"],
+                hit["rate"] / ok["rate"],
+                hit["rate"] / free["rate"],
                 "n/a",
-                torch_faulty["kills"],
-                f"{sum(torch_faulty['lost']):.0f}",
+                hit["kills"],
+                f"{sum(hit['lost']):.0f}",
                 median(rec) if rec else nan,
                 max(rec, default=nan),
             )
@@ -402,14 +370,13 @@ def with_kills(a: argparse.Namespace) -> int:
     body = (
         f"{WORKERS} ranks of `examples/ddp_fault_tolerant.py` (digits, 64-128-10 MLP, "
         f"32 samples per rank and step), {a.duration:.0f} s per configuration, "
-        f"`kill -9` of a random rank every {a.kill_every:.0f} s; load average "
-        f"{load:.1f} at the start (on 2 cores shared with other jobs, so rates are "
-        "noisy). Goodput: steps per second with faults over the same path's "
-        "fault-free rate (the launcher path counts only checkpointed steps); "
-        "goodput over the mode's: over the fault-tolerant mode's fault-free rate. "
-        "Goodput (samples): samples trained per second, the same ratio (a step at "
-        "3 ranks trains fewer samples, and on 2 cores is also faster). "
-        "Recovery: kill to the first step committed by all ranks again.\n\n"
+        f"`kill -9` of a random rank every {a.kill_every:.0f} s (the next once the job "
+        f"is back from the last); load average {load:.1f} at the start (on 2 cores shared "
+        "with other jobs, so rates are noisy). Goodput: steps per second with faults over "
+        "the same path's fault-free rate; over the mode's: over the fault-tolerant mode's "
+        "fault-free rate. Goodput (samples): samples trained per second, the same ratio (a "
+        "step at 3 ranks trains fewer samples, and on 2 cores is also faster). Recovery: "
+        "kill to the first step committed by all ranks again.\n\n"
         + table(
             [
                 "path",
@@ -430,8 +397,9 @@ def with_kills(a: argparse.Namespace) -> int:
         f"steps, the ranks' own timing): the step takes {overhead:+.0%} against the "
         "ordinary DDP's (negative: faster). "
         f"Every sample of each finished epoch in exactly one committed batch "
-        f"(padding aside): {'yes' if coverage else 'NO'}.\n"
-        + torch_note((free, faulty), plain_rate, torch_free, torch_faulty)
+        f"(padding aside): {'yes' if coverage else 'NO'}.\n\n"
+        + LAUNCHERS
+        + torch_note((free, faulty), plain_rate, restarts.get(TORCH_PATH))
     )
     print(body)
     if not a.quick and not a.no_write:
@@ -439,34 +407,39 @@ def with_kills(a: argparse.Namespace) -> int:
     return 0
 
 
-def torch_note(
-    ft: tuple[dict, dict], plain_rate: float, free: dict | None, faulty: dict | None
-) -> str:
-    """What the torchrun row measured, and its ratios to the mode's."""
-    if not (free and faulty):
+LAUNCHERS = (
+    "The launcher paths: rpcdist's ordinary DDP (`--mode plain`) under `python -m "
+    f"rpcdist.launch --nproc-per-node {WORKERS} --max-restarts 1000`, and the same model, "
+    "data, batch and optimizer with PyTorch's `torch.nn.parallel.DistributedDataParallel` "
+    "over Gloo on 127.0.0.1 (`benchmarks/_torch_ddp_ckpt.py`, 1 thread per rank) under "
+    f"`python -m torch.distributed.run --standalone --nproc-per-node {WORKERS} "
+    "--max-restarts 1000` (with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with the agent's "
+    "shared store the restarted group's Gloo mesh failed to connect). In both, rank 0 "
+    f"saves a checkpoint every {CHECKPOINT_EVERY} steps and every rank resumes from it "
+    "after the launcher restarted the group; the kill is `SIGKILL` of a random worker (a "
+    "child of the launcher). Steps/s: rank 0's steps less those redone (from its first "
+    "step; the steps past the last checkpoint do not count if a kill is not over at the "
+    "end); steps redone: past the checkpoint when the rank died; recovery: the kill to "
+    "the restarted group's first step (all ranks; a kill near the end is waited for "
+    "after the clock stopped).\n"
+)
+TORCH_PATH = "torchrun + PyTorch DDP, checkpoint"
+
+
+def torch_note(ft: tuple[dict, dict], plain_rate: float, runs: tuple[dict, dict] | None) -> str:
+    """The torchrun row's ratios to the mode's."""
+    if runs is None:
         return "\ntorchrun + PyTorch DDP: not measured (torch.distributed is not installed).\n"
-    ft_rate, nan = ft[0]["rate"], float("nan")
+    (free, faulty), ft_rate, nan = runs, ft[0]["rate"], float("nan")
     rec = median(faulty["recoveries"]) if faulty["recoveries"] else nan
     ft_rec = median(ft[1]["recoveries"]) if ft[1]["recoveries"] else nan
     return (
-        "\ntorchrun + PyTorch DDP: the same model, data, batch and optimizer "
-        "(`benchmarks/_torch_ddp_ckpt.py`: `torch.nn.parallel.DistributedDataParallel` "
-        "over Gloo on 127.0.0.1, 1 thread per rank) under `python -m "
-        f"torch.distributed.run --standalone --nproc-per-node {WORKERS} --max-restarts "
-        "1000` (with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with the agent's shared "
-        "store the restarted group's Gloo mesh failed to connect); rank 0 saves a "
-        f"checkpoint every {CHECKPOINT_EVERY} steps (as the launcher path above) and every "
-        "rank resumes from it after torchrun restarts the group. The kill: `SIGKILL` of "
-        "a random worker (a child of the torchrun agent), the next one once the job made "
-        "a step again. Its steps/s: rank 0's steps less those redone (the clock from its "
-        "first step); steps redone: past the checkpoint when the rank died; recovery: "
-        "the kill to the restarted group's first step (all ranks; a kill near the end "
-        "is waited for after the clock stopped). "
-        f"Fault-free, its step takes {ft_rate / free['rate'] - 1:+.0%} against the "
-        f"mode's and {plain_rate / free['rate'] - 1:+.0%} against the ordinary rpcdist "
-        f"DDP's; with faults, it keeps {faulty['rate'] / ft_rate:.2f} of the mode's "
-        f"fault-free rate (the mode: {ft[1]['rate'] / ft_rate:.2f}); median recovery "
-        f"{_s(rec)} against the mode's {_s(ft_rec)}.\n"
+        f"\ntorchrun + PyTorch DDP against the mode: fault-free, its step takes "
+        f"{ft_rate / free['rate'] - 1:+.0%} against the mode's (and "
+        f"{plain_rate / free['rate'] - 1:+.0%} against rpcdist's ordinary DDP's); with "
+        f"faults it keeps {faulty['rate'] / ft_rate:.2f} of the mode's fault-free rate "
+        f"(the mode: {ft[1]['rate'] / ft_rate:.2f}); median recovery {_s(rec)} against "
+        f"the mode's {_s(ft_rec)}.\n"
     )
 
 
