@@ -22,7 +22,8 @@ Overhead: the fault-tolerant mode's fault-free step rate against the
 ordinary DDP's (process group, shared-memory collectives), measured by
 the ranks themselves over a fixed number of steps.
 
-    python benchmarks/bench_fault_tolerance.py [--quick] [--duration S] [--kill-every S] [--no-write]
+    python benchmarks/bench_fault_tolerance.py [--quick] [--no-write] [--duration S]
+        [--kill-every S]
 
 ``--fault-free`` measures only the overhead: ``--rounds`` alternating pairs
 of the mode's fault-free run (``--duration`` s) and the ordinary DDP's
@@ -55,8 +56,9 @@ import ddp_fault_tolerant as ex
 WORKERS = 4
 HUGE = 10**9
 #: Steps between checkpoints on both launcher paths (rpcdist's and torchrun's):
-#: about 0.2 s of training at the fault-free rate here, a checkpoint of this
-#: model (9,610 parameters and their momentum) takes about a millisecond.
+#: a kill redoes at most 49 steps, a fraction of a second of training here,
+#: and saving this small model (9,610 parameters and their momentum) every
+#: 50 steps is a small share of the step time.
 CHECKPOINT_EVERY = 50
 TORCH_WORKER = Path(__file__).resolve().parent / "_torch_ddp_ckpt.py"
 
@@ -106,14 +108,8 @@ def launcher_run(launcher: str, duration: float, kill_every: float) -> dict:
             cmd = [sys.executable, "-m", "rpcdist.launch"]
             cmd += [str(EXAMPLES / "ddp_fault_tolerant.py"), "--mode", "plain"]
         cmd[3:3] = ["--nproc-per-node", str(WORKERS), "--max-restarts", "1000"]
-        cmd += [
-            "--workdir",
-            work,
-            "--checkpoint-every",
-            str(CHECKPOINT_EVERY),
-            "--steps",
-            str(HUGE),
-        ]
+        cmd += ["--workdir", work, "--steps", str(HUGE)]
+        cmd += ["--checkpoint-every", str(CHECKPOINT_EVERY)]
         with open(os.path.join(work, "launcher.log"), "w+") as log:
             agent = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -399,7 +395,7 @@ def with_kills(a: argparse.Namespace) -> int:
         f"Every sample of each finished epoch in exactly one committed batch "
         f"(padding aside): {'yes' if coverage else 'NO'}.\n\n"
         + LAUNCHERS
-        + torch_note((free, faulty), plain_rate, restarts.get(TORCH_PATH))
+        + torch_note((free, faulty), plain_rate, restarts)
     )
     print(body)
     if not a.quick and not a.no_write:
@@ -408,43 +404,44 @@ def with_kills(a: argparse.Namespace) -> int:
 
 
 LAUNCHERS = (
-    "The launcher paths: rpcdist's ordinary DDP (`--mode plain`) under `python -m "
-    f"rpcdist.launch --nproc-per-node {WORKERS} --max-restarts 1000`, and the same model, "
-    "data, batch and optimizer with PyTorch's `torch.nn.parallel.DistributedDataParallel` "
-    "over Gloo on 127.0.0.1 (`benchmarks/_torch_ddp_ckpt.py`, 1 thread per rank) under "
-    f"`python -m torch.distributed.run --standalone --nproc-per-node {WORKERS} "
-    "--max-restarts 1000` (with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with the agent's "
-    "shared store the restarted group's Gloo mesh failed to connect). In both, rank 0 "
-    f"saves a checkpoint every {CHECKPOINT_EVERY} steps and every rank resumes from it "
-    "after the launcher restarted the group; the kill is `SIGKILL` of a random worker (a "
-    "child of the launcher). Steps/s: rank 0's steps less those redone (from its first "
-    "step; the steps past the last checkpoint do not count if a kill is not over at the "
-    "end); steps redone: past the checkpoint when the rank died; recovery: the kill to "
-    "the restarted group's first step (all ranks; a kill near the end is waited for "
-    "after the clock stopped).\n"
+    "The launcher paths: rank 0 saves a checkpoint every "
+    f"{CHECKPOINT_EVERY} steps and every rank resumes from it after the launcher "
+    f"(`--nproc-per-node {WORKERS} --max-restarts 1000`) restarted the group; the kill is "
+    "`SIGKILL` of a random worker (a child of the launcher). Steps/s: rank 0's steps "
+    "less those redone (from its first step; the steps past the last checkpoint do not "
+    "count if a kill is not over at the end); steps redone: past the checkpoint when the "
+    "rank died; recovery: the kill to the restarted group's first step (all ranks; a kill "
+    "near the end is waited for after the clock stopped). rpcdist's: the ordinary DDP "
+    "(`--mode plain`) under `python -m rpcdist.launch`.\n"
 )
 TORCH_PATH = "torchrun + PyTorch DDP, checkpoint"
 
 
-def torch_note(ft: tuple[dict, dict], plain_rate: float, runs: tuple[dict, dict] | None) -> str:
-    """The torchrun row's ratios to the mode's."""
-    if runs is None:
+def torch_note(ft: tuple[dict, dict], plain_rate: float, runs: dict[str, tuple[dict, dict]]) -> str:
+    """The torchrun row's ratios to the mode's and to rpcdist's launcher path's."""
+    if TORCH_PATH not in runs:
         return "\ntorchrun + PyTorch DDP: not measured (torch.distributed is not installed).\n"
-    (free, faulty), ft_rate, nan = runs, ft[0]["rate"], float("nan")
-    rec = median(faulty["recoveries"]) if faulty["recoveries"] else nan
-    ft_rec = median(ft[1]["recoveries"]) if ft[1]["recoveries"] else nan
+    (free, faulty), ft_rate = runs[TORCH_PATH], ft[0]["rate"]
+    ours = next(hit for name, (_, hit) in runs.items() if name != TORCH_PATH)
+    rec, ft_rec, our_rec = (_median_s(r["recoveries"]) for r in (faulty, ft[1], ours))
     return (
-        f"\ntorchrun + PyTorch DDP against the mode: fault-free, its step takes "
+        "\ntorchrun + PyTorch DDP: the same model, data, batch and optimizer with "
+        "`torch.nn.parallel.DistributedDataParallel` over Gloo on 127.0.0.1 "
+        "(`benchmarks/_torch_ddp_ckpt.py`, 1 thread per rank) under `python -m "
+        "torch.distributed.run --standalone` with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` "
+        "(with the agent's shared store the restarted group's Gloo mesh failed to "
+        "connect). Against the mode: fault-free, its step takes "
         f"{ft_rate / free['rate'] - 1:+.0%} against the mode's (and "
         f"{plain_rate / free['rate'] - 1:+.0%} against rpcdist's ordinary DDP's); with "
         f"faults it keeps {faulty['rate'] / ft_rate:.2f} of the mode's fault-free rate "
-        f"(the mode: {ft[1]['rate'] / ft_rate:.2f}); median recovery {_s(rec)} against "
-        f"the mode's {_s(ft_rec)}.\n"
+        f"(the mode: {ft[1]['rate'] / ft_rate:.2f}; rpcdist's launcher path: "
+        f"{ours['rate'] / ft_rate:.2f}); median recovery {rec} against the mode's "
+        f"{ft_rec} and rpcdist's launcher path's {our_rec}.\n"
     )
 
 
-def _s(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds:.2f} s"
+def _median_s(seconds: list[float]) -> str:
+    return f"{median(seconds):.2f} s" if seconds else "n/a"
 
 
 if __name__ == "__main__":
