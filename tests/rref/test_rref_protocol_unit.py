@@ -7,7 +7,16 @@ import gc
 import pytest
 
 from rpcdist import RRefCreationError
-from rpcdist._rref._protocol import ABSENT, CREATING, FAILED, READY, Ids, OwnerTable, UserTable
+from rpcdist._rref._protocol import (
+    ABSENT,
+    CREATING,
+    FAILED,
+    FRESH_START,
+    READY,
+    Ids,
+    OwnerTable,
+    UserTable,
+)
 
 
 class FakeRRef:
@@ -21,6 +30,13 @@ def test_ids_are_unique_per_worker():
     ids = Ids(3)
     got = {ids.new() for _ in range(100)}
     assert len(got) == 100 and {r for r, _ in got} == {3}
+
+
+def test_a_fixed_jobs_ids_start_at_0_and_a_dynamic_groups_do_not_repeat():
+    assert [Ids(0).new() for _ in range(2)] == [(0, 0), (0, 0)]  # torch's first local_id
+    # a process taking a lost one's rank (a dynamic group) starts elsewhere
+    starts = {Ids(1, fresh=True).new() for _ in range(50)}
+    assert len(starts) == 50 and all(r == 1 and 0 <= n < FRESH_START for r, n in starts)
 
 
 def test_value_lives_while_any_fork_is_known():
