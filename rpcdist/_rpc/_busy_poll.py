@@ -132,8 +132,19 @@ class BusyPoll:
 
     def _poll(self, link: Any, spin_end: float) -> None:
         """Poll ``link`` until it is readable, ``spin_end``, or another thread
-        of this worker (its GIL) or of the host (a core) needs what this takes."""
+        of this worker (its GIL) or of the host (a core) needs what this takes.
+
+        A host crowded as the wait begins is not polled at all: the peer this
+        thread just wrote to was woken on its core (a socket's wake-up asks
+        the scheduler for that), and a thread that spins there instead of
+        sleeping is preempted by it and then queues behind the host's other
+        work for the reply, instead of being woken for it. Once polling, the
+        host must stay crowded for :data:`CROWDED_FOR` (a thread that runs
+        for a moment does not end the poll)."""
         self.polls += 1
+        if crowded():  # (before anything else: a crowded wait costs no more syscalls)
+            self.yields += 1
+            return
         readable, others, clock = link.readable, self.others.poll, time.monotonic
         own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
         since = 0.0  # when the host was first seen crowded (0: it is not)
