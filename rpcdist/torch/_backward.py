@@ -20,11 +20,21 @@ other workers use ``torch.autograd.grad``, which leaves ``.grad`` alone, so
 several trainers may push gradients into one server's parameters at once.
 A worker keeps its part of the graph (``retain_graph``) until the context is
 released: a tensor sent twice gets a gradient message per copy.
+
+Under torch's profiler the pass is recorded as PyTorch records it: a range
+``torch::distributed::autograd::backward`` around the root's pass, and
+ranges named for torch's receive and send functions
+(``...::RecvRpcBackward``: a gradient sent home; ``...::SendRpcBackward``:
+the pass below a tensor whose gradient came back). Torch's profiler records
+only the thread that started it, and gradients come back on pool threads:
+while a profiled root pass waits for a gradient it sent, the work that
+gradients coming back start here runs on its thread (:mod:`._host`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,18 +47,38 @@ from .._errors import AutogradError, ConfigError, RpcTimeoutError, WorkerLostErr
 from .._rpc._context import current_agent
 from ..autograd._context import CURRENT
 from ..autograd._extension import ext
-from ._edges import ANCHOR_ATTR, TorchRecv, TorchState, state
+from ._edges import ANCHOR_ATTR, TorchRecv, TorchSend, TorchState, state
+from ._host import Host
 
 if TYPE_CHECKING:
     from .._rpc._agent import Agent
 
-__all__ = ["APPLY", "apply_grad", "backward", "backward_from_loss", "deliverer", "leaves_of"]
+__all__ = [
+    "APPLY",
+    "BACKWARD_RANGE",
+    "RECV_RANGE",
+    "SEND_RANGE",
+    "apply_grad",
+    "backward",
+    "backward_from_loss",
+    "deliverer",
+    "leaves_of",
+]
 
 #: Gradient messages are plain calls of :func:`apply_grad`.
 APPLY = "rpcdist.torch._backward:apply_grad"
 
 #: Root passes run one at a time in a process: they borrow the leaves' ``.grad``.
 _ROOT_LOCK = threading.Lock()
+
+#: PyTorch's profiler names: its distributed backward pass, its receive and
+#: send functions' backward.
+BACKWARD_RANGE = "torch::distributed::autograd::backward"
+RECV_RANGE = "torch::distributed::autograd::RecvRpcBackward"
+SEND_RANGE = "torch::distributed::autograd::SendRpcBackward"
+
+#: ``host``: the :class:`Host` of the profiled root pass running on this thread.
+_here = threading.local()
 
 #: The entry to torch's engine below ``torch.autograd.backward`` and ``grad``
 #: (torch 2.3 and later; ``None``: those are used). It skips their argument
@@ -98,22 +128,34 @@ def _deadline(agent: Agent) -> float | None:
     return deadline_for(UNSET, agent.rpc_timeout)
 
 
+def _profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A range ``name`` in torch's profile, where this thread records one."""
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def deliverer(agent: Agent, context_id: int, recv: TorchRecv) -> Callable[[int, Any], None]:
     """What a receive function calls with its gradient: send it home and wait."""
 
     def deliver(index: int, grad: torch.Tensor) -> None:
         grad = grad if grad.is_sparse else grad.contiguous()
         payload: Any = ((context_id, recv.message_id, index, grad), {})
-        call = agent.start_blocking(
-            recv.peer,
-            APPLY,
-            payload,
-            deadline=_deadline(agent),
-            meta=None,
-            label="rpcdist.torch autograd gradients",
-        )
-        with _node_errors(recv.peer):
-            call.wait()
+        label = "rpcdist.torch autograd gradients"
+        with _profiled(RECV_RANGE):
+            host: Host | None = getattr(_here, "host", None)
+            if host is not None:  # (a profiled root pass: run what comes back meanwhile)
+                fut = agent.call(
+                    recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None, label=label
+                )
+                with _node_errors(recv.peer):
+                    host.wait(fut)
+                return
+            call = agent.start_blocking(
+                recv.peer, APPLY, payload, deadline=_deadline(agent), meta=None, label=label
+            )
+            with _node_errors(recv.peer):
+                call.wait()
 
     return deliver
 
@@ -219,27 +261,56 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     roots = _check_roots(context_id, roots)
     ctx = ext(agent).get(context_id, "backward()")
     st = state(ctx)
-    leaves = leaves_of(roots)
-    if not leaves:
-        return
-    token = CURRENT.set(context_id)
+    with _profiled(BACKWARD_RANGE):
+        leaves = leaves_of(roots)
+        if not leaves:
+            return
+        token = CURRENT.set(context_id)
+        try:
+            with _ROOT_LOCK, _hosting(st):
+                _root_pass(agent, st, roots, leaves, retain_graph)
+        finally:
+            CURRENT.reset(token)
+
+
+def _root_pass(
+    agent: Agent,
+    st: TorchState,
+    roots: list[torch.Tensor],
+    leaves: list[torch.Tensor],
+    retain_graph: bool,
+) -> None:
+    """The root's pass, the leaves' gradients into the context (``_ROOT_LOCK`` held)."""
+    saved = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
     try:
-        with _ROOT_LOCK:
-            saved = [leaf.grad for leaf in leaves]
-            for leaf in leaves:
-                leaf.grad = None
-            try:
-                with _node_errors(agent.rank):
-                    _run_root(roots, leaves, retain_graph)
-                for leaf in leaves:
-                    g = leaf.grad
-                    if g is not None and not _is_anchor(leaf):
-                        st.add_grad(leaf, g)
-            finally:
-                for leaf, old in zip(leaves, saved):
-                    leaf.grad = old
+        with _node_errors(agent.rank):
+            _run_root(roots, leaves, retain_graph)
+        for leaf in leaves:
+            g = leaf.grad
+            if g is not None and not _is_anchor(leaf):
+                st.add_grad(leaf, g)
     finally:
-        CURRENT.reset(token)
+        for leaf, old in zip(leaves, saved):
+            leaf.grad = old
+
+
+@contextlib.contextmanager
+def _hosting(st: TorchState) -> Iterator[None]:
+    """Under torch's profiler: gradients that come back to ``st``'s context
+    while this thread waits for one it sent run here (:mod:`._host`)."""
+    if not torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        yield
+        return
+    host = Host()
+    outer = getattr(_here, "host", None)
+    st.host = _here.host = host
+    try:
+        yield
+    finally:
+        st.host = None
+        _here.host = outer
 
 
 def _run_root(roots: list[torch.Tensor], leaves: list[torch.Tensor], retain_graph: bool) -> None:
@@ -297,9 +368,21 @@ def apply_grad(context_id: int, message_id: int, index: int, grad: torch.Tensor)
             f"worker {agent.name!r} has no sent tensor {index} of message {message_id} in "
             f"context {context_id}"
         )
-    token = CURRENT.set(context_id)
+    host = st.host
+    if host is not None:  # (a profiled root pass here: on its thread, if it waits)
+        run = contextvars.copy_context().run
+        done = host.offer(functools.partial(run, _apply, agent, st, send, index, grad))
+        if done is not None:
+            done.wait()
+            return
+    _apply(agent, st, send, index, grad)
+
+
+def _apply(agent: Agent, st: TorchState, send: TorchSend, index: int, grad: torch.Tensor) -> None:
+    token = CURRENT.set(st.context_id)
     try:
-        _partial(st, send.tensors[index], grad)
+        with _profiled(SEND_RANGE):
+            _partial(st, send.tensors[index], grad)
     except AutogradError as e:
         raise AutogradError(f"backward on worker {agent.name!r} failed: {e}") from e
     finally:

@@ -30,6 +30,7 @@ from ..autograd._extension import ext
 
 if TYPE_CHECKING:
     from ..autograd._context import DistContext
+    from ._host import Host
 
 __all__ = [
     "ANCHOR_ATTR",
@@ -72,7 +73,7 @@ class TorchRecv:
 class TorchState:
     """The torch side of one context on one worker."""
 
-    __slots__ = ("context_id", "grads", "lock", "recvs", "sends")
+    __slots__ = ("context_id", "grads", "host", "lock", "recvs", "sends")
 
     def __init__(self, context_id: int) -> None:
         self.context_id = context_id
@@ -81,6 +82,9 @@ class TorchState:
         self.recvs: dict[int, TorchRecv] = {}
         #: Leaf gradients accumulated by backward passes, keyed by the leaf itself.
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        #: The thread of a profiled backward pass from here, while it runs
+        #: (``_backward``): gradients that come back run there.
+        self.host: Host | None = None
 
     def add_grad(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
         with self.lock:

@@ -8,8 +8,9 @@ test costs about a second instead of a fresh interpreter's imports; one of
 each kind: plain calls, init and an immediate shutdown, futures and their
 callbacks (a callback's own error), RPC profiling (a nested call's remote
 events), distributed autograd (argument checks, sparse tensors, to_here()
-of a value still being created), the distributed optimizer, an example
-with RRefs and the optimizer, RemoteModule. Each passed in a suite run
+of a value still being created, a pass under the profiler), the
+distributed optimizer, an example with RRefs and the optimizer,
+RemoteModule. Each passed in a suite run
 (docs/compatibility.md).
 """
 
@@ -41,6 +42,7 @@ SUBSET = (
     "RpcTest.test_rpc_profiling_async_function_single_threaded",
     "DistAutogradTest.test_backward_invalid_args",
     "DistAutogradTest.test_thread_local_context_id",
+    "DistAutogradTest.test_dist_autograd_profiling",
     "DistOptimizerTest.test_dist_optim",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_self_sparse",
     "ParameterServerTest.test_batch_updating_parameter_server",
