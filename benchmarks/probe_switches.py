@@ -6,10 +6,14 @@ involuntary context switches (``/proc/<pid>/task/<tid>/status``) of both
 processes before and after. ``--pipe`` measures the same for a bare
 two-process pipe ping-pong (the least a round trip can cost: one voluntary
 switch per side). ``--busy N`` runs N busy loops at normal priority
-meanwhile (the crowded host of ``bench_rpc.py --crowded``). Prints one line
-per thread: switches per call, and the round trip's p50/p99. Run::
+meanwhile (the crowded host of ``bench_rpc.py --crowded``); ``--work-us``
+makes each call's handler compute that long (how the tail grows with the
+CPU a call takes). Prints one line per thread that switched: switches, time
+on a CPU and time runnable but waiting for one, per call; the busy-poll
+counters; the round trip's p50/p99; and the same threads over as long
+again without calls (what their timers cost). Run::
 
-    python benchmarks/probe_switches.py [--busy 2] [--calls 2000] [--pipe]
+    python benchmarks/probe_switches.py [--busy 2] [--calls 2000] [--pipe] [--work-us 0]
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def _latency(lat: list[float]) -> str:
     return f"p50 {lat[n // 2] * 1e6:.0f} us, p99 {lat[int(n * 0.99)] * 1e6:.0f} us"
 
 
-def _rpc_worker(rank: int, init: str, calls: int, q: Any) -> None:
+def _rpc_worker(rank: int, init: str, calls: int, work: float, q: Any) -> None:
     import rpcdist
 
     rpcdist.init_rpc(f"w{rank}", rank=rank, world_size=2, init_method=init, rpc_timeout=120)
@@ -100,7 +104,7 @@ def _rpc_worker(rank: int, init: str, calls: int, q: Any) -> None:
             lat = []
             for _ in range(calls):
                 t = time.perf_counter()
-                rpcdist.rpc_sync("w1", _noop)
+                rpcdist.rpc_sync("w1", _work, args=(work,))
                 lat.append(time.perf_counter() - t)
             b0, b1 = switches(pid0), switches(pid1)
             polls = [
@@ -118,16 +122,19 @@ def _rpc_worker(rank: int, init: str, calls: int, q: Any) -> None:
         rpcdist.shutdown()
 
 
-def _noop() -> None:
-    return None
+def _work(seconds: float) -> None:
+    """Computes for ``seconds`` (0: a no-op)."""
+    end = time.thread_time() + seconds
+    while seconds and time.thread_time() < end:
+        pass
 
 
-def _rpc(calls: int) -> None:
+def _rpc(calls: int, work: float) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rdv"
-        procs = [ctx.Process(target=_rpc_worker, args=(r, init, calls, q)) for r in range(2)]
+        procs = [ctx.Process(target=_rpc_worker, args=(r, init, calls, work, q)) for r in range(2)]
         for p in procs:
             p.start()
         try:
@@ -137,7 +144,8 @@ def _rpc(calls: int) -> None:
                 p.join(60)
                 if p.is_alive():
                     p.kill()
-    print(f"rpcdist rpc_sync, {calls} calls: {_latency(lat)}; switches per call:")
+    what = f"{work * 1e6:g} us of work" if work else "no-op"
+    print(f"rpcdist rpc_sync ({what}), {calls} calls: {_latency(lat)}; switches per call:")
     _report("caller", names0, a0, b0, calls)
     _report("callee", names1, a1, b1, calls)
     for side, (n, hits, yields) in zip(("caller", "callee"), polls, strict=True):
@@ -183,6 +191,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--busy", type=int, default=0, help="busy loops at normal priority")
     ap.add_argument("--pipe", action="store_true", help="also the bare pipe ping-pong")
+    ap.add_argument("--work-us", type=float, default=0, help="CPU time each call's handler takes")
     a = ap.parse_args()
     busy = [mp.get_context("fork").Process(target=_spin, daemon=True) for _ in range(a.busy)]
     for p in busy:
@@ -190,7 +199,7 @@ def main() -> None:
     try:
         if a.pipe:
             _pipe(a.calls)
-        _rpc(a.calls)
+        _rpc(a.calls, a.work_us * 1e-6)
     finally:
         for p in busy:
             p.kill()
