@@ -91,6 +91,9 @@ class BusyPoll:
         #: its kind was that short (a step's long and short calls alternate
         #: on one connection).
         self._last_was_short: dict[tuple[int, str], bool] = {}
+        #: Whether the host was crowded at the last look that began a poll
+        #: or ended one (see :meth:`_poll`).
+        self._crowded = False
         #: What the agent's other threads wait on: the loop's selector and the
         #: connections served by threads (see :meth:`wait`).
         self.others: Any = None
@@ -134,15 +137,18 @@ class BusyPoll:
         """Poll ``link`` until it is readable, ``spin_end``, or another thread
         of this worker (its GIL) or of the host (a core) needs what this takes.
 
-        A host crowded as the wait begins is not polled at all: the peer this
-        thread just wrote to was woken on its core (a socket's wake-up asks
-        the scheduler for that), and a thread that spins there instead of
-        sleeping is preempted by it and then queues behind the host's other
-        work for the reply, instead of being woken for it. Once polling, the
-        host must stay crowded for :data:`CROWDED_FOR` (a thread that runs
-        for a moment does not end the poll)."""
+        A host crowded as the wait begins, as it was at the last look before
+        (a thread that runs for a moment is not seen twice running), is not
+        polled at all: the peer this thread just wrote to was woken on its
+        core (a socket's wake-up asks the scheduler for that), and a thread
+        that spins there instead of sleeping is preempted by it and then
+        queues behind the host's other work for the reply, instead of being
+        woken for it. Once polling, the host must stay crowded for
+        :data:`CROWDED_FOR` (a thread that runs for a moment does not end
+        the poll)."""
         self.polls += 1
-        if crowded():  # (before anything else: a crowded wait costs no more syscalls)
+        was, self._crowded = self._crowded, crowded()
+        if was and self._crowded:  # (before anything else: no more syscalls)
             self.yields += 1
             return
         readable, others, clock = link.readable, self.others.poll, time.monotonic
@@ -156,6 +162,7 @@ class BusyPoll:
                 since = (since or now) if crowded() else 0.0
                 if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
                     self.yields += 1
+                    self._crowded = bool(since)
                     return
             if now >= spin_end:
                 return
