@@ -81,7 +81,8 @@ class BusyPoll:
         self._activity = activity
         self._process = process
         #: Waits that began by polling, those whose bytes came meanwhile, and
-        #: polls cut short because bytes came for another thread of this agent.
+        #: polls cut short (or not begun) because bytes came for another
+        #: thread of this agent or the host was crowded.
         self.polls = 0
         self.hits = 0
         self.yields = 0
