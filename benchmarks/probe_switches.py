@@ -86,7 +86,11 @@ def _report(side: str, names: dict[int, str], a: Counts, b: Counts, calls: int) 
 def _latency(lat: list[float]) -> str:
     lat.sort()
     n = len(lat)
-    return f"p50 {lat[n // 2] * 1e6:.0f} us, p99 {lat[int(n * 0.99)] * 1e6:.0f} us"
+    slow = sum(t > 1e-3 for t in lat) / n
+    return (
+        f"p50 {lat[n // 2] * 1e6:.0f} us, p99 {lat[int(n * 0.99)] * 1e6:.0f} us "
+        f"(p90 {lat[int(n * 0.9)] * 1e6:.0f}, {slow:.1%} over 1 ms)"
+    )
 
 
 def _rpc_worker(rank: int, init: str, calls: int, work: float, q: Any) -> None:
