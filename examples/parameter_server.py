@@ -55,16 +55,20 @@ the others' step completes without it) and from the scoreboard, and the
 other trainers finish; the server frees the lost trainer's distributed
 autograd contexts itself. The summary lists the lost trainers.
 
-``--rejoin`` (sync and hogwild modes) lets a restarted trainer come back:
-the workers then form a *dynamic group* (``init_rpc`` without a world size;
-``WORLD_SIZE`` only says how many trainers to expect and how to shard), so a
-trainer started again with its old rank and environment joins the running
-job, asks the server where training is (:func:`rejoin`) and trains from the
-epoch after the last one any trainer reported; in sync mode it enters the
-synchronous step with its first gradients for the current weights. Each
-epoch's row in ``summary.json`` lists the trainers that reported it.
-(Distributed-autograd mode keeps a fixed job: the server may still hold
-contexts of the lost trainer, which a restarted one would reuse the ids of.)
+``--rejoin`` lets a restarted trainer come back: the workers then form a
+*dynamic group* (``init_rpc`` without a world size; ``WORLD_SIZE`` only says
+how many trainers to expect and how to shard), so a trainer started again
+with its old rank and environment joins the running job, asks the server
+where training is (:func:`rejoin`) and trains from the epoch after the last
+one any trainer reported; in sync mode it enters the synchronous step with
+its first gradients for the current weights. In autograd mode it asks for
+new RRefs and a new ``DistributedOptimizer`` (the server's optimizer of the
+one before went with the RRefs the lost process held); the lost process's
+contexts on the server are freed after their lease, since the restarted
+process, asked, holds none of them, and its own context ids are new ones.
+Each epoch's row in ``summary.json`` lists the trainers that reported it;
+once every trainer left, the server prints what it still holds (``left on
+the server``: distributed autograd contexts and RRefs, both 0).
 
 Functions are sent by qualified name (``__main__:push_gradients``,
 ``ps_common:progress``). Every process runs this script, so the names resolve
@@ -354,9 +358,6 @@ def worker_main(args: argparse.Namespace) -> int:
         print("parameter_server.py needs at least 2 processes (1 server, 1 trainer)")
         return 2
     if args.rejoin:
-        if args.mode == "autograd":
-            print("--rejoin works in sync and hogwild modes (see the module docstring)")
-            return 2
         # No world size: a dynamic group, which a restarted trainer can join again.
         del os.environ["WORLD_SIZE"]
     start = time.perf_counter()
@@ -382,11 +383,26 @@ def worker_main(args: argparse.Namespace) -> int:
         run_trainer(rank, world_size, args)
     else:
         lost = watch_trainers(server, board)  # until every live trainer reported its last epoch
+        if args.rejoin:
+            board.write(f"[ps] left on the server: {leftovers()}")
     # Collective (--rejoin: the trainers leave, the server waits until they have).
     rpcdist.shutdown()
     if board is None:
         return 0
     return report(board, time.perf_counter() - start, trainers, args, lost)
+
+
+def leftovers(timeout: float = 30.0) -> str:
+    """``--rejoin``: once every trainer left the group (or ``timeout`` passed),
+    what the server still holds for them; ``0 autograd contexts, 0 RRefs``
+    when nothing leaked (a lost trainer's contexts go after their lease)."""
+    end = time.monotonic() + timeout
+    while True:
+        stats = rpcdist.statistics()
+        held = stats["autograd_contexts"], stats["rref_owners"]
+        if (stats["members"] <= 1 and held == (0, 0)) or time.monotonic() >= end:
+            return f"{held[0]} autograd contexts, {held[1]} RRefs"
+        time.sleep(0.1)
 
 
 def alive() -> bool:
@@ -402,9 +418,10 @@ def watch_trainers(server: ParameterServer, board: Scoreboard) -> list[str]:
     epochs first, or in the asynchronous modes) leaves no call to fail, so the server
     also probes each live trainer once a second (:func:`alive`); a probe that fails
     has the agent declare the trainer lost. The autograd mode needs nothing more:
-    the server frees a lost trainer's distributed autograd contexts itself (after
-    ``RpcOptions``' lease), and its ``DistributedOptimizer`` steps only the contexts
-    that trainers still alive send.
+    the server frees a lost trainer's distributed autograd contexts itself (after a
+    lease of seconds; a restarted trainer of that rank holds none of them, and makes
+    other context ids), and its ``DistributedOptimizer`` steps only the contexts that
+    trainers still alive send.
     """
     lost: list[str] = []  # every loss, in order
     gone: set[str] = set()  # lost and not back
@@ -483,7 +500,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--rejoin",
         action="store_true",
-        help="a dynamic group: a restarted trainer joins again (sync and hogwild modes)",
+        help="a dynamic group: a restarted trainer joins again",
     )
     return p.parse_args(argv)
 

@@ -9,8 +9,17 @@ command a line and answers each with one JSON line:
 * ``{"op": "info", "name": name}``: ``get_worker_info(name)``;
 * ``{"op": "until", "present": bool, "name": name}``: wait (polling, up to
   ``timeout``) until ``name`` is (not) in this worker's table;
+* ``{"op": "context", "to": name, "keep": bool}``: in a new distributed
+  autograd context, ``to`` multiplies a tensor that requires grad (so it
+  holds the context too); answers the context id, and with ``keep`` never
+  leaves the context (a thread holds it until the process ends);
+* ``{"op": "contexts", "count": n}``: wait (polling, up to ``timeout``)
+  until this worker holds ``n`` autograd contexts;
 * ``{"op": "shutdown"}``: a graceful ``shutdown()``; answers with the rpcdist
   threads still alive, then exits.
+
+With ``DYNAMIC_MEMBER_WAIT=1`` in its environment it waits for one line on
+stdin before ``init_rpc`` (started ahead, its imports done, it joins at once).
 
 Answers: ``{"ok": value}`` or ``{"error": type name, "message": text}``.
 Usage: ``python dynamic_member.py NAME [INIT_TIMEOUT]``.
@@ -20,13 +29,19 @@ from __future__ import annotations
 
 import json
 import operator
+import os
+import queue
 import sys
 import threading
 import time
 from typing import Any
 
+import numpy as np
+
 import rpcdist
+import rpcdist.autograd as dist_autograd
 from rpcdist._rpc._context import current_agent
+from rpcdist.tensor import Tensor
 
 
 def _names() -> list[str]:
@@ -42,6 +57,36 @@ def _until(present: bool, name: str, timeout: float) -> list[str]:
     return _names()
 
 
+def _context(to: str, keep: bool) -> int:
+    got: queue.Queue[Any] = queue.Queue()
+
+    def run() -> None:
+        try:
+            with dist_autograd.context() as cid:
+                x = Tensor(np.ones(2), requires_grad=True)
+                rpcdist.rpc_sync(to, operator.mul, args=(x, 2.0), timeout=30)
+                got.put(cid)
+                if keep:
+                    threading.Event().wait()  # until the process ends
+        except Exception as e:
+            got.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    out = got.get(timeout=60)
+    if isinstance(out, Exception):
+        raise out
+    return int(out)
+
+
+def _contexts(count: int, timeout: float) -> int:
+    end = time.monotonic() + timeout
+    while (held := rpcdist.statistics()["autograd_contexts"]) != count:
+        if time.monotonic() > end:
+            raise TimeoutError(f"{held} autograd contexts here after {timeout} s, not {count}")
+        time.sleep(0.05)
+    return held
+
+
 def _run(cmd: dict[str, Any]) -> Any:
     op = cmd["op"]
     if op == "call":
@@ -51,6 +96,10 @@ def _run(cmd: dict[str, Any]) -> Any:
         return [info.name, info.id]
     if op == "until":
         return _until(cmd["present"], cmd["name"], cmd.get("timeout", 30.0))
+    if op == "context":
+        return _context(cmd["to"], cmd.get("keep", False))
+    if op == "contexts":
+        return _contexts(cmd["count"], cmd.get("timeout", 30.0))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -62,6 +111,8 @@ def _say(obj: Any) -> None:
 def main() -> None:
     name = sys.argv[1]
     init_timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
+    if os.environ.get("DYNAMIC_MEMBER_WAIT") == "1":
+        sys.stdin.readline()
     try:
         rpcdist.init_rpc(name, options=rpcdist.RpcOptions(init_timeout=init_timeout))
     except Exception as e:

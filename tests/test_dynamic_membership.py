@@ -286,6 +286,27 @@ def test_a_restarted_member_joins_again(group: Group) -> None:
         m.shutdown()
 
 
+def test_a_lost_members_autograd_context_goes_though_its_rank_is_back(group: Group) -> None:
+    """trainer1 holds a distributed autograd context on ps and is killed (-9); a new
+    process with its rank (started ahead) joins before the context's lease (5 s)
+    ends, so it answers ps's ping for that rank: ps frees the context all the same
+    (the new process, asked, does not hold it), and the new process's context ids
+    are not its predecessor's (a restarted trainer of a parameter server)."""
+    ps = group.join("ps", 0)
+    t1 = group.join("trainer1", 1)
+    old = t1.ok(op="context", to="ps", keep=True)
+    assert ps.ok(op="contexts", count=1) == 1
+    env = dict(group.env(1, group.token), DYNAMIC_MEMBER_WAIT="1")
+    again = Member("trainer1", env)  # imports done, it waits for a line to join
+    group.members.append(again)
+    t1.kill()
+    assert ps.ok(op="until", present=False, name="trainer1")
+    assert again.ask(op="go") == {"ok": ["ps", "trainer1"]}  # (the line it waited for)
+    new = again.ok(op="context", to="ps", keep=True)
+    assert new >> 48 == old >> 48 == 1 and new != old
+    assert ps.ok(op="contexts", count=1, timeout=30) == 1  # the old one went, not the new
+
+
 def test_a_duplicate_live_member_is_refused(group: Group) -> None:
     ps = group.join("ps", 0)
     group.join("trainer1", 1)

@@ -239,37 +239,64 @@ def test_parameter_server_goes_on_when_a_trainer_is_killed(mode, tmp_path):
     assert re.search(rf"final test accuracy 0\.\d+ \({mode} mode\)", out), out
 
 
+#: A trainer started ahead of its turn: it imports what the example needs,
+#: then waits for a line on stdin to run ``parameter_server.py ARGS`` (as
+#: ``__main__``, as a plain start does).
+_STARTED_AHEAD = """
+import runpy, sys
+script = sys.argv[1]
+sys.path.insert(0, script.rpartition("/")[0])
+import ps_common, rpcdist.autograd, rpcdist.optim
+ps_common.load_digits(0)
+sys.stdin.readline()
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "lr"), [("sync", "0.05"), ("hogwild", "0.005")])
+@pytest.mark.parametrize(
+    ("mode", "lr"), [("sync", "0.05"), ("hogwild", "0.005"), ("autograd", "0.005")]
+)
 def test_parameter_server_takes_back_a_restarted_trainer(mode, lr, tmp_path):
     """``--rejoin`` (a dynamic group): trainer 2 is killed (-9) mid-training, the
     server drops it, and the same trainer started again (same rank, same
     launcher environment) joins the running job and trains again: it reports
-    the last epochs, and the job finishes every epoch."""
+    every epoch from the one the server gave it, and the job finishes every
+    epoch. Once the trainers left, the server holds nothing of theirs: in
+    autograd mode, no distributed autograd context (the killed process's
+    included) and no RRef (its ``DistributedOptimizer``'s included).
+
+    The restarted trainer was started ahead (its imports take seconds on a
+    loaded machine) and joins as soon as the server reports the loss: within
+    the lease of the lost process's contexts on the server, when the restarted
+    one answers for its rank (before the server asked whether it holds them,
+    they stayed there for good)."""
     from rpcdist.launch._hosting import free_port
 
     port, world = free_port(), 4
+    script = str(EXAMPLES / "parameter_server.py")
     args = [
-        # (long enough for a restart: a trainer's start-up takes seconds)
-        *("--mode", mode, "--epochs", "12", "--batch-size", "2", "--min-accuracy", "0.5"),
+        *("--mode", mode, "--epochs", "4", "--batch-size", "2", "--min-accuracy", "0.5"),
         *("--lr", lr, "--out-dir", str(tmp_path), "--rejoin"),
     ]
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-    def start(rank: int) -> subprocess.Popen[str]:
+    def start(rank: int, ahead: bool = False) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "parameter_server.py"), *args],
+            [sys.executable, *(("-c", _STARTED_AHEAD) if ahead else ()), script, *args],
             env={**env, "RANK": str(rank)},
+            stdin=subprocess.PIPE if ahead else None,
             stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
 
-    procs = [start(rank) for rank in range(world)]
+    procs = [*(start(rank) for rank in range(world)), start(2, ahead=True)]
     try:
-        ps = procs[0]
-        assert ps.stdout is not None
+        ps, again = procs[0], procs[-1]
+        assert ps.stdout is not None and again.stdin is not None
         lines = []
 
         def read_until(pattern: str) -> None:
@@ -279,13 +306,14 @@ def test_parameter_server_takes_back_a_restarted_trainer(mode, lr, tmp_path):
                     return
             pytest.fail("".join(lines))
 
-        read_until(r" \d+/\d+ steps")  # every trainer is mid-training
-        procs[1 + 1].kill()
+        read_until(r"^\s+1\s+\d\.\d+\s")  # epoch 1 closed: every trainer is in epoch 2
+        procs[2].kill()
         read_until(r"\[ps\] trainer2 lost")
-        procs.append(start(2))  # the same trainer, started again
+        again.stdin.write("go\n")  # the same trainer, started again
+        again.stdin.close()
         out = "".join(lines) + ps.stdout.read()
         assert ps.wait(timeout=120) == 0, out
-        for p in (procs[1], procs[3], procs[4]):
+        for p in (procs[1], procs[3], again):
             assert p.wait(timeout=60) == 0
     finally:
         for p in procs:
@@ -293,9 +321,15 @@ def test_parameter_server_takes_back_a_restarted_trainer(mode, lr, tmp_path):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
-    assert re.search(r"\[ps\] trainer2 rejoined; it trains from epoch \d+", out), out
+    back = re.search(r"\[ps\] trainer2 rejoined; it trains from epoch (\d+)", out)
+    assert back, out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["lost_trainers"] == ["trainer2"]
-    assert [r["epoch"] for r in summary["epochs"]] == list(range(1, 13))
-    assert summary["epochs"][-1]["trainers"] == [1, 2, 3]  # trainer 2 trained again
+    assert [r["epoch"] for r in summary["epochs"]] == list(range(1, 5))
+    first = int(back.group(1))
+    # Trainer 2 trained again, every epoch from the one the server gave it.
+    assert 2 <= first <= 4 and all(
+        r["trainers"] == [1, 2, 3] for r in summary["epochs"][first - 1 :]
+    )
+    assert "[ps] left on the server: 0 autograd contexts, 0 RRefs" in out, out
     assert re.search(rf"final test accuracy 0\.\d+ \({mode} mode\)", out), out

@@ -2,7 +2,10 @@
 
 A context id and an autograd message id are 64-bit: the 16 high bits are the
 rank of the worker that made them, the 48 low bits a counter there, so they
-are unique across the job without coordination.
+are unique across the job without coordination. The counter starts at a
+random point of its lower half (and so has 2**47 ids ahead of it): a worker
+restarted with the rank of a lost one (a dynamic group) does not make the
+ids of contexts its predecessor left on other workers.
 
 A :class:`DistContext` lives on every worker that took part in a forward
 pass: it holds the :class:`DistSend` functions of tensors that left this
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -70,7 +74,8 @@ class IdMaker:
                 f"distributed autograd supports ranks 0..{_MAX_RANK}, this worker is rank {rank}"
             )
         self._base = rank << _COUNTER_BITS
-        self._counter = itertools.count(1)
+        # (a fresh start per process: see the module docstring)
+        self._counter = itertools.count(1 + secrets.randbelow(1 << (_COUNTER_BITS - 1)))
 
     def new(self) -> int:
         return self._base | next(self._counter)  # next() on a count is atomic in CPython

@@ -13,7 +13,7 @@ worker may receive a call made inside a context:
 * **internal methods**: ``autograd.reach`` (is a receive function reached
   in a pass?),
   ``autograd.release`` (free a context), ``autograd.rref_backward`` and
-  ``autograd.ping``; gradient messages are plain calls of
+  ``autograd.ping`` (which of these contexts do you hold?); gradient messages are plain calls of
   ``_backward.apply_grads``.
 
 Leaving ``with context()`` releases the context here and sends
@@ -24,8 +24,10 @@ retried until acknowledged. Releases for one peer travel in batches (see
 comes first (a registry rider, field ``"ar"``, acknowledged by the reply's
 field ``"ar+"``): a training loop's next step carries the last one's
 releases, and neither worker's event loop wakes for them. A context whose
-creator is lost is freed after ``lease`` seconds (PyTorch leaks these:
-pytorch/pytorch#26379).
+creator is lost is freed after ``lease`` seconds, unless the creator's
+rank answers that it holds it still (PyTorch leaks these:
+pytorch/pytorch#26379); a restarted creator (a dynamic group) holds none of
+its predecessor's, and makes other ids (``_context.IdMaker``).
 """
 
 from __future__ import annotations
@@ -255,19 +257,25 @@ class AutogradExtension(BaseExtension):
             self._arm_lease()
 
     async def _free_if_gone(self, creator: int, contexts: list[DistContext]) -> None:
-        """Free ``contexts`` unless their creator answers a ping after all (a
-        link of its may have ended for another reason: it then keeps them)."""
+        """Free ``contexts`` unless their creator answers that it still holds
+        them (a link of its may have ended for another reason: it then keeps
+        them). A worker that answers for the creator's rank but does not hold
+        them is a restarted one (a dynamic group): they are its predecessor's."""
+        ids = [ctx.id for ctx in contexts]
         try:
             deadline = time.monotonic() + min(self.lease, 2.0)
-            await self.agent.call(creator, PING, None, deadline=deadline, meta=None, internal=True)
+            held = await self.agent.call(
+                creator, PING, ids, deadline=deadline, meta=None, internal=True
+            )
         except RpcdistError:
-            for ctx in contexts:
-                if ctx.orphaned_at is not None:
-                    _log.info("freeing autograd context %d: its creator was lost", ctx.id)
-                    self.release(ctx.id, src=ctx.creator)
-            return
+            held = []
+        kept = set(held) if isinstance(held, list) else set()
         for ctx in contexts:
-            ctx.orphaned_at = None
+            if ctx.id in kept:
+                ctx.orphaned_at = None
+            elif ctx.orphaned_at is not None:
+                _log.info("freeing autograd context %d: its creator was lost", ctx.id)
+                self.release(ctx.id, src=ctx.creator)
 
     # ---------------------------------------------------------- extension
 
@@ -296,6 +304,10 @@ class AutogradExtension(BaseExtension):
 
     def contexts(self) -> int:
         return len(self._contexts)
+
+    def holding(self, context_ids: list[Any]) -> list[int]:
+        """Those of ``context_ids`` that are live here."""
+        return [c for c in context_ids if type(c) is int and c in self._contexts]
 
 
 def _clear(ctx: DistContext) -> None:
@@ -334,8 +346,10 @@ async def _on_release(agent: Agent, src: WorkerInfo, context_ids: list[int]) -> 
             e.release(context_id, src=src.id)
 
 
-async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> bool:
-    return True
+async def _on_ping(agent: Agent, src: WorkerInfo, payload: Any) -> list[int]:
+    """Which of the contexts ``payload`` names (ids this worker's rank made)
+    this worker holds (a restarted worker holds none of its predecessor's)."""
+    return ext(agent).holding(payload) if isinstance(payload, list) else []
 
 
 def _check_loss(loss: Any) -> None:

@@ -13,7 +13,10 @@ members' slices; before the first quorum every rank holds its whole model,
 and the lowest id's values win, as DDP broadcasts rank 0's. Under
 ``no_shard`` a unit's shard is its whole vector (nothing to gather) and
 stays so at every membership. Mixed precision rounds as a process group's
-collectives would (:meth:`FlatUnit.ft_reduced`).
+collectives would (:meth:`FlatUnit.ft_reduced`). The module's buffers (such
+as running statistics) are no shards: a joiner takes them, bit for bit, with
+the live state from the member that heals it (``_ft_heal.py``), so at the
+first quorum every rank has the lowest id's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..tensor import Tensor
+from ..tensor._device import move_to
 from ._arrays import host
 from ._flat import FlatLayout
 from ._ft_shard import Entry, ShardLostError, regather
@@ -81,6 +85,16 @@ class FsdpFaultTolerance:
 
     def _ft_finish(self, committed: bool) -> None:
         pass
+
+    def _ft_live(self) -> dict[str, Any]:
+        """What goes to a joiner beside the shards: the module's buffers, by name."""
+        return {name: np.array(host(b.data)) for name, b in self.model._orig_buffers}
+
+    def _ft_take_live(self, live: dict[str, Any]) -> None:
+        """A member's buffers (:meth:`_ft_live`), copied into this rank's, bit for bit."""
+        for name, b in self.model._orig_buffers:
+            if name in live:
+                b.data[...] = move_to(live[name], b.device)
 
     def _ft_reshard(self) -> None:
         sh = self.model._shared

@@ -28,14 +28,14 @@ A fault-tolerant ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``
 takes part through :meth:`FaultTolerance._add_sharded` (``_zero_ft.py``,
 ``_fsdp_ft.py``): its gradients join the average, it may act between the
 average and the vote (ZeRO's step), and at the first step of each new
-membership every member re-shards it (``_ft_shard.py``).
+membership every member re-shards it (``_ft_shard.py``). Joiners take the
+live state from one member (``_ft_heal.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import os
 import select
 import socket
@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 
 from .._errors import ConfigError, WorkerLostError
-from .._save import load, save
-from ..tensor import Tensor, default_generator
+from ..tensor import Tensor
+from ._ft_heal import LiveState
 from ._ft_mesh import Mesh
-from ._ft_shm import HEAD_WORDS, MAX_SAMPLES, ShmGroup, StalledError, setup
+from ._ft_shm import HEAD_WORDS, MAX_SAMPLES, ShmGroup, StalledError, setup, sweep
 from ._ft_wire import connect, pack, recv_frame, send_frame, unpack
 
 __all__ = ["FaultTolerance"]
@@ -71,7 +71,10 @@ class FaultTolerance:
             state transfer before the step fails.
         hook: Called as ``hook(point)`` at ``"before_allreduce"``,
             ``"mid_allreduce"`` (between the reduce-scatter and the
-            all-gather), ``"after_allreduce"`` and ``"after_commit"`` (tests time faults with it).
+            all-gather), ``"after_allreduce"`` and ``"after_commit"``, and
+            at ``"shm_created"`` (a quorum's first all-reduce on one host:
+            this rank's shared-memory file exists, its name not yet sent)
+            (tests time faults with it).
 
     Attributes:
         step: Steps committed so far (the same on every member).
@@ -103,10 +106,9 @@ class FaultTolerance:
         self.step, self.rank, self.world_size = 0, -1, 0
         self.members: list[int] = []
         self.recoveries: list[tuple[int, list[int]]] = []
-        self._states: dict[str, Any] = {}
+        self._live = LiveState()  # what joiners are sent (_ft_heal.py)
         self._params: list[Tensor] = []
         self._sharded: list[Any] = []  # ZeRO / FSDP objects in this mode
-        self._adopted: set[str] = set()  # optimizers whose state a sharded object carries
         self._synced_qid = -1
         self._sizes: list[int] = []
         # This step's communication failed already (the vote will be ok=False).
@@ -134,16 +136,14 @@ class FaultTolerance:
 
         An optimizer over a ``FullyShardedDataParallel`` model's shards (or a
         ``ZeroRedundancyOptimizer``) has sharded state: it is re-sharded from
-        the members' slices, and only its options travel this way.
+        the members' slices, and only its options travel this way. So is the
+        fault-tolerant FSDP model itself; its buffers travel with the live
+        state whether it is registered or not.
+
+        Raises:
+            ConfigError: ``obj`` has no ``state_dict``/``load_state_dict``.
         """
-        how = {c._ft_adopts(obj) for c in self._sharded}
-        if "whole" in how:
-            return  # a sharded object itself: re-sharded, not sent
-        if "options" in how:
-            self._adopted.add(name)
-        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
-            raise ConfigError(f"FaultTolerance.register_state: {name!r} has no state_dict")
-        self._states[name] = obj
+        self._live.register(name, obj, self._sharded)
 
     def _add_sharded(self, obj: Any) -> None:
         """Take part ``obj`` (a ``ZeroRedundancyOptimizer`` or ``FullyShardedDataParallel``).
@@ -152,14 +152,11 @@ class FaultTolerance:
         handed back to ``_ft_write``, then ``_ft_prepare()`` runs before the
         vote and ``_ft_finish(committed)`` after it; ``_ft_reshard()`` runs
         on every member at the first step after each change of membership.
+        ``_ft_live()`` goes with the live state to a joiner, whose object
+        takes it in ``_ft_take_live()``.
         """
         self._sharded.append(obj)
-        for name, st in list(self._states.items()):
-            how = obj._ft_adopts(st)
-            if how == "whole":
-                del self._states[name]
-            elif how == "options":
-                self._adopted.add(name)
+        self._live.adopt(obj)
 
     def attach(self, params: list[Tensor]) -> None:
         """The parameters whose gradients :meth:`commit` averages (DDP calls this)."""
@@ -336,6 +333,7 @@ class FaultTolerance:
     def close(self) -> None:
         """Leave: close the connections (the others go on without this rank)."""
         self._drop_mesh()
+        sweep()  # shared-memory files of members that died before sharing them
         self._mesh.close(self._qid)
         with contextlib.suppress(*_FAILURES):
             if self._last is not None:  # in case the first member died before sending it
@@ -404,38 +402,16 @@ class FaultTolerance:
 
     # -- live state --------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "step": self.step,
-            "rng": default_generator().get_state(),
-            "objects": {n: self._object_state(n, o) for n, o in self._states.items()},
-        }
-        if self.sampler is not None:
-            out["sampler"] = self.sampler.state_dict()
-        return out
-
-    def _object_state(self, name: str, obj: Any) -> Any:
-        sd = obj.state_dict()
-        if name in self._adopted:  # the sharded object carries the state itself
-            return {"state": {}, "param_groups": sd["param_groups"]}
-        return sd
-
     def _send_state(self, rid: int) -> None:
-        buf = io.BytesIO()
-        save(self._state(), buf)
+        payload = self._live.pack(self.step, self.sampler, self._sharded)
         sock = connect(self._addrs[rid], self.timeout)
         with sock:
-            send_frame(sock, {"kind": "heal", "id": self.id, "step": self.step}, buf.getvalue())
+            send_frame(sock, {"kind": "heal", "id": self.id, "step": self.step}, payload)
             recv_frame(sock)  # the joiner's acknowledgement
 
     def _receive_state(self) -> None:
         sock, payload = self._take(("heal",))
-        state = load(io.BytesIO(bytes(payload)))
-        default_generator().set_state(state["rng"])
-        for name, obj in self._states.items():
-            obj.load_state_dict(state["objects"][name])
-        if self.sampler is not None and "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
+        if self._live.unpack(bytes(payload), self.sampler, self._sharded):
             self.sampler.reshard(self.world_size, self.rank, consumed=0)
             self._iter, self._committed = None, 0
         with sock:
@@ -475,7 +451,7 @@ class FaultTolerance:
             self._shm_qid = self._qid
             socks = {self.members.index(m): s for m, s in mesh.items()}
             gather = self._gather_infos
-            self._shm = setup(gather, self.rank, socks, flat.nbytes, self.timeout)
+            self._shm = setup(gather, self.rank, socks, flat.nbytes, self.timeout, self._point)
         if self._shm is not None:
             mid = functools.partial(self._point, "mid_allreduce")
             self._heads = self._shm.all_reduce(flat, self._header(), mid)

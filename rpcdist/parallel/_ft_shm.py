@@ -27,6 +27,14 @@ peer that dies after it leaves its reduced part in its segment, which the
 others still map), and the step commits without the coordinator, unless a
 member's header asked for it (a rank waits to join, ...). See
 ``docs/fault-tolerance.md``.
+
+A segment's file is named ``rpcdist-ft-<pid namespace>-<pid>-<random>``
+and unlinked once every member mapped it (or gave up). A member killed
+between creating its file and the exchange that tells the others its name
+leaves a file nobody knows of: every member's :func:`setup` first unlinks
+the files of its pid namespace whose process is gone (:func:`sweep`), so
+the survivors' next quorum removes it, and so does every member's
+``FaultTolerance.close()`` (a lone survivor sets up no other quorum).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import numpy as np
 from .._errors import WorkerLostError
 from ..collectives._shm import _attach, _create, _unlink
 
-__all__ = ["HEAD_WORDS", "MAX_SAMPLES", "ShmGroup", "StalledError", "setup"]
+__all__ = ["HEAD_WORDS", "MAX_SAMPLES", "ShmGroup", "StalledError", "setup", "sweep"]
 
 _DIR = "/dev/shm"
 _CTRL = 16384
@@ -60,6 +68,7 @@ MAX_SAMPLES = _HEADER - HEAD_WORDS
 #: member's vector itself, after one sync; larger vectors take two syncs a round.
 LOCAL_BYTES = 4 << 20
 _GONE = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
+_PREFIX = "rpcdist-ft-"
 
 
 class StalledError(WorkerLostError):
@@ -256,20 +265,24 @@ def setup(
     socks: dict[int, socket.socket],
     nbytes: int,
     timeout: float,
+    point: Callable[[str], None] | None = None,
 ) -> ShmGroup | None:
     """Map every member's segment (collective over the mesh), or None on every member
     when one of them cannot (another host, another network namespace, no ``/dev/shm``,
     ``RPCDIST_FT_SHM=0`` in its environment).
 
     ``gather(info)`` returns every member's ``info`` in member order; ``socks`` are the
-    peers' mesh connections by member index.
+    peers' mesh connections by member index; ``point("shm_created")`` runs once this
+    member's file exists, before the first exchange (tests place faults there).
 
     Raises:
         WorkerLostError, OSError: a member failed during the exchange.
     """
     slot = _slot_bytes(nbytes)
     size = _CTRL + _SLOTS * slot
-    name = f"rpcdist-ft-{os.getpid()}-{secrets.token_hex(6)}"
+    ns = _pid_namespace()
+    sweep(ns)
+    name = f"{_PREFIX}{ns}-{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(_DIR, name)
     nonce = secrets.token_bytes(8)
     maps: dict[int, Any] = {}
@@ -285,6 +298,8 @@ def setup(
         bell.bind(_address(name))
     except OSError:
         ok = False
+    if point is not None and rank in maps:
+        point("shm_created")
     try:
         infos = gather({"name": name, "nonce": nonce.hex(), "size": size, "ok": ok})
         peers = [(q, i) for q, i in enumerate(infos) if q != rank]
@@ -312,6 +327,50 @@ def setup(
 
 def _address(name: str) -> bytes:
     return b"\0" + name.encode()
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0 if ``/proc`` cannot tell): a pid in
+    a file's name means something only there."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) has ended: no such process, or
+    a zombie (killed, its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return state in ([b"Z"], [b"X"])
+
+
+def sweep(ns: int | None = None) -> list[str]:
+    """Unlink the segment files of pid namespace ``ns`` (default: this process's) whose
+    process has ended (see the module doc); the names removed. Nothing without a
+    namespace to check (``ns`` 0)."""
+    ns = _pid_namespace() if ns is None else ns
+    if not ns:
+        return []
+    try:
+        names = os.listdir(_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        parts = name.removeprefix(_PREFIX).split("-")
+        if not name.startswith(_PREFIX) or len(parts) != 3 or parts[0] != str(ns):
+            continue
+        if parts[1].isdigit() and _gone(int(parts[1])):
+            _unlink(os.path.join(_DIR, name))
+            removed.append(name)
+    return removed
 
 
 def _attach_peers(

@@ -73,6 +73,12 @@ class ZeroFaultTolerance:
     def _ft_write(self, avg: np.ndarray[Any, Any]) -> None:
         pass
 
+    def _ft_live(self) -> None:
+        return None  # its whole state is sharded (re-sharded, not sent)
+
+    def _ft_take_live(self, live: None) -> None:
+        pass
+
     def _ft_reshard(self) -> None:
         zero, params = self.zero, self.zero._params
         held, scalars = self._held()

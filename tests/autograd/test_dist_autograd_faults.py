@@ -13,6 +13,7 @@ from agent_support import contexts_settled
 import rpcdist
 import rpcdist.autograd as dist_autograd
 from rpcdist import AutogradError, RpcOptions
+from rpcdist.autograd._context import IdMaker, creator_of
 from rpcdist.tensor import Tensor
 from rpcdist.testing import as_current, local_agents
 
@@ -134,6 +135,38 @@ def test_a_live_creator_keeps_its_contexts_when_a_link_ends(agents):
             assert np.array_equal(
                 rpcdist.rpc_sync("worker1", af.grads_here, args=(cid,))["w"], np.ones(3)
             )
+
+
+def test_contexts_a_restarted_creator_does_not_hold_are_freed(agents):
+    """worker1 holds a context of rank 0 that rank 0 does not hold (as when
+    rank 0 was lost and a new process took its rank in a dynamic group): the
+    ping after the lease answers that rank 0 holds it no longer, and it is
+    freed; rank 0's live context, asked in the same ping, is kept."""
+    a, b, _ = agents
+    ext_b = b.registry.extensions["autograd"]
+    ext_b.lease = 0.2
+    stale = ext_b.context(ext_b.ids.new() & ((1 << 48) - 1))  # (rank 0's bits)
+    assert creator_of(stale.id) == 0
+    with as_current(a):
+        x = Tensor(np.ones(3), requires_grad=True)
+        with dist_autograd.context() as cid:
+            rpcdist.rpc_sync("worker1", af.scale, args=(x,))
+            assert b.statistics()["autograd_contexts"] == 2
+            b.loop.call_soon_threadsafe(b.peer_lost, 0)
+            end = time.monotonic() + 10
+            while time.monotonic() < end and b.statistics()["autograd_contexts"] != 1:
+                time.sleep(0.02)
+            assert ext_b.holding([stale.id, cid]) == [cid]
+            assert stale.released
+
+
+def test_a_restarted_worker_makes_other_context_ids():
+    """Two processes of one rank (a worker and its restarted successor) start
+    their counters at random points: their ids do not meet."""
+    first, second = IdMaker(3), IdMaker(3)
+    ids = [first.new() for _ in range(1000)]
+    assert {creator_of(i) for i in ids} == {3} and ids == sorted(ids)
+    assert not set(ids) & {second.new() for _ in range(1000)}
 
 
 def test_a_local_error_while_a_gradient_message_is_out_abandons_that_call(agents):

@@ -17,7 +17,10 @@ on the last member, its ``consolidate_state_dict`` at the end). FSDP also
 appends ``step q:sha256 ...`` for each padded slice it holds to
 ``OUT/slices<id>.log`` after every committed step, and takes
 ``FT_MP`` (``float16``, ``bfloat16``) as its ``mixed_precision`` and
-``FT_STRATEGY`` as its ``sharding_strategy``.
+``FT_STRATEGY`` as its ``sharding_strategy``; with ``FT_BUFFERS=1`` its
+module has two buffers: ``stats`` (drawn from the rank's own seed, as its
+parameters) and ``tracked`` (a count of committed steps, as BatchNorm's
+``num_batches_tracked``), saved with the full parameters.
 """
 
 from __future__ import annotations
@@ -136,12 +139,15 @@ def main(argv: list[str]) -> int:
     mode = os.environ.get("FT_MODE", "ddp")
     # Each rank's model differs on purpose: the first quorum heals them from the lowest id.
     net: nn.Module
+    tracked = rt.tensor(np.zeros(1))  # (FT_BUFFERS): +1 at each committed step
     if mode == "fsdp":
         mp = os.environ.get("FT_MP") or None  # mixed_precision: float16, bfloat16
         strategy = os.environ.get("FT_STRATEGY", "full_shard")
-        net = FSDP(
-            model(me + 1), sharding_strategy=strategy, mixed_precision=mp, fault_tolerance=ft
-        )
+        m = model(me + 1)
+        if os.environ.get("FT_BUFFERS") == "1":
+            m.register_buffer("stats", rt.tensor(np.random.default_rng(me).standard_normal(5)))
+            m.register_buffer("tracked", tracked)
+        net = FSDP(m, sharding_strategy=strategy, mixed_precision=mp, fault_tolerance=ft)
     else:
         net = DDP(model(me + 1), fault_tolerance=ft)
     opt_class, options, key = OPTIMIZERS[os.environ.get("FT_OPT", "sgd")]
@@ -166,6 +172,7 @@ def main(argv: list[str]) -> int:
         loss.backward()
         if ft.commit():
             opt.step()
+            tracked.data += 1.0
             log.write(
                 f"{ft.step} {','.join(map(str, ft.members))} {digest(net.module) if mode != 'fsdp' else '-'} {float(loss.item())!r}\n"
             )

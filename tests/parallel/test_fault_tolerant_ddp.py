@@ -26,7 +26,7 @@ import pytest
 
 import rpcdist
 import rpcdist.tensor as rt
-from rpcdist.parallel import FaultToleranceCoordinator
+from rpcdist.parallel import FaultToleranceCoordinator, _ft_shm
 
 pytestmark = pytest.mark.multiprocess
 
@@ -198,6 +198,61 @@ def test_kill_one_of_three_mid_step(tmp_path, monkeypatch, point, shm):
     redo = [e for e in coord.events if e[1] == "redo"]
     assert len(redo) == 1
     assert all(rpcdist.load(str(tmp_path / f"rank{r}.npz"))["shm"] == shm for r in (0, 2))
+
+
+def shm_files(pid: int) -> list[str]:
+    """The fault-tolerant shared-memory files in ``/dev/shm`` named with ``pid``."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith("rpcdist-ft-") and f"-{pid}-" in n]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_member_killed_before_it_shares_its_segment_leaves_no_file(tmp_path, world):
+    """Rank 1 is killed (-9) between creating its ``/dev/shm`` file and the exchange that
+    tells the others its name (the first quorum's setup): nobody else knows the file, yet
+    it is unlinked, its process being gone: by the survivors' next quorum (its setup), or
+    (one survivor: no other quorum) by the survivor's ``close()``."""
+    survivors = [r for r in range(world) if r != 1]
+    with job(tmp_path, world, steps=8) as ranks:
+        for r in range(world):
+            ranks.start(r, kill="0:shm_created" if r == 1 else None)
+        ranks.marker(1, 0)
+        pid = int((tmp_path / "kill1-0").read_text())
+        assert len(shm_files(pid)) == 1  # created, its name known only to rank 1
+        ranks.signal(1, signal.SIGKILL)
+        ranks.wait(survivors)  # (rank 1 not reaped yet: a zombie)
+        coord = ranks.coord
+    assert [m for m, _ in coord.commits[0][1]] == survivors  # step 1 redone without it
+    assert len(coord.commits) == 8
+    check_survivors(tmp_path, survivors, coord)
+    shm = [int(rpcdist.load(str(tmp_path / f"rank{r}.npz"))["shm"]) for r in survivors]
+    assert shm == [int(world > 2)] * len(survivors)  # alone: no shared memory
+    assert shm_files(pid) == []
+
+
+def test_the_sweep_unlinks_only_files_of_ended_processes_of_its_namespace():
+    """A live process's file stays, and so does one named in another pid namespace
+    (its pid means nothing here); an ended process's goes."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    ns = _ft_shm._pid_namespace()
+    if not ns or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs /dev/shm and /proc")
+    names = [
+        f"rpcdist-ft-{ns}-{os.getpid()}-live",
+        f"rpcdist-ft-{ns}-{done.pid}-gone",
+        f"rpcdist-ft-{ns + 1}-{done.pid}-othernamespace",
+    ]
+    paths = [Path("/dev/shm", n) for n in names]
+    try:
+        for p in paths:
+            p.touch()
+        removed = _ft_shm.sweep(ns)  # (and any other job's leftovers)
+        assert names[1] in removed and not {names[0], names[2]} & set(removed)
+        assert [p.exists() for p in paths] == [True, False, True]
+    finally:
+        for p in paths:
+            p.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(180)

@@ -149,10 +149,20 @@ def replace_rank_two(tmp_path: Path) -> Any:
 def test_a_replacement_receives_its_shards_from_the_survivors(
     tmp_path, monkeypatch, mode, opt_name
 ):
+    """FSDP's module also has buffers (``FT_BUFFERS``): the replacement takes them with
+    the live state, bit for bit (the count of committed steps it missed included),
+    and at the first quorum ranks 1 and 2 take rank 0's (each drew its own)."""
     monkeypatch.setenv("FT_MODE", mode)
     monkeypatch.setenv("FT_OPT", opt_name)
+    monkeypatch.setenv("FT_BUFFERS", "1")
     coord = replace_rank_two(tmp_path)
-    check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, opt_name)  # full parameters: bit for bit
+    # Full parameters (and FSDP's buffers): bit for bit.
+    a, b = check_replacement(tmp_path, coord, 3, [0, 1, 2], 2, opt_name)
+    if mode == "fsdp":
+        first = np.random.default_rng(0).standard_normal(5)  # rank 0's, as drawn
+        for saved in (a, b):
+            np.testing.assert_array_equal(saved["params"]["stats"], first)
+            np.testing.assert_array_equal(saved["params"]["tracked"], [len(coord.commits)])
     oracle, opt = replay_with_optim(coord.commits, opt_name)
     check_shards(tmp_path, mode, [0, 1, 2], oracle, opt, fw.OPTIMIZERS[opt_name][2])
 
