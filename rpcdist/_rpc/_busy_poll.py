@@ -141,12 +141,12 @@ class BusyPoll:
         A host crowded as the wait begins, as it was at the last look before
         (a thread that runs for a moment is not seen twice running), is not
         polled at all: the peer this thread just wrote to was woken on its
-        core (a socket's wake-up asks the scheduler for that), and a thread
-        that spins there instead of sleeping is preempted by it and then
-        queues behind the host's other work for the reply, instead of being
-        woken for it. Once polling, the host must stay crowded for
-        :data:`CROWDED_FOR` (a thread that runs for a moment does not end
-        the poll)."""
+        core (a socket's wake-up asks the scheduler for that), where the
+        spin only takes CPU from it and from the host's other work, and a
+        thread that used more than its share waits longer for a core when it
+        is woken (docs/design.md, "Polling before sleeping"). Once polling,
+        the host must stay crowded for :data:`CROWDED_FOR` (a thread that
+        runs for a moment does not end the poll)."""
         self.polls += 1
         was, self._crowded = self._crowded, crowded()
         if was and self._crowded:  # (before anything else: no more syscalls)
