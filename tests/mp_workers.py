@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import rpc_funcs as rf
@@ -70,7 +71,12 @@ def busy_poll_counters():
 def busy_polling(rank, world_size, init_method, busy_poll_us):
     """Rank 0 makes 200 quick blocking calls to rank 1, then 5 that each take
     20 ms; it returns its busy-polling counters after the quick calls, the
-    callee's, and its own before and after the slow calls."""
+    callee's, and its own before and after the slow calls (the host's load
+    is left out: other tests may share its cores, and a crowded host is
+    not polled)."""
+    from rpcdist._rpc import _busy_poll
+
+    _busy_poll.crowded = lambda: False
     rpcdist.init_rpc(
         f"w{rank}",
         rank,
@@ -90,6 +96,56 @@ def busy_polling(rank, world_size, init_method, busy_poll_us):
         slow = [rpcdist.rpc_sync("w1", rf.sleep_then, args=(0.02, i)) for i in range(5)]
         assert slow == list(range(5))
         return after_quick, callee, before_slow, busy_poll_counters()
+    finally:
+        rpcdist.shutdown()
+
+
+def thread_switches() -> dict[int, tuple[str, int, int]]:
+    """``native id -> (name, voluntary, involuntary)`` context switches of
+    each Python thread of this process (``/proc``)."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # (it ended meanwhile)
+            continue
+        vol, invol = (
+            int(fields[k]) for k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+        )
+        out[t.native_id or 0] = (t.name, vol, invol)
+    return out
+
+
+def _switched(before, after) -> dict[int, tuple[str, int, int]]:
+    return {
+        tid: (name, vol - before[tid][1], invol - before[tid][2])
+        for tid, (name, vol, invol) in after.items()
+        if tid in before
+    }
+
+
+def served_calls_wake_no_other_thread(rank, world_size, init_method, calls):
+    """Rank 0 makes ``calls`` quick blocking calls to rank 1 from its main
+    thread; returns how long they took, the calls that took the caller's own
+    connection, the calling thread's native id and each side's context
+    switches per thread meanwhile."""
+    rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=60)
+    try:
+        if rank != 0:
+            return None
+        for i in range(100):  # (the connection and its serving thread are up)
+            rpcdist.rpc_sync("w1", rf.add, args=(i, 1))
+        mine, theirs = thread_switches(), rpcdist.rpc_sync("w1", thread_switches)
+        direct = rpcdist.statistics()["direct_sync_calls"]
+        t = time.monotonic()
+        for i in range(calls):
+            rpcdist.rpc_sync("w1", rf.add, args=(i, 1))
+        took = time.monotonic() - t
+        direct = rpcdist.statistics()["direct_sync_calls"] - direct
+        mine2, theirs2 = thread_switches(), rpcdist.rpc_sync("w1", thread_switches)
+        caller = threading.get_native_id()
+        return took, direct, caller, _switched(mine, mine2), _switched(theirs, theirs2)
     finally:
         rpcdist.shutdown()
 

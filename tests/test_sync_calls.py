@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -400,6 +401,91 @@ def test_a_polling_thread_gives_its_core_back_when_the_host_is_crowded():
     polls, hits, yields = run_workers(mp_workers.busy_polling_on_a_crowded_host, 2, timeout=90)[0]
     assert polls > 0
     assert (hits, yields) == (0, polls)  # (hits == polls when the loop ignores the host)
+
+
+class _Link:
+    """What a poller uses of a link: bytes wait after ``ready`` looks."""
+
+    _fd = -1
+
+    def __init__(self, ready: int) -> None:
+        self.looks = 0
+        self.ready = ready
+
+    def readable(self) -> bool:
+        self.looks += 1
+        return self.looks > self.ready
+
+    def read_blocking(self, until) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("host", "looks"),
+    [
+        ("quiet", [4, 4, 4]),
+        # Seen crowded once (a thread that ran for a moment): that wait polls.
+        ("crowded at the first look", [4, 4, 4]),
+        ("crowded", [4, 0, 0]),
+    ],
+)
+def test_a_wait_that_begins_on_a_crowded_host_sleeps_at_once(monkeypatch, host, looks):
+    """A thread that polls where every core is wanted is preempted by the
+    peer it just woke and then queues for the reply behind the host's other
+    work: on a host still crowded when a wait begins, the wait does not look
+    at its socket even once before it sleeps."""
+    from rpcdist._rpc import _busy_poll
+
+    seen = {"quiet": [], "crowded at the first look": [True]}.get(host)
+    monkeypatch.setattr(_busy_poll, "crowded", lambda: seen.pop(0) if seen else seen is None)
+    loop = asyncio.new_event_loop()
+    try:
+        poller = _busy_poll.BusyPoll(1.0, _Inflight(), loop, _busy_poll.ProcessGil())
+        got = []
+        for _ in looks:
+            link = _Link(ready=3)
+            assert poller.wait(link, None, time.monotonic() + 1.0)
+            got.append(link.looks)
+        poller.stop_watching()
+    finally:
+        loop.close()
+    assert got == looks
+    assert poller.polls == len(looks)
+    assert poller.hits == sum(1 for n in looks if n)
+
+
+class _Inflight:
+    inflight = 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_served_call_wakes_only_the_caller_and_the_serving_thread():
+    """A quick blocking call costs one wake-up on each side, and no more:
+    the callee's loop, its handler pool and the caller's loop sleep through
+    it (a thread woken per call would wake ``calls`` times), and neither
+    the caller nor the serving thread waits twice in a call (for a lock, the
+    GIL, another thread). Other threads still wake on their timers
+    (heartbeats), hence the allowance per second; loaded hosts add
+    involuntary switches, which are not counted."""
+    import mp_workers
+
+    calls = 1500
+    took, direct, caller, mine, theirs = run_workers(
+        mp_workers.served_calls_wake_no_other_thread, 2, args=(calls,), timeout=100
+    )[0]
+    assert direct == calls
+    (server,) = [tid for tid, (name, _, _) in theirs.items() if name.startswith("rpcdist-sync-")]
+    others = {
+        f"{side}:{name}": vol + invol
+        for side, switches, busy in (("caller", mine, caller), ("callee", theirs, server))
+        for tid, (name, vol, invol) in switches.items()
+        if tid != busy
+    }
+    allowance = 25 + 40 * took
+    assert sum(others.values()) <= allowance, others
+    assert mine[caller][1] <= 1.5 * calls + allowance
+    assert theirs[server][1] <= 1.5 * calls + allowance
 
 
 @pytest.mark.parametrize(

@@ -314,8 +314,9 @@ def statistics() -> dict[str, int]:
     Counters: ``calls_sent``, ``calls_handled``, ``direct_sync_calls``,
     ``busy_polls``, ``busy_poll_hits`` and ``busy_poll_yields`` (waits on
     those calls' connections, at either end, that began by polling, those
-    whose bytes came meanwhile, and those that stopped polling because bytes
-    came for another thread of the worker: ``RpcOptions.busy_poll_us``),
+    whose bytes came meanwhile, and those that stopped polling, or did not
+    start, because bytes came for another thread of the worker or the host
+    was crowded: ``RpcOptions.busy_poll_us``),
     ``heartbeats_sent``,
     ``collectives_completed``, ``collectives_failed``, ``cuda_ipc_sent``, ``cuda_ipc_received`` and others. ``debug_info()``
     says more about what is outstanding.

@@ -81,7 +81,8 @@ class BusyPoll:
         self._activity = activity
         self._process = process
         #: Waits that began by polling, those whose bytes came meanwhile, and
-        #: polls cut short because bytes came for another thread of this agent.
+        #: polls cut short (or not begun) because bytes came for another
+        #: thread of this agent or the host was crowded.
         self.polls = 0
         self.hits = 0
         self.yields = 0
@@ -91,6 +92,9 @@ class BusyPoll:
         #: its kind was that short (a step's long and short calls alternate
         #: on one connection).
         self._last_was_short: dict[tuple[int, str], bool] = {}
+        #: Whether the host was crowded at the last look that began a poll
+        #: or ended one (see :meth:`_poll`).
+        self._crowded = False
         #: What the agent's other threads wait on: the loop's selector and the
         #: connections served by threads (see :meth:`wait`).
         self.others: Any = None
@@ -132,8 +136,22 @@ class BusyPoll:
 
     def _poll(self, link: Any, spin_end: float) -> None:
         """Poll ``link`` until it is readable, ``spin_end``, or another thread
-        of this worker (its GIL) or of the host (a core) needs what this takes."""
+        of this worker (its GIL) or of the host (a core) needs what this takes.
+
+        A host crowded as the wait begins, as it was at the last look before
+        (a thread that runs for a moment is not seen twice running), is not
+        polled at all: the peer this thread just wrote to was woken on its
+        core (a socket's wake-up asks the scheduler for that), where the
+        spin only takes CPU from it and from the host's other work, and a
+        thread that used more than its share waits longer for a core when it
+        is woken (docs/design.md, "Polling before sleeping"). Once polling,
+        the host must stay crowded for :data:`CROWDED_FOR` (a thread that
+        runs for a moment does not end the poll)."""
         self.polls += 1
+        was, self._crowded = self._crowded, crowded()
+        if was and self._crowded:  # (before anything else: no more syscalls)
+            self.yields += 1
+            return
         readable, others, clock = link.readable, self.others.poll, time.monotonic
         own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
         since = 0.0  # when the host was first seen crowded (0: it is not)
@@ -145,6 +163,7 @@ class BusyPoll:
                 since = (since or now) if crowded() else 0.0
                 if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
                     self.yields += 1
+                    self._crowded = bool(since)
                     return
             if now >= spin_end:
                 return

@@ -3,11 +3,12 @@
 A thread that polls a socket instead of sleeping holds a core. Where every
 core is wanted (a peer's parallel kernel, other processes), that core is
 taken from work that needs it, and a parallel kernel whose threads wait for
-each other is slowed by far more than the core's share. So a polling
-thread stops as soon as more threads are runnable on this host than it has
-cores (``/proc/loadavg``'s fourth field counts them, the poller included)
-for :data:`CROWDED_FOR`: a thread that runs for a moment (a timer, another
-process's loop) does not count.
+each other is slowed by far more than the core's share. So a thread does
+not start polling while more threads are runnable on this host than it has
+cores (``/proc/loadavg``'s fourth field counts them, the poller included),
+and a polling thread stops once they have been for :data:`CROWDED_FOR`: a
+thread that runs for a moment (a timer, another process's loop) does not
+end a poll.
 
 "Its cores" are the CPUs this process may use (:func:`cpu_allowance`), not
 the host's: a container limited to 2 CPUs on a 64-core host is crowded by
