@@ -1,5 +1,6 @@
 """Framing: chunking, coalescing and reassembly, without sockets."""
 
+import time
 from collections import deque
 
 import numpy as np
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcdist import ProtocolError
+from rpcdist._proto import rpc_pb2
 from rpcdist._transport._frames import (
     _LEN,
     CALL,
@@ -158,3 +160,46 @@ def test_truncated_or_mutated_messages_are_protocol_errors(data):
             Reassembler().feed(candidate)
         except ProtocolError:
             pass
+
+
+def test_a_deadline_travels_as_the_time_left():
+    q = deque([OutMessage(CALL, "f", b"h", [], id=3, deadline=time.monotonic() + 5.0)])
+    (frame,) = _envelope(pack_batch(q, 1 << 16, 1 << 16)).frames
+    assert 4_000_000 < frame.timeout_us <= 5_000_000
+    q = deque([OutMessage(CALL, "f", b"h", [], id=4, deadline=time.monotonic() - 5.0)])
+    assert _envelope(pack_batch(q, 1 << 16, 1 << 16)).frames[0].timeout_us == 1
+
+
+def _envelope(data):
+    (n,) = _LEN.unpack_from(data, 0)
+    return parse_envelope(memoryview(data)[4 : 4 + n])
+
+
+def test_whole_messages_among_chunks_of_a_large_one_arrive_whole_and_in_order():
+    big = bytes(range(256)) * 40
+    q = deque(
+        [
+            OutMessage(CALL, "a", b"1", [memoryview(b"xyz")], id=1),
+            OutMessage(CALL, "big", b"2", [memoryview(big)], id=2),
+            OutMessage(CALL, "c", b"3", [], id=3),
+        ]
+    )
+    r, got = Reassembler(), []
+    while q:
+        got += r.feed(pack_batch(q, 1 << 16, 4096))
+    assert [(m.method, [bytes(b) for b in m.buffers]) for m in got] == [
+        ("a", [b"xyz"]),
+        ("big", [big]),
+        ("c", []),
+    ]
+    assert r.pending() == 0
+
+
+def test_a_whole_message_reusing_the_id_of_one_being_received_is_a_protocol_error():
+    frames = [
+        rpc_pb2.Frame(id=9, kind=CALL, first=True, method="f", buffer_sizes=[8], data_len=4),
+        rpc_pb2.Frame(id=9, kind=CALL, first=True, last=True, method="g"),
+    ]
+    env = rpc_pb2.Batch(frames=frames).SerializeToString()
+    with pytest.raises(ProtocolError, match="started twice"):
+        Reassembler().feed(_LEN.pack(len(env)) + env + b"abcd")

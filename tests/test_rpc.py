@@ -269,6 +269,24 @@ def test_a_call_sent_from_the_calling_thread_still_times_out_on_time(agents2, ti
         rf.release.set()
 
 
+@pytest.mark.parametrize("timeout", [0.3, 1.6])
+def test_a_call_the_loop_sends_still_times_out(agents2, timeout):
+    """With a call in flight the next goes through the loop, which arms its
+    timer at once when the deadline is near (0.3 s), else at its next sweep
+    (1.6 s): either way the call fails with its own timeout."""
+    a, _ = agents2
+    assert a.rpc_async(1, rf.no_args).wait(10) == "ok"
+    rf.release.clear()
+    try:
+        first = a.rpc_async(1, rf.held, args=("first",), timeout=60)
+        fut = a.rpc_async(1, rf.held, timeout=timeout)
+        with pytest.raises(RpcTimeoutError, match="rpc_funcs:held"):
+            fut.wait(30)  # (not its own timeout: "Future not complete")
+    finally:
+        rf.release.set()
+    assert first.wait(30) == "first"
+
+
 def test_deadline_travels_with_nested_calls(agents3):
     a, _, _ = agents3
     rf.nested_probe_done.clear()

@@ -84,6 +84,27 @@ def test_small_messages_arrive_in_order_and_coalesced():
     asyncio.run(go())
 
 
+def test_small_messages_sharing_batches_with_chunks_of_large_ones_arrive_whole_in_order():
+    # Whole messages and chunks in one envelope; payloads split across reads.
+    rng = np.random.default_rng(2)
+    bufs = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in rng.integers(0, 3000, 400)]
+    bufs[100] = bufs[300] = rng.integers(0, 255, 300_000, dtype=np.uint8)
+
+    async def go():
+        p = _Pair(asyncio.get_running_loop(), chunk_bytes=20_000, batch_bytes=64 << 10)
+        for i, b in enumerate(bufs, 1):
+            p.a.send(_msg(i, b, header=struct.pack("<I", i)))
+        got = await p.wait_for("b", len(bufs))
+        assert [m.id for m in got] == list(range(1, len(bufs) + 1))
+        assert [struct.unpack("<I", m.header)[0] for m in got] == [m.id for m in got]
+        for m, b in zip(got, bufs):
+            assert np.array_equal(np.frombuffer(m.buffers[0], np.uint8), b)
+        assert p.b._reasm.pending() == 0
+        await p.close()
+
+    asyncio.run(go())
+
+
 def test_large_payloads_both_ways_at_once_do_not_deadlock():
     # Far beyond the socket buffers: both writers park while both readers drain.
     x = np.random.default_rng(0).integers(0, 255, 48 << 20, dtype=np.uint8)

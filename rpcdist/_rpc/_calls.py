@@ -39,10 +39,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Calls", "send_control"]
 
-#: How often the loop arms the timers of calls user threads sent themselves.
+#: How often the loop arms the timers of calls whose deadlines are not near.
 _ARM_PERIOD = 0.25
-#: A directly sent call whose deadline is nearer than this wakes the loop to
-#: arm its timer at once; later deadlines wait for the next sweep.
+#: A call whose deadline is nearer than this gets its timer at once (a
+#: directly sent one wakes the loop for it); later deadlines wait for the
+#: next sweep, so that most calls, answered before it, never get one.
 _ARM_AT_ONCE = 4 * _ARM_PERIOD
 
 
@@ -72,8 +73,8 @@ class Calls:
         self.ids = itertools.count(1)
         #: Calls user threads handed to the loop that it has not sent yet.
         self._queued = 0
-        #: Calls user threads sent themselves whose timers the loop has not
-        #: armed yet; drained every ``_ARM_PERIOD``.
+        #: Calls whose timers the loop has not armed yet (their deadlines
+        #: are not near); drained every ``_ARM_PERIOD``.
         self._to_arm: collections.deque[int] = collections.deque()
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -186,13 +187,13 @@ class Calls:
         return True
 
     def _arm(self, call_id: int) -> None:
-        """On the loop, after :meth:`_send_now`: start the call's timer."""
+        """On the loop, after the call was sent: start its timer (if still pending)."""
         p = self._pending.get(call_id)
         if p is not None and p.timer is None and p.deadline is not None:  # not answered yet
             p.timer = self._loop.call_at(p.deadline, self._expire, call_id)
 
     def _sweep(self) -> None:
-        """Every ``_ARM_PERIOD`` on the loop: arm the timers of direct calls."""
+        """Every ``_ARM_PERIOD`` on the loop: arm the timers of calls still pending."""
         while self._to_arm:
             self._arm(self._to_arm.popleft())
         if not self._agent.closed:
@@ -211,12 +212,14 @@ class Calls:
             )
             return
         call_id = msg.id = next(self.ids)
-        timer = None
-        if msg.deadline is not None:
-            timer = self._loop.call_at(msg.deadline, self._expire, call_id)
-        p = _Pending(
-            fut, dst, msg.label or msg.method, msg.deadline, timer, time.monotonic(), msg.ordered
-        )
+        now = time.monotonic()
+        deadline, timer = msg.deadline, None
+        if deadline is not None:
+            if deadline - now > _ARM_AT_ONCE:
+                self._to_arm.append(call_id)  # the sweep arms it, if still pending
+            else:
+                timer = self._loop.call_at(deadline, self._expire, call_id)
+        p = _Pending(fut, dst, msg.label or msg.method, deadline, timer, now, msg.ordered)
         with self._lock:  # (inlined _add: this is the loop's path of every call)
             self._pending[call_id] = p
             if not p.ordered:

@@ -176,8 +176,9 @@ def pack_batch_parts(
             if m._off == b.nbytes:
                 m._buf += 1
                 m._off = 0
-        f.data_len = taken
-        budget -= taken
+        if taken:
+            f.data_len = taken
+            budget -= taken
         if m._buf >= len(m.buffers):
             f.last = True
             queue.popleft()
@@ -301,6 +302,10 @@ class Reassembler:
         pos = 4 + n
         done: list[InMessage] = []
         for f in batch.frames:
+            if m := self.whole(f, mv[pos:]):  # a small message: no bookkeeping
+                pos += f.data_len
+                done.append(m)
+                continue
             dest = self.start_frame(f)
             if f.data_len:
                 end = pos + f.data_len

@@ -606,6 +606,14 @@ class TcpLink(Link):
                 continue
             if self._frame_index < len(self._frames):
                 f = self._frames[self._frame_index]
+                staged = self._view[self._lo : self._hi]
+                if m := self._reasm.whole(f, staged):  # a small message: no bookkeeping
+                    self._lo += f.data_len
+                    self._frame_index += 1
+                    if self._frame_index == len(self._frames):
+                        self._frames, self._frame_index = [], 0
+                    self._deliver(m)
+                    continue
                 self._dest = self._reasm.start_frame(f)
                 self._need = f.data_len
                 if not self._need:
