@@ -131,7 +131,11 @@ def _deadline(agent: Agent) -> float | None:
 def _profiled(name: str) -> contextlib.AbstractContextManager[Any]:
     """A range ``name`` in torch's profile, where this thread records one."""
     if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-        return torch.autograd.profiler.record_function(name)
+        # (typed here: without torch installed, mypy sees ``Any``)
+        ranged: contextlib.AbstractContextManager[Any] = torch.autograd.profiler.record_function(
+            name
+        )
+        return ranged
     return contextlib.nullcontext()
 
 
