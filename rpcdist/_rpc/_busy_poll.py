@@ -92,8 +92,8 @@ class BusyPoll:
         #: its kind was that short (a step's long and short calls alternate
         #: on one connection).
         self._last_was_short: dict[tuple[int, str], bool] = {}
-        #: Whether the host was crowded at the last look that began a poll
-        #: or ended one (see :meth:`_poll`).
+        #: Whether the host was crowded at the last look of the last poll
+        #: (see :meth:`_poll`).
         self._crowded = False
         #: What the agent's other threads wait on: the loop's selector and the
         #: connections served by threads (see :meth:`wait`).
@@ -148,26 +148,29 @@ class BusyPoll:
         the host must stay crowded for :data:`CROWDED_FOR` (a thread that
         runs for a moment does not end the poll)."""
         self.polls += 1
-        was, self._crowded = self._crowded, crowded()
-        if was and self._crowded:  # (before anything else: no more syscalls)
+        if self._crowded and crowded():  # (before anything else: no more syscalls)
             self.yields += 1
             return
         readable, others, clock = link.readable, self.others.poll, time.monotonic
         own = getattr(link, "_fd", -1)  # (served links are in ``others`` too)
         since = 0.0  # when the host was first seen crowded (0: it is not)
         look = 0.0  # when to look at the other threads and the host next
-        while not readable():
-            now = clock()
-            if now >= look:  # (two more syscalls: not every round)
-                look = now + LOOK_EVERY
-                since = (since or now) if crowded() else 0.0
-                if any(fd != own for fd, _ in others(0)) or (since and now - since >= CROWDED_FOR):
-                    self.yields += 1
-                    self._crowded = bool(since)
+        try:
+            while not readable():
+                now = clock()
+                if now >= look:  # (two more syscalls: not every round)
+                    look = now + LOOK_EVERY
+                    since = (since or now) if crowded() else 0.0
+                    if any(fd != own for fd, _ in others(0)) or (
+                        since and now - since >= CROWDED_FOR
+                    ):
+                        self.yields += 1
+                        return
+                if now >= spin_end:
                     return
-            if now >= spin_end:
-                return
-        self.hits += 1
+            self.hits += 1
+        finally:
+            self._crowded = bool(since)  # (what the last look saw)
 
     def watch(self, fd: int) -> None:
         """Count ``fd``'s bytes as another thread's in :meth:`wait` (until it
