@@ -162,7 +162,10 @@ def group() -> Iterator[Group]:
 
 
 def _port_free(port: int) -> bool:
+    """No listener is left on ``port`` (connections it accepted may linger
+    in TIME_WAIT, as after any server: a new server binds with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
