@@ -10,7 +10,7 @@ import msgpack
 from .._errors import RpcdistError, SerializationError
 from . import _arrays, _builtins  # noqa: F401  (install their extensions)
 from ._errorpath import locate
-from ._extensions import STR_ERRORS, DecodeState, EncodeState
+from ._extensions import MARKS, STR_ERRORS, TUPLE, DecodeState, EncodeState
 
 __all__ = ["CODEC_VERSION", "decode", "encode"]
 
@@ -21,6 +21,12 @@ Buffer = bytes | bytearray | memoryview
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
 _STR_ERRORS = STR_ERRORS
+#: The headers of ``((), {})`` (the payload of a call without arguments) and
+#: of ``None`` (a reply without a value), the same bytes the general path
+#: writes: :func:`encode` returns them and :func:`decode` recognises them
+#: without running msgpack and its hooks (a no-op call's whole codec cost).
+EMPTY_CALL_HEADER: Final = _packb([MARKS[TUPLE], [MARKS[TUPLE]], {}])
+NONE_HEADER: Final = _packb(None)
 
 
 def encode(
@@ -47,6 +53,12 @@ def encode(
         RpcdistError: An extension encoder refused a value with an rpcdist
             error of another kind (e.g. ``RRefError``); it passes unchanged.
     """
+    if obj is None:
+        return NONE_HEADER, []
+    if type(obj) is tuple and len(obj) == 2:
+        args, kwargs = obj
+        if type(args) is tuple and not args and type(kwargs) is dict and not kwargs:
+            return EMPTY_CALL_HEADER, []
     state = EncodeState(allow_pickle, context)
     try:
         header = _packb(obj, default=state.default, strict_types=True, unicode_errors=_STR_ERRORS)
@@ -116,6 +128,11 @@ def decode(
         RpcdistError: An extension decoder raised an rpcdist error of another
             kind; it passes unchanged.
     """
+    if not buffers:
+        if header == EMPTY_CALL_HEADER:
+            return (), {}
+        if header == NONE_HEADER:
+            return None
     state = DecodeState(buffers, allow_pickle, context)
     try:
         obj = _unpackb(

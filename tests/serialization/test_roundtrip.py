@@ -6,13 +6,16 @@ import collections
 import math
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rpcdist._serialization as serialization
+from rpcdist._errors import SerializationError
 from rpcdist._serialization import CODEC_VERSION, decode, encode
+from rpcdist._serialization._extensions import DecodeState, EncodeState
 from rpcdist._worker import WorkerInfo
 
 from ._helpers import FUNCTIONS, Pair, Point, arrays, roundtrip, same, values
@@ -158,3 +161,42 @@ def test_public_names_are_documented() -> None:
         if callable(obj):
             assert obj.__doc__, name
     assert isinstance(CODEC_VERSION, int)
+
+
+def _general_header(value: object) -> bytes:
+    """``value``'s header as msgpack and the extension hooks write it."""
+    state = EncodeState(False, None)
+    return msgpack.packb(value, default=state.default, strict_types=True)  # type: ignore[no-any-return]
+
+
+def test_the_no_argument_call_and_none_keep_the_general_wire_format() -> None:
+    """The fast paths' constant headers are the bytes the hooks write, so a
+    peer decoding them the general way (an older worker) reads the same values."""
+    for value in [((), {}), None]:
+        header, buffers = encode(value)
+        assert header == _general_header(value) and buffers == []
+        state = DecodeState([], False, None)
+        general = msgpack.unpackb(header, ext_hook=state.ext_hook, list_hook=state.list_hook)
+        assert same(decode(header, []), value) and same(general, value)
+
+
+def test_near_misses_of_the_no_argument_call_take_the_general_path() -> None:
+    for value in [((1,), {}), ((), {"a": 1}), ([], {}), ((), collections.OrderedDict()), ((),)]:
+        assert same(roundtrip(value), value)
+        assert encode(value)[0] == _general_header(value)
+    assert type(roundtrip(Pair((), {}))) is Pair  # a registered tuple subclass keeps its type
+
+
+def test_each_no_argument_call_decodes_to_its_own_kwargs() -> None:
+    header, _ = encode(((), {}))
+    first = decode(header, [])
+    assert isinstance(first, tuple)
+    first[1]["x"] = 1  # a handler may keep or change the dict it was given
+    assert decode(memoryview(header), []) == ((), {})
+
+
+def test_a_fast_path_header_with_buffers_is_refused() -> None:
+    for value in [((), {}), None]:
+        header, _ = encode(value)
+        with pytest.raises(SerializationError, match="out-of-band buffers"):
+            decode(header, [memoryview(b"x")])
