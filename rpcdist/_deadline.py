@@ -9,7 +9,15 @@ import time
 
 from ._errors import ConfigError
 
-__all__ = ["UNSET", "Unset", "current_deadline", "deadline_for", "remaining"]
+__all__ = [
+    "UNSET",
+    "Unset",
+    "current_deadline",
+    "deadline_after",
+    "deadline_for",
+    "remaining",
+    "seconds_of",
+]
 
 
 class Unset(enum.Enum):
@@ -39,20 +47,35 @@ def deadline_for(timeout: float | Unset | None, default: float | None) -> float 
     Raises:
         ConfigError: ``timeout`` is negative, NaN or not a number.
     """
-    if timeout is UNSET:
-        timeout = default
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
-        if math.isnan(timeout) or timeout < 0:
-            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
-        if timeout == 0 or math.isinf(timeout):
-            timeout = None
-    own = None if timeout is None else time.monotonic() + timeout
+    return deadline_after(seconds_of(default if timeout is UNSET else timeout))
+
+
+def seconds_of(timeout: float | None) -> float | None:
+    """``timeout`` checked: its seconds, or ``None`` for no timeout of its
+    own (``None``, ``0`` or infinite); what :func:`deadline_after` takes.
+
+    Raises:
+        ConfigError: ``timeout`` is negative, NaN or not a number.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ConfigError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    if timeout == 0 or math.isinf(timeout):
+        return None
+    return timeout
+
+
+def deadline_after(seconds: float | None) -> float | None:
+    """:func:`deadline_for` of a timeout :func:`seconds_of` checked already
+    (an agent's default, checked once: every call's path)."""
     inherited = current_deadline.get()
-    if inherited is None:
-        return own
-    return inherited if own is None else min(own, inherited)
+    if seconds is None:
+        return inherited
+    own = time.monotonic() + seconds
+    return own if inherited is None or own < inherited else inherited
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -29,7 +29,7 @@ import importlib
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
-from .._deadline import UNSET, Unset, deadline_for
+from .._deadline import UNSET, Unset, deadline_after, deadline_for, seconds_of
 from .._errors import (
     ConfigError,
     NotInitializedError,
@@ -111,8 +111,9 @@ class Agent:
                 f"options must be an rpcdist.RpcOptions, got {type(options).__name__}"
             )
         self.options = (options or RpcOptions()).validated()
-        deadline_for(rpc_timeout, None)  # validates
+        #: The default timeout, and its checked seconds (each call reads them).
         self._rpc_timeout = rpc_timeout
+        self._timeout_s = seconds_of(rpc_timeout)  # validates
         self._spec = parse_init_method(init_method, rank, world_size, dynamic=True)
         self.options.check_store_host(self._spec.host, self._spec.rank)
         #: What peers may call here by name (see ``RpcOptions.callable_policy``).
@@ -232,7 +233,7 @@ class Agent:
 
     @rpc_timeout.setter
     def rpc_timeout(self, value: float | None) -> None:
-        deadline_for(value, None)
+        self._timeout_s = seconds_of(value)
         self._rpc_timeout = value
 
     @property
@@ -417,8 +418,11 @@ class Agent:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ConfigError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
         peer = self.worker(to)
-        method = self.function_name(func)
-        deadline = deadline_for(timeout, self._rpc_timeout)
+        method = name_of(func)
+        if timeout is UNSET:  # (the default, checked when it was set)
+            deadline = deadline_after(self._timeout_s)
+        else:
+            deadline = deadline_for(timeout, None)
         payload = (tuple(args), kwargs or {})
         msg = self.request(peer, method, payload, deadline=deadline, where=(args, kwargs))
         return peer, msg
