@@ -249,6 +249,8 @@ class Agent:
             WorkerLostError: it left the dynamic group, or was lost and taken
                 out of it.
         """
+        if type(to) is str and (w := self.workers.named(to)) is not None:
+            return w  # (the usual case first)
         if isinstance(to, WorkerInfo):
             w = self.workers.named(to.name)
             if w is None or w.id != to.id:

@@ -29,6 +29,7 @@ from .._errors import (
 )
 from .._futures import Future
 from .._serialization import decode, exception_from_wire
+from .._serialization._codec import NONE_HEADER
 from .._transport import Link
 from .._transport._frames import REPLY, InMessage, OutMessage
 from . import _doctor
@@ -150,14 +151,11 @@ class Calls:
         thread's calls keep their order). Returns False, having done nothing,
         when not taken.
         """
+        if self._queued or len(self._pending) > self._unordered:
+            return False  # in flight: the loop coalesces them (asked first: the usual answer)
         agent = self._agent
         link = agent.links.get(dst)
-        if (
-            link is None
-            or self._queued
-            or len(self._pending) > self._unordered  # in flight: the loop coalesces them
-            or agent.closed
-        ):
+        if link is None or agent.closed:
             return False
         call_id = msg.id = next(self.ids)
         now = time.monotonic()
@@ -201,11 +199,11 @@ class Calls:
 
     def _start(self, dst: int, msg: OutMessage, fut: Future[Any], queued: bool = False) -> None:
         """On the loop: register the call, arm its timer, queue it on its link."""
-        if queued:
-            with self._lock:
-                self._queued -= 1
         agent = self._agent
         if agent.closed:
+            if queued:
+                with self._lock:
+                    self._queued -= 1
             msg.dropped()
             fut.set_exception(
                 NotInitializedError(f"the rpcdist agent {agent.name!r} has shut down")
@@ -224,6 +222,8 @@ class Calls:
             self._pending[call_id] = p
             if not p.ordered:
                 self._unordered += 1
+            if queued:  # (with the add: a user thread sees it queued or pending)
+                self._queued -= 1
         activity = agent.activity
         activity.idle.clear()
         with activity.lock:
@@ -279,6 +279,9 @@ class Calls:
 
     def on_reply(self, link: Link, m: InMessage) -> None:
         """A REPLY or ERROR_REPLY arrived (on the loop)."""
+        if m.header == NONE_HEADER and m.kind == REPLY and not m.buffers and not m.meta:
+            self.finish(m.id, link=link)  # ``None``: nothing to decode, no fields to run
+            return
         agent = self._agent
         peer = agent.workers[link.peer_rank]
         agent.registry.on_reply(agent, peer, m.meta)

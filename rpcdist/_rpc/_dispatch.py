@@ -192,8 +192,10 @@ def call_wire(
 ) -> WireContext:
     """The wire context a received CALL is handled in (any thread), after
     handing its riders' fields to their extensions (``Registry.on_call``)."""
-    wire = WireContext(agent, peer, off_loop=off_loop, meta=m.meta, reply_meta={})
-    agent.registry.on_call(agent, peer, m.meta, wire)
+    meta = m.meta
+    wire = WireContext(agent, peer, off_loop=off_loop, meta=meta, reply_meta={})
+    if meta:  # (most calls carry none)
+        agent.registry.on_call(agent, peer, meta, wire)
     return wire
 
 
@@ -238,19 +240,19 @@ def dispatch(agent: AgentView, link: Link, m: InMessage) -> None:
 
 
 def _post_from_loop(agent: AgentView, *job: Any) -> None:
-    post_handler(agent, *job, on_loop=True)
+    try:  # (post_handler inlined: every dispatched call comes here)
+        agent.executor.post(run_handler, agent, *job)
+    except RuntimeError:  # the pool was shut down: the agent is closing
+        agent.activity.handler_done()
 
 
-def post_handler(agent: AgentView, *job: Any, on_loop: bool = False) -> None:
-    """Hand ``run_handler(agent, *job)`` to the pool from any thread; ``job``
-    is ``(link, m, fn, args, kwargs, wire)``."""
+def post_handler(agent: AgentView, *job: Any) -> None:
+    """Hand ``run_handler(agent, *job)`` to the pool from a thread other than
+    the loop's; ``job`` is ``(link, m, fn, args, kwargs, wire)``."""
     try:
         agent.executor.post(run_handler, agent, *job)
     except RuntimeError:  # the pool was shut down: the agent is closing
-        if on_loop:
-            agent.activity.handler_done()
-        else:
-            agent.activity.handler_done_threadsafe()
+        agent.activity.handler_done_threadsafe()
 
 
 async def serve(
@@ -336,13 +338,14 @@ def run_handler(
 ) -> None:
     """On a pool or serving thread: run plain function ``fn`` under the
     handler scopes, encode its reply and send it (or hand it to the loop)."""
+    deadline = m.deadline
     t_agent = bind_agent(agent)
-    t_deadline = current_deadline.set(m.deadline)
+    t_deadline = current_deadline.set(deadline)
     scopes: AbstractContextManager[Any] | None = None
     try:
-        _check_deadline(m.deadline, m.method, wire.peer.name)
+        _check_deadline(deadline, m.method, wire.peer.name)
         if agent.registry.wants_scopes(m.meta):
-            info = CallInfo(agent, wire.peer, m.method, m.meta, m.deadline)
+            info = CallInfo(agent, wire.peer, m.method, m.meta, deadline)
             scopes = agent.registry.enter_scopes(info)
         try:
             result = call(fn, m.method, args, kwargs)
