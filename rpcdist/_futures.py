@@ -37,10 +37,11 @@ class Future(Generic[T]):
         # Two bare locks rather than a threading.Condition (a third of the
         # cost on the rpc_sync path): ``_lock`` guards the state and the
         # callbacks; ``_gate`` is held until completion, and each waiter
-        # passes through it (acquire, then release for the next one).
+        # passes through it (acquire, then release for the next one). The
+        # first thread to wait makes the gate: most futures of a window of
+        # calls are complete before anyone waits for them.
         self._lock = _thread.allocate_lock()
-        self._gate = _thread.allocate_lock()
-        self._gate.acquire()
+        self._gate: _thread.LockType | None = None
         self._state = _PENDING
         self._value: Any = None
         self._exc: BaseException | None = None
@@ -80,7 +81,9 @@ class Future(Generic[T]):
                 )
             self._value, self._exc, self._state = value, exc, _DONE
             callbacks, self._callbacks = self._callbacks, []
-        self._gate.release()
+            gate = self._gate
+        if gate is not None:
+            gate.release()
         for cb in callbacks:
             self._run_callback(cb)
 
@@ -99,23 +102,33 @@ class Future(Generic[T]):
         Raises:
             RpcTimeoutError: ``timeout`` passed before completion.
         """
-        if self._state != _DONE:
+        if self._state != _DONE and (gate := self._waiters_gate()) is not None:
             pool = blocking(self)  # (a handler waiting: its pool may start another thread)
             try:
                 if timeout is None:
-                    self._gate.acquire()
-                elif not self._gate.acquire(
-                    True, min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)
-                ):
+                    gate.acquire()
+                elif not gate.acquire(True, min(max(float(timeout), 0.0), threading.TIMEOUT_MAX)):
                     raise RpcTimeoutError(f"Future not complete after waiting {timeout} s")
             finally:
                 if pool is not None:
                     pool.unblocked()
-            self._gate.release()
+            gate.release()
         try:
             return self.value()
         finally:
             self = None  # type: ignore[assignment]  # (see value())
+
+    def _waiters_gate(self) -> _thread.LockType | None:
+        """The gate waiters pass once the future is complete, made (held) by
+        the first; None if it is complete already."""
+        with self._lock:
+            if self._state == _DONE:
+                return None
+            if self._gate is None:
+                gate = _thread.allocate_lock()
+                gate.acquire()
+                self._gate = gate
+            return self._gate
 
     def value(self) -> T:
         """The result of a completed future; raises its exception if it failed.

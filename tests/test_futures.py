@@ -78,6 +78,32 @@ def test_completion_from_another_thread_wakes_waiter():
     t.join()
 
 
+def test_every_waiting_thread_wakes_and_a_timed_out_waiter_leaves_the_others_waiting():
+    """Waiters pass the gate the first of them makes; one that gave up does
+    not keep it from the others, or from a later waiter."""
+    f: Future[str] = Future()
+    with pytest.raises(RpcTimeoutError):
+        f.wait(timeout=0.01)  # made the gate, gave up
+    got: list[str] = []
+    waiting = threading.Barrier(5)
+
+    def waiter() -> None:
+        waiting.wait()
+        got.append(f.wait(timeout=30))
+
+    threads = [threading.Thread(target=waiter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    waiting.wait()
+    f.set_result("x")
+    for t in threads:
+        t.join(30)
+    assert got == ["x"] * 4
+    assert f.wait(timeout=0) == "x" and f.wait() == "x"  # done: no gate to pass
+    with pytest.raises(RuntimeError):
+        f.set_result("y")
+
+
 def test_then_chains_and_propagates_errors():
     f: Future[int] = Future()
     g = f.then(lambda x: x.value() + 1).then(lambda y: y.value() * 10)
