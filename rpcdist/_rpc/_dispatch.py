@@ -359,7 +359,8 @@ def run_handler(
         )
         if buffers:
             agent.check_size(header, buffers, f"the reply to {m.method!r}")
-        _exit(scopes, None)
+        if scopes is not None:
+            _exit(scopes, None)
     except BaseException as e:  # the caller gets every error, typed
         _exit(scopes, e)
         wire.abort()
@@ -411,11 +412,13 @@ def _reply_from_thread(
     """Account for the finished handler and send its reply, from a thread."""
     reply = _reply(m, wire, kind, header, buffers)
     try:
-        if not _reply_now(agent, link, reply):
+        # (busy: replies coalesce better on the loop; asked here first, the usual answer)
+        if agent.activity.inflight > 1 or not _reply_now(agent, link, reply):
             agent.loop.call_soon_threadsafe(_send, agent, link, reply)
     except RuntimeError:  # the loop is closed: the agent shut down meanwhile
         pass
-    _after_reply(wire)
+    if wire.extra:
+        _after_reply(wire)
 
 
 def _reply_now(agent: AgentView, link: Link, reply: OutMessage) -> bool:
