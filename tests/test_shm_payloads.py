@@ -228,3 +228,35 @@ def test_a_segment_whose_table_disagrees_with_the_message_is_refused():
             reader.buffers(path, [3, 4])
         seg.mm[0] = FREE
     w.cleanup()
+
+
+def test_threads_sending_large_arrays_at_once_each_get_their_own_back():
+    """Blocking calls from several threads (each copying into segments of
+    its own connection) beside rpc_async calls (copied by the calling thread
+    or the loop), all to one peer: every array comes back intact."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    xs = [rng.random(300_000) for _ in range(4)]  # 2.4 MB each
+    got: dict[int, list[bool]] = {}
+    with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, b), as_current(a):
+
+        def run(t: int) -> None:
+            with as_current(a):
+                got[t] = [
+                    np.array_equal(
+                        rpcdist.rpc_sync("worker1", rf.echo, args=(xs[t] + i,)), xs[t] + i
+                    )
+                    for i in range(8)
+                ]
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        futs = [rpcdist.rpc_async("worker1", rf.echo, args=(xs[0] * i,)) for i in range(8)]
+        assert all(np.array_equal(f.wait(60), xs[0] * i) for i, f in enumerate(futs))
+        for t in threads:
+            t.join(60)
+        assert got == {t: [True] * 8 for t in range(4)}
+        assert _written(a) == 40 and _written(b) == 40
+    assert _ours() == []

@@ -317,8 +317,11 @@ def _alive(pid: int) -> bool:
 
 
 def _release(mm: mmap.mmap) -> None:
-    if not mm.closed and mm[_STATE] == BUSY:
-        mm[_STATE] = FREE
+    try:
+        if not mm.closed and mm[_STATE] == BUSY:
+            mm[_STATE] = FREE
+    except ValueError:  # retired and closed by another thread meanwhile
+        pass
 
 
 def _map(path: str) -> mmap.mmap:
