@@ -195,14 +195,68 @@ def test_bad_segment_names_are_refused():
     w.cleanup()
 
 
-def test_a_payload_above_the_store_limit_is_written_whole(monkeypatch):
-    from rpcdist._transport import _shm
+def test_large_buffers_keep_their_page_offset_and_small_ones_a_cache_line():
+    from rpcdist._transport._shm import layout
 
-    monkeypatch.setattr(_shm, "_STORE_MAX", 4)  # everything goes through pwritev
-    monkeypatch.setattr(_shm, "_IOV_MAX", 2)  # several calls
+    big = np.arange(3 << 18, dtype=np.uint32)  # 3 MiB
+    parts = [b"abc", big[5:].data, b"de", memoryview(b"f" * 100)]
+    offsets, total = layout([memoryview(p) for p in parts])
+    src = np.frombuffer(parts[1], np.uint8).__array_interface__["data"][0]
+    assert offsets[1] % 4096 == src % 4096  # (an address 20 bytes into a page)
+    assert [o % 64 for o in (offsets[0], offsets[2], offsets[3])] == [0, 0, 0]
+    assert offsets == sorted(offsets) and total == offsets[3] + 100
     w = SegmentWriter()
-    parts = [b"abc", b"", b"defgh", b"ij", b"klmnop"]
-    path, _ = w.pool().write([memoryview(p) for p in parts])
-    views = SegmentReader().buffers(path, [len(p) for p in parts])
-    assert [bytes(v) for v in views] == parts
+    path, seg = w.pool().write([memoryview(p) for p in parts])
+    views = SegmentReader().buffers(path, [memoryview(p).nbytes for p in parts])
+    assert [bytes(v) for v in views] == [bytes(p) for p in parts]
+    assert np.array_equal(np.frombuffer(views[1], np.uint32), big[5:])
+    del views
     w.cleanup()
+
+
+def test_a_segment_whose_table_disagrees_with_the_message_is_refused():
+    w = SegmentWriter()
+    pool = w.pool()
+    for forge in ("count", "offset"):
+        path, seg = pool.write([memoryview(b"abc"), memoryview(b"defg")])
+        reader = SegmentReader()
+        if forge == "count":
+            seg.mm[8:16] = (3).to_bytes(8, "little")
+        else:
+            seg.mm[24:32] = (len(seg.mm) - 2).to_bytes(8, "little")  # runs past the end
+        with pytest.raises(OSError):
+            reader.buffers(path, [3, 4])
+        seg.mm[0] = FREE
+    w.cleanup()
+
+
+def test_threads_sending_large_arrays_at_once_each_get_their_own_back():
+    """Blocking calls from several threads (each copying into segments of
+    its own connection) beside rpc_async calls (copied by the calling thread
+    or the loop), all to one peer: every array comes back intact."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    xs = [rng.random(300_000) for _ in range(4)]  # 2.4 MB each
+    got: dict[int, list[bool]] = {}
+    with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, b), as_current(a):
+
+        def run(t: int) -> None:
+            with as_current(a):
+                got[t] = [
+                    np.array_equal(
+                        rpcdist.rpc_sync("worker1", rf.echo, args=(xs[t] + i,)), xs[t] + i
+                    )
+                    for i in range(8)
+                ]
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        futs = [rpcdist.rpc_async("worker1", rf.echo, args=(xs[0] * i,)) for i in range(8)]
+        assert all(np.array_equal(f.wait(60), xs[0] * i) for i, f in enumerate(futs))
+        for t in threads:
+            t.join(60)
+        assert got == {t: [True] * 8 for t in range(4)}
+        assert _written(a) == 40 and _written(b) == 40
+    assert _ours() == []

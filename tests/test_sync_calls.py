@@ -84,20 +84,22 @@ def test_large_requests_and_replies_take_the_callers_connection():
     assert a.sync.connections(1) == 1
 
 
-def test_busy_workers_and_shm_sized_requests_take_the_loop():
+def test_busy_workers_take_the_loop_and_shm_sized_requests_go_direct():
     opts = RpcOptions(token=None, shm_threshold_bytes=1 << 20)
-    with local_agents(2, options=opts) as (a, _), as_current(a):
+    with local_agents(2, options=opts) as (a, b), as_current(a):
         slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.3, "slow"))
         assert rpcdist.rpc_sync("worker1", rf.add, args=(1, 1)) == 2  # behind ``slow``
         assert _direct(a) == 0
         assert slow.wait(10) == "slow"
-        big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: for /dev/shm, on the loop's links
-        assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big,)), big)
-        assert _direct(a) == 0
-        if shm_available():
-            assert a.links.transport.segments.segments_written >= 1
+        big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: for /dev/shm
+        got = rpcdist.rpc_sync("worker1", rf.echo, args=(big,))
+        assert np.array_equal(got, big)
+        assert _direct(a) == 1  # a peer on this host: the calling thread sends it
+        if shm_available():  # ... through a segment each way, on the thread-driven links
+            assert a.links.transport.segments.segments_written == 1
+            assert b.links.transport.segments.segments_written == 1
         assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(big[:1000],)), big[:1000])
-        assert _direct(a) == 1
+        assert _direct(a) == 2
 
 
 def test_concurrent_threads_share_a_bounded_set_of_connections(agents2):

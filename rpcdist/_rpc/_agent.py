@@ -491,7 +491,7 @@ class Agent:
         return self._begin(peer, msg)
 
     def _begin(self, peer: WorkerInfo, msg: OutMessage) -> Started | Future[Any]:
-        if self.sync.eligible(msg):
+        if self.sync.eligible(peer, msg):
             started = self.sync.start(peer, msg)
             if started is not NOT_TAKEN:
                 return started

@@ -236,7 +236,9 @@ async def gather_live(
 
     Waits for workers not declared lost; one lost meanwhile is waited for
     only ``_LOST_GRACE`` seconds more (a worker that finished shutting down
-    first looks lost to the slower ones, yet has written its value). A
+    first looks lost to the slower ones, yet has written its value), counted
+    from when this wait first sees it lost (the loss itself may have kept
+    the loop busy past the grace, with the value's reply queued behind). A
     worker whose value is late is probed
     (:meth:`~._liveness.Liveness.probe`), so a dead one is declared lost
     within the detector's window. Collective.
@@ -251,9 +253,13 @@ async def gather_live(
     out: dict[int, bytes] = {}
     loop = asyncio.get_running_loop()
     probe_at: float | None = loop.time() + _SUSPECT_AFTER
+    #: When each lost worker's grace ends (from when it was first seen lost).
+    grace: dict[int, float] = {}
     try:
         while True:
             now = loop.time()
+            for r in liveness.lost:
+                grace.setdefault(r, now + _LOST_GRACE)
             for r, t in tasks.items():
                 if t.done() and r not in out and not t.cancelled():
                     if t.exception() is not None and not liveness.is_lost(r):
@@ -263,15 +269,14 @@ async def gather_live(
             waiting = [
                 t
                 for r, t in tasks.items()
-                if not t.done()
-                and (not liveness.is_lost(r) or now < liveness.lost_at[r] + _LOST_GRACE)
+                if not t.done() and (not liveness.is_lost(r) or now < grace[r])
             ]
             if not waiting:
                 return out
             if agent.rank != 0 and liveness.is_lost(0):  # nobody serves the store
                 raise liveness.error(0, "the rendezvous store it serves")
             wake = [probe_at] if probe_at is not None else []
-            wake += [liveness.lost_at[r] + _LOST_GRACE for r in liveness.lost if r in tasks]
+            wake += [grace[r] for r in liveness.lost if r in tasks]
             wake = [w for w in wake if w > now]
             lost = liveness.changed()
             pending: set[asyncio.Future[Any]] = {*waiting, lost}

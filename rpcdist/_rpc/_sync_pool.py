@@ -21,8 +21,10 @@ gradient message as soon as it has it and goes on with its own part.
 When a call times out (or its caller abandons it), its connection goes to the loop, which half-closes
 it and reads any reply that still comes (so RRef forks in a late reply are
 registered and released like those of any late reply). Anything that does
-not fit (a busy worker, a request for /dev/shm, fault injection, the gRPC
-transport, a peer that cannot be dialled) takes the usual path.
+not fit (a busy worker, a large request to another host, fault injection,
+the gRPC transport, a peer that cannot be dialled) takes the usual path. A
+large request to a peer on this host travels in a /dev/shm segment the
+calling thread copies it into, its reply in one the serving thread fills.
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class SyncPool:
         self._agent = agent
         self._limit = limit
         self._busy_poll = busy_poll
-        #: Requests this large take the loop's path, whose same-host links
-        #: send them through /dev/shm (``RpcOptions.shm_threshold_bytes``).
+        #: Requests this large go to a peer on another host by the loop's
+        #: path; to one on this host, through /dev/shm
+        #: (``RpcOptions.shm_threshold_bytes``), copied in by the calling thread.
         self._max_request = agent.options.payload_shm_threshold or (1 << 62)
         self._lock = threading.Lock()
         self._free: dict[int, list[_Channel]] = {}
@@ -139,9 +142,13 @@ class SyncPool:
         with self._lock:
             return self._count.get(dst, 0)
 
-    def eligible(self, msg: OutMessage) -> bool:
+    def eligible(self, peer: WorkerInfo, msg: OutMessage) -> bool:
         agent = self._agent
-        return self._limit > 0 and not agent.calls.busy() and msg.payload_bytes < self._max_request
+        return (
+            self._limit > 0
+            and not agent.calls.busy()
+            and (msg.payload_bytes < self._max_request or agent.links.peer(peer.id).same_host)
+        )
 
     def start(self, peer: WorkerInfo, msg: OutMessage) -> Started:
         """Write the call and return at once; :meth:`Started.wait` reads the

@@ -129,15 +129,7 @@ class Link:
         """
         if self.closed is not None:
             raise self.closed
-        if self._segments is not None and self.wants_shm(msg):
-            try:
-                msg.shm_path, seg = self._segments.write(msg.buffers)
-            except OSError as e:  # /dev/shm full or unavailable: use the stream
-                _log.debug(
-                    "shared-memory payload for %s failed, using the stream: %s", self.label, e
-                )
-            else:
-                msg.undo = _also_release(msg.undo, seg)
+        self.to_segment(msg)
         self._queue.append(msg)
         self._kick()
 
@@ -146,6 +138,19 @@ class Link:
         if self._segments is None or not msg.buffers or msg.shm_path:
             return False  # (most calls: no out-of-band buffers, nothing to add up)
         return msg.payload_bytes >= self._shm_threshold
+
+    def to_segment(self, msg: OutMessage) -> None:
+        """Copy ``msg``'s payload into a /dev/shm segment if it should travel
+        in one (any thread: the copy is done by whoever sends)."""
+        if not self.wants_shm(msg):
+            return
+        assert self._segments is not None
+        try:
+            msg.shm_path, seg = self._segments.write(msg.buffers)
+        except OSError as e:  # /dev/shm full or unavailable: use the stream
+            _log.debug("shared-memory payload for %s failed, using the stream: %s", self.label, e)
+        else:
+            msg.undo = _also_release(msg.undo, seg)
 
     def _kick(self) -> None:
         """Start moving queued messages (the subclass's writer)."""

@@ -3,8 +3,12 @@
 Each link to a worker on this host has a pool of segments (:class:`SegmentPool`,
 sender side). To send a large message the sender picks a free segment big
 enough (or makes one), marks it busy, copies the buffers into it (the one
-copy: stores through its mapping, or ``pwritev`` for the largest) and sends
-only its name. The receiver (:class:`SegmentReader`) maps a
+copy, stores through its mapping; any thread may send) and sends only its
+name. The segment starts with a small table of where each buffer lies: a
+large buffer is placed at the same offset within a 4 KiB page as its
+source, since memcpy of a large block runs at a third of its speed when
+the destination sits a few cache lines past the source's page offset
+(glibc's copy on this kind of machine, measured in docs/benchmarks.md). The receiver (:class:`SegmentReader`) maps a
 segment the first time it is named and unlinks the file at once, so nothing
 is left in /dev/shm once both sides hold it; later messages through the same
 segment reuse both mappings. Arrays are decoded straight from the mapping
@@ -28,11 +32,19 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import weakref
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "SegmentPool", "SegmentReader", "SegmentWriter", "shm_available"]
+__all__ = [
+    "SHM_DIR",
+    "SegmentPool",
+    "SegmentReader",
+    "SegmentWriter",
+    "layout",
+    "shm_available",
+]
 
 _log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
@@ -40,20 +52,34 @@ _PREFIX = "rpcdist-msg-"
 #: Map every page at once instead of taking a fault per 4 KiB page on first
 #: touch (Linux; measured faster for multi-megabyte payloads).
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-#: Bytes in front of the payload: byte 0 is the segment's state.
-HEADER = 64
+#: Byte 0 of a segment is its state; bytes 8-15 the number of buffers, then
+#: each buffer's offset (8 bytes apiece, little-endian).
+_STATE, _COUNT, _TABLE = 0, 8, 16
 FREE, BUSY, RETIRED = 0, 1, 2
 #: Free segments a pool keeps for reuse; more are retired.
 KEEP_FREE = 4
 #: Segment sizes are rounded up to a multiple of this (so a slightly larger
 #: message still fits a segment made for an earlier one).
 _GRAIN = 1 << 20
-_IOV_MAX = 1024
-#: Payloads up to this size are stored through the sender's mapping; larger
-#: ones are written by ``pwritev`` (the kernel copies into the file's pages
-#: through its own mapping). On the 2-core VM, interleaved: 16 MB 9.1 GB/s
-#: stored against 5.1 written, 64 MB 5.5 against 3.0, 256 MB 2.4 against 3.5.
-_STORE_MAX = 64 << 20
+#: Buffers this large keep their source's offset within a page; smaller
+#: ones start on a cache line.
+_PAGE_ALIGN_MIN = 1 << 20
+_PAGE, _LINE = 4096, 64
+
+
+def layout(buffers: list[memoryview]) -> tuple[list[int], int]:
+    """Where each of ``buffers`` goes in a segment, and the bytes it takes in all."""
+    at = _TABLE + 8 * len(buffers)
+    offsets = []
+    for b in buffers:
+        if b.nbytes >= _PAGE_ALIGN_MIN:
+            src = np.frombuffer(b, np.uint8).__array_interface__["data"][0] % _PAGE
+            at += (src - at) % _PAGE
+        else:
+            at = -(-at // _LINE) * _LINE
+        offsets.append(at)
+        at += b.nbytes
+    return offsets, at
 
 
 def shm_available() -> bool:
@@ -71,11 +97,12 @@ class _Segment:
 
 
 class SegmentPool:
-    """The segments one link sends through (see the module docstring); loop thread only."""
+    """The segments one link sends through (see the module docstring); any thread."""
 
     def __init__(self, writer: SegmentWriter) -> None:
         self._writer = writer
         self._segments: list[_Segment] = []
+        self._lock = threading.Lock()
         self.closed = False
 
     def write(self, buffers: list[memoryview]) -> tuple[str, _Segment]:
@@ -84,33 +111,33 @@ class SegmentPool:
         Raises:
             OSError: no segment could be made (e.g. /dev/shm full), or the pool is closed.
         """
-        if self.closed:
-            raise OSError("segment pool closed")
-        total = sum(b.nbytes for b in buffers)
-        seg = self._take(total) or self._make(total)
-        seg.mm[0] = BUSY
+        offsets, total = layout(buffers)
+        with self._lock:
+            if self.closed:
+                raise OSError("segment pool closed")
+            seg = self._take(total) or self._make(total)
+            seg.mm[_STATE] = BUSY
+        mm = seg.mm
         try:
-            if total <= _STORE_MAX:  # stores through our mapping
-                off = HEADER
-                for b in buffers:
-                    seg.mm[off : off + b.nbytes] = b
-                    off += b.nbytes
-            else:
-                _write_all(seg.fd, [b for b in buffers if b.nbytes], HEADER)
+            mm[_COUNT:_TABLE] = len(buffers).to_bytes(8, "little")
+            table = np.frombuffer(mm, "<u8", len(buffers), _TABLE)
+            table[:] = offsets
+            del table
+            for off, b in zip(offsets, buffers):
+                mm[off : off + b.nbytes] = b
         except BaseException:
-            seg.mm[0] = FREE
+            mm[_STATE] = FREE
             raise
-        self._writer.segments_written += 1
+        self._writer.wrote()
         return seg.path, seg
 
     @staticmethod
     def release(seg: _Segment) -> None:
         """Mark ``seg`` free again (a message through it was dropped before it left)."""
-        if not seg.mm.closed and seg.mm[0] == BUSY:
-            seg.mm[0] = FREE
+        _release(seg.mm)
 
     def _take(self, total: int) -> _Segment | None:
-        free = [s for s in self._segments if s.mm[0] == FREE]
+        free = [s for s in self._segments if s.mm[_STATE] == FREE]
         fits = [s for s in free if s.size >= total]
         best = min(fits, key=lambda s: s.size) if fits else None
         spare = [s for s in free if s is not best]
@@ -123,8 +150,8 @@ class SegmentPool:
         path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, HEADER + size)
-            mm = mmap.mmap(fd, HEADER + size, flags=_FLAGS)
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=_FLAGS)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -136,7 +163,7 @@ class SegmentPool:
 
     def _retire(self, seg: _Segment) -> None:
         self._segments.remove(seg)
-        seg.mm[0] = RETIRED
+        seg.mm[_STATE] = RETIRED
         _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
         seg.mm.close()
         seg.close_fd()
@@ -144,9 +171,10 @@ class SegmentPool:
 
     def close(self) -> None:
         """Retire every segment (arrays the receiver still holds stay valid)."""
-        self.closed = True
-        for seg in list(self._segments):
-            self._retire(seg)
+        with self._lock:
+            self.closed = True
+            for seg in list(self._segments):
+                self._retire(seg)
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -156,6 +184,7 @@ class SegmentWriter:
     """A transport's segment pools, one per same-host link; unlinks leftovers on cleanup."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._pools: weakref.WeakSet[SegmentPool] = weakref.WeakSet()
         self._paths: set[str] = set()
         self.segments_written = 0
@@ -164,22 +193,31 @@ class SegmentWriter:
     def pool(self) -> SegmentPool:
         """A new pool for one link."""
         p = SegmentPool(self)
-        self._pools.add(p)
+        with self._lock:
+            self._pools.add(p)
         return p
+
+    def wrote(self) -> None:
+        with self._lock:
+            self.segments_written += 1
 
     def note(self, path: str) -> None:
         """A segment file was made (unlinked on cleanup if still there)."""
-        self._paths.add(path)
-        self.segments_made += 1
+        with self._lock:
+            self._paths.add(path)
+            self.segments_made += 1
 
     def forget(self, path: str) -> None:
         """A segment was retired (its file unlinked already)."""
-        self._paths.discard(path)
+        with self._lock:
+            self._paths.discard(path)
 
     def cleanup(self) -> None:
         """Close every pool, unlink files that were never picked up, and those
         a peer that died (SIGKILL) left behind for us."""
-        for p in list(self._pools):
+        with self._lock:
+            pools = list(self._pools)
+        for p in pools:
             p.close()
         while self._paths:
             _unlink(self._paths.pop())
@@ -192,10 +230,11 @@ _SENDERS: set[int] = set()
 
 
 class SegmentReader:
-    """The receiving side of one link: the segments it has mapped, by path."""
+    """The receiving side: the segments mapped, by path (any thread)."""
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
 
     def buffers(self, path: str, sizes: list[int]) -> list[memoryview]:
         """Views of a message's buffers in segment ``path`` (mapped and unlinked on first use).
@@ -207,27 +246,31 @@ class SegmentReader:
             OSError: the file is missing or shorter than ``sizes`` say.
             ValueError: ``path`` is not a payload file of ours.
         """
-        for p in [p for p, mm in self._maps.items() if mm[0] == RETIRED]:
-            del self._maps[p]
-        mm = self._maps.get(path)
-        if mm is None:
-            _SENDERS.add(_sender(path))
-            mm = self._maps[path] = _map(path)
-        total = sum(sizes)
-        if HEADER + total > len(mm):
-            raise OSError(f"payload segment {path} is shorter than the {total} bytes announced")
-        lease = np.frombuffer(mm, np.uint8, total, HEADER)
+        with self._lock:
+            for p in [p for p, mm in self._maps.items() if mm[_STATE] == RETIRED]:
+                del self._maps[p]
+            mm = self._maps.get(path)
+            if mm is None:
+                _SENDERS.add(_sender(path))
+                mm = self._maps[path] = _map(path)
+        n = len(sizes)
+        end = _TABLE + 8 * n
+        if int.from_bytes(mm[_COUNT:_TABLE], "little") != n or end > len(mm):
+            raise OSError(f"payload segment {path} does not hold the {n} buffers announced")
+        offsets = np.frombuffer(mm, "<u8", n, _TABLE).tolist()
+        lo = min(offsets, default=end)
+        hi = max((o + s for o, s in zip(offsets, sizes)), default=end)
+        if lo < end or hi > len(mm):
+            raise OSError(f"payload segment {path} is shorter than the buffers announced")
+        lease = np.frombuffer(mm, np.uint8, hi - lo, lo)
         weakref.finalize(lease, _release, mm)
         view = lease.data
-        out, off = [], 0
-        for s in sizes:
-            out.append(view[off : off + s])
-            off += s
-        return out
+        return [view[o - lo : o - lo + s] for o, s in zip(offsets, sizes)]
 
     def close(self) -> None:
         """Forget the mappings (each lasts until the arrays in it are gone)."""
-        self._maps.clear()
+        with self._lock:
+            self._maps.clear()
 
 
 def sweep() -> None:
@@ -273,21 +316,12 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _write_all(fd: int, buffers: list[memoryview], offset: int) -> None:
-    """Write ``buffers`` into file ``fd`` from ``offset`` on, in as few calls as it takes."""
-    while buffers:
-        n = os.pwritev(fd, buffers[:_IOV_MAX], offset)
-        offset += n
-        while buffers and n >= buffers[0].nbytes:
-            n -= buffers[0].nbytes
-            buffers = buffers[1:]
-        if n:
-            buffers = [buffers[0][n:], *buffers[1:]]
-
-
 def _release(mm: mmap.mmap) -> None:
-    if not mm.closed and mm[0] == BUSY:
-        mm[0] = FREE
+    try:
+        if not mm.closed and mm[_STATE] == BUSY:
+            mm[_STATE] = FREE
+    except ValueError:  # retired and closed by another thread meanwhile
+        pass
 
 
 def _map(path: str) -> mmap.mmap:
@@ -297,7 +331,7 @@ def _map(path: str) -> mmap.mmap:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
             raise ValueError(f"refusing to map {path!r}: owned by uid {st.st_uid}")
-        if st.st_size <= HEADER:
+        if st.st_size <= _TABLE:
             raise OSError(f"payload segment {path} is too short")
         return mmap.mmap(fd, st.st_size, flags=_FLAGS)
     finally:

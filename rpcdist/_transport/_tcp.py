@@ -319,13 +319,15 @@ class TcpLink(Link):
 
         Saves the hop to the loop for a call a user thread made or a reply a
         pool thread produced (``msg`` must have no ``on_packed`` callback).
-        Returns False, having done nothing, when the link is busy, not up or
-        closed, or ``msg`` should go through /dev/shm: the caller then
-        queues ``msg`` on the loop as usual. Once
+        A payload for /dev/shm is copied into its segment here, on the
+        sending thread, either way. Returns False, having sent nothing, when
+        the link is busy, not up or closed: the caller then queues ``msg`` on
+        the loop as usual. Once
         True, the message is the connection's: whatever the socket did not
         take at once is finished by the loop. ``before`` runs just before the
         first byte is written, only if it will be.
         """
+        self.to_segment(msg)
         with self._wlock:
             if (
                 self._sock is None
@@ -334,7 +336,6 @@ class TcpLink(Link):
                 or self._flush_scheduled
                 or self._unsent
                 or self._queue
-                or self.wants_shm(msg)
             ):
                 return False
             self._stage_whole(msg)
@@ -374,8 +375,9 @@ class TcpLink(Link):
     # ------------------------------------------------- driven by one thread
 
     def send_blocking(self, msg: OutMessage, deadline: float | None) -> bool:
-        """Threaded mode: write all of ``msg`` (no ``on_packed``, no /dev/shm
-        payload), waiting for room until ``deadline`` (``time.monotonic()``).
+        """Threaded mode: write all of ``msg`` (no ``on_packed``; a large
+        payload to a peer on this host goes into a /dev/shm segment first),
+        waiting for room until ``deadline`` (``time.monotonic()``).
 
         Returns False if the deadline passed first; the stream then ends
         mid-message and must be closed.
@@ -383,6 +385,7 @@ class TcpLink(Link):
         Raises:
             OSError: the socket failed.
         """
+        self.to_segment(msg)
         with self._wlock:
             self._stage_whole(msg)
             while True:

@@ -378,7 +378,7 @@ class TcpTransport(TransportBase):
             label=peer.label,
             hooks=hooks,
             options=self._options,
-            segments=None,
+            segments=self.segments if peer.same_host else None,
         )
 
     async def dial(self, peer: Peer, *, sync: bool = False) -> socket.socket:

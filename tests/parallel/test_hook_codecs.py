@@ -40,6 +40,20 @@ EDGES = np.array(
 finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 
+@pytest.fixture(autouse=True, params=["torch", "numpy"])
+def fp16_engine(request, monkeypatch):
+    """Every test twice: float16 casts through PyTorch (where installed) and
+    through the integer passes that run without it."""
+    from rpcdist.parallel import _bf16
+
+    if request.param == "torch":
+        pytest.importorskip("torch")
+        assert _bf16._torch() is not None
+    else:
+        monkeypatch.setattr(_bf16, "_torch", lambda: None)
+    return request.param
+
+
 def _same_bits_or_both_nan(got: np.ndarray, want: np.ndarray, dtype: object) -> None:
     g, w = got.view(dtype), want.view(dtype)  # type: ignore[arg-type]
     nan = np.isnan(w.astype(np.float32))
