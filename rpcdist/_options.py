@@ -147,6 +147,17 @@ class RpcOptions:
             Defaults to ``RPCDIST_BUSY_POLL_US`` or 1000: long enough for a
             handler that computes for a few hundred microseconds
             (docs/design.md, "Blocking calls").
+        gil_switch_us: While agents run in this process, how long
+            (microseconds) a thread that needs the GIL waits before Python
+            makes the thread holding it let go (``sys.setswitchinterval``).
+            Python's own 5 ms is what a call's handler and reply wait behind
+            a compute thread of the worker that holds the GIL (a pure-Python
+            loop; NumPy and PyTorch kernels release it): each such wait
+            costs a call up to that long. Set when the first agent starts,
+            only if the program left Python's default in place, and put
+            back when the last one shuts down (if nothing changed it
+            meanwhile). ``None`` (or ``"off"``) leaves it alone. Defaults to
+            ``RPCDIST_GIL_SWITCH_US`` or 500.
         transport: How frames move: ``"tcp"`` (plain sockets, the default
             path, with or without TLS), ``"grpc"`` (gRPC streams), ``"inproc"``
             (agents of one process linked in memory, for tests) or ``"auto"``
@@ -238,6 +249,9 @@ class RpcOptions:
     busy_poll_us: float | str = field(
         default_factory=lambda: os.environ.get("RPCDIST_BUSY_POLL_US", "1000")
     )
+    gil_switch_us: float | str | None = field(
+        default_factory=lambda: os.environ.get("RPCDIST_GIL_SWITCH_US", "500")
+    )
     max_message_bytes: int = 2 * _GiB
     heartbeat_interval: float = 0.5
     peer_timeout: float | None = 3.0
@@ -297,6 +311,20 @@ class RpcOptions:
             raise ConfigError(
                 "RpcOptions.busy_poll_us (or RPCDIST_BUSY_POLL_US) must be a number of "
                 f"microseconds in [0, 1e6], got {self.busy_poll_us!r}"
+            )
+        switch: Any = self.gil_switch_us
+        if isinstance(switch, str):
+            switch = None if switch.strip().lower() in ("off", "none", "") else switch
+            with contextlib.suppress(ValueError):
+                switch = float(switch) if isinstance(switch, str) else switch
+        if switch is not None and (
+            not isinstance(switch, int | float)
+            or isinstance(switch, bool)
+            or not 1 <= switch <= 1_000_000
+        ):
+            raise ConfigError(
+                "RpcOptions.gil_switch_us (or RPCDIST_GIL_SWITCH_US) must be None, 'off' or a "
+                f"number of microseconds in [1, 1e6], got {self.gil_switch_us!r}"
             )
         if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
@@ -360,6 +388,7 @@ class RpcOptions:
             self,
             sync_channels=n,
             busy_poll_us=float(spin),
+            gil_switch_us=None if switch is None else float(switch),
             callable_policy=policy,
             allowed_callables=allowed,
         )
