@@ -300,32 +300,12 @@ class RpcOptions:
                 ) from None
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
-        spin: Any = self.busy_poll_us
-        with contextlib.suppress(ValueError):
-            spin = float(spin) if isinstance(spin, str) else spin
-        if (
-            not isinstance(spin, int | float)
-            or isinstance(spin, bool)
-            or not 0 <= spin <= 1_000_000
-        ):
-            raise ConfigError(
-                "RpcOptions.busy_poll_us (or RPCDIST_BUSY_POLL_US) must be a number of "
-                f"microseconds in [0, 1e6], got {self.busy_poll_us!r}"
-            )
-        switch: Any = self.gil_switch_us
-        if isinstance(switch, str):
-            switch = None if switch.strip().lower() in ("off", "none", "") else switch
-            with contextlib.suppress(ValueError):
-                switch = float(switch) if isinstance(switch, str) else switch
-        if switch is not None and (
-            not isinstance(switch, int | float)
-            or isinstance(switch, bool)
-            or not 1 <= switch <= 1_000_000
-        ):
-            raise ConfigError(
-                "RpcOptions.gil_switch_us (or RPCDIST_GIL_SWITCH_US) must be None, 'off' or a "
-                f"number of microseconds in [1, 1e6], got {self.gil_switch_us!r}"
-            )
+        spin = _microseconds(self.busy_poll_us, "busy_poll_us", 0)
+        switch = self.gil_switch_us
+        if not isinstance(switch, str) or switch.strip().lower() not in ("off", "none", ""):
+            switch = None if switch is None else _microseconds(switch, "gil_switch_us", 1)
+        else:
+            switch = None
         if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
                 "RpcOptions.transport must be 'auto', 'tcp', 'grpc' or 'inproc', "
@@ -387,8 +367,8 @@ class RpcOptions:
         return dataclasses.replace(
             self,
             sync_channels=n,
-            busy_poll_us=float(spin),
-            gil_switch_us=None if switch is None else float(switch),
+            busy_poll_us=spin,
+            gil_switch_us=switch,
             callable_policy=policy,
             allowed_callables=allowed,
         )
@@ -448,3 +428,23 @@ class RpcOptions:
         if self.listen_host in ("0.0.0.0", "::", "[::]", ""):
             return "127.0.0.1"
         return self.listen_host
+
+
+def _microseconds(value: Any, name: str, least: float) -> float:
+    """``RpcOptions.<name>`` (or its environment variable) as a number of
+    microseconds in ``[least, 1e6]``.
+
+    Raises:
+        ConfigError: it is not one.
+    """
+    v = value
+    with contextlib.suppress(ValueError):
+        v = float(v) if isinstance(v, str) else v
+    if not isinstance(v, int | float) or isinstance(v, bool) or not least <= v <= 1_000_000:
+        env = f"RPCDIST_{name.upper()}"
+        extra = ", None or 'off'" if name == "gil_switch_us" else ""
+        raise ConfigError(
+            f"RpcOptions.{name} (or {env}) must be a number of microseconds in "
+            f"[{least:g}, 1e6]{extra}, got {value!r}"
+        )
+    return float(v)
