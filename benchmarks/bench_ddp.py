@@ -260,7 +260,9 @@ def _hook_rows(warmup: int, steps: int) -> list[list[Any]]:
     sizes = MODELS["large"]
     pairs = [(b, h) for b in ("shm", "ring") for h in HOOKS]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
+    alone: list[float] = []
     for _ in range(3):
+        alone.append(rpcdist_alone(sizes, warmup, steps) * 1e3)
         for backend, hook in pairs:
             got = run_workers(
                 rpcdist_worker,
@@ -281,6 +283,9 @@ def _hook_rows(warmup: int, steps: int) -> list[list[Any]]:
         wire = r[0]["wire"] / 1e6
         rows.append([backend, name, wire, runs[backend, "none"][0]["wire"] / 1e6 / wire, step])
         rows[-1].append(step / base)
+    # The floor under every row: the same step in one process, no communication.
+    ring = median([x["step"] for x in runs["ring", "none"]]) * 1e3
+    rows.append(["-", "one process, no DDP", 0.0, "-", median(alone), median(alone) / ring])
     return rows
 
 
@@ -354,7 +359,9 @@ def main() -> None:
         )
         + "\n\nComm hooks, large model, p=2, over shared memory (shm) and the TCP ring: "
         "bytes each rank sends per step, step time (median of 3 interleaved launches) "
-        "and step time over the no-hook step's on the same backend.\n\n"
+        "and step time over the no-hook step's on the same backend; the last row is the "
+        "same step in one process without DDP (over the ring's no-hook step): no hook's "
+        "step can be shorter.\n\n"
         + table(HOOK_COLUMNS, hook_rows)
         + "\n\nZeroRedundancyOptimizer (Adam, large model): optimizer state per rank.\n\n"
         + table(

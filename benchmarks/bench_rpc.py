@@ -197,10 +197,20 @@ def _spin(stop: Any) -> None:
             x += 1
 
 
-def _noop_worker(rank: int, init: str, quick: bool, q: Any) -> None:
+def _own_thread(on: bool) -> Any:
+    """With ``on``: a pure-Python compute thread in this worker (it holds the
+    GIL whenever it runs); returns what stops it."""
+    stop = threading.Event()
+    if on:
+        threading.Thread(target=_spin, args=(stop,), daemon=True).start()
+    return stop.set
+
+
+def _noop_worker(rank: int, init: str, quick: bool, own: bool, q: Any) -> None:
     import rpcdist
 
     rpcdist.init_rpc(f"w{rank}", rank, 2, init_method=init, rpc_timeout=120)
+    stop = _own_thread(own)
     try:
         if rank == 0:
             q.put(
@@ -212,42 +222,55 @@ def _noop_worker(rank: int, init: str, quick: bool, q: Any) -> None:
                 )
             )
     finally:
+        stop()
         rpcdist.shutdown()
 
 
+#: The crowded table's machines: no load, one busy process per core, a
+#: compute thread in each of the two workers.
+CROWDING = ("quiet", "loops", "own")
+
+
 def crowded_table(rounds: int, quick: bool, with_torch: bool) -> str:
-    """No-op ``rpc_sync`` p50/p99 and ``rpc_async`` rate, quiet and with one
+    """No-op ``rpc_sync`` p50/p99 and ``rpc_async`` rate, quiet, with one
     busy loop per CPU this process may use (``cpu_allowance``: affinity and
-    cgroup quota), rpcdist and PyTorch RPC alternating."""
+    cgroup quota), and with a pure-Python compute thread in each worker (it
+    holds the GIL the handlers need), rpcdist and PyTorch RPC alternating."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from rpcdist._rpc._cores import cpu_allowance
 
     cores = cpu_allowance()
     ctx = mp.get_context("spawn")
-    got: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    got: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for _ in range(rounds):
-        for busy in (False, True):
+        for mode, crowding in enumerate(CROWDING):
+            busy, own = crowding == "loops", crowding == "own"
             stop = ctx.Event()
             spinners = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(cores)]
             for sp in spinners if busy else []:
                 sp.start()
             try:
                 with __import__("tempfile").TemporaryDirectory() as tmp:
-                    r = _run_pair(_noop_worker, (f"file://{tmp}/rdv", quick))
-                got.setdefault(("rpcdist", busy), []).append(r)
+                    r = _run_pair(_noop_worker, (f"file://{tmp}/rdv", quick, own))
+                got.setdefault(("rpcdist", mode), []).append(r)
                 if with_torch:
-                    t = _run_pair(_torch_noop_worker, (free_port(), quick))
-                    got.setdefault(("torch", busy), []).append(t)
+                    t = _run_pair(_torch_noop_worker, (free_port(), quick, own))
+                    got.setdefault(("torch", mode), []).append(t)
             finally:
                 stop.set()
                 for sp in spinners if busy else []:
                     sp.join(10)
+    names = {
+        "quiet": "no busy loops",
+        "loops": f"{cores} busy loops",
+        "own": "a compute thread in each worker",
+    }
     rows = []
-    for (name, busy), rs in sorted(got.items()):
+    for (name, mode), rs in sorted(got.items()):
         rows.append(
             [
                 name,
-                f"{cores} busy loops" if busy else "no busy loops",
+                names[CROWDING[mode]],
                 median([r["p50_us"] for r in rs]),
                 median([r["p99_us"] for r in rs]),
                 median([r.get("calls_s", float("nan")) for r in rs]),
@@ -363,11 +386,13 @@ def _torch_worker(rank: int, port: int, quick: bool, q: Any) -> None:
     _torch_run(rank, port, quick, q, with_echo=True)
 
 
-def _torch_noop_worker(rank: int, port: int, quick: bool, q: Any) -> None:
-    _torch_run(rank, port, quick, q, with_echo=False)
+def _torch_noop_worker(rank: int, port: int, quick: bool, own: bool, q: Any) -> None:
+    _torch_run(rank, port, quick, q, with_echo=False, own=own)
 
 
-def _torch_run(rank: int, port: int, quick: bool, q: Any, with_echo: bool) -> None:
+def _torch_run(
+    rank: int, port: int, quick: bool, q: Any, with_echo: bool, own: bool = False
+) -> None:
     import torch
     import torch.distributed.rpc as rpc
 
@@ -376,6 +401,7 @@ def _torch_run(rank: int, port: int, quick: bool, q: Any, with_echo: bool) -> No
     os.environ["MASTER_PORT"] = str(port)
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    stop = _own_thread(own)
     try:
         if rank == 0:
 
@@ -390,6 +416,7 @@ def _torch_run(rank: int, port: int, quick: bool, q: Any, with_echo: bool) -> No
             )
             q.put(res)
     finally:
+        stop()
         rpc.shutdown()
 
 
@@ -423,7 +450,9 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print, do not touch docs/")
     ap.add_argument("--echo-only", action="store_true", help="only the large-array table; print")
     ap.add_argument(
-        "--crowded", action="store_true", help="only quiet against busy loops per core; print"
+        "--crowded",
+        action="store_true",
+        help="only quiet, busy loops per core, and a compute thread per worker; print",
     )
     a = ap.parse_args()
     if a.echo_only:

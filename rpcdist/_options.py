@@ -147,6 +147,17 @@ class RpcOptions:
             Defaults to ``RPCDIST_BUSY_POLL_US`` or 1000: long enough for a
             handler that computes for a few hundred microseconds
             (docs/design.md, "Blocking calls").
+        gil_switch_us: While agents run in this process, how long
+            (microseconds) a thread that needs the GIL waits before Python
+            makes the thread holding it let go (``sys.setswitchinterval``).
+            Python's own 5 ms is what a call's handler and reply wait behind
+            a compute thread of the worker that holds the GIL (a pure-Python
+            loop; NumPy and PyTorch kernels release it): each such wait
+            costs a call up to that long. Set when the first agent starts,
+            only if the program left Python's default in place, and put
+            back when the last one shuts down (if nothing changed it
+            meanwhile). ``None`` (or ``"off"``) leaves it alone. Defaults to
+            ``RPCDIST_GIL_SWITCH_US`` or 500.
         transport: How frames move: ``"tcp"`` (plain sockets, the default
             path, with or without TLS), ``"grpc"`` (gRPC streams), ``"inproc"``
             (agents of one process linked in memory, for tests) or ``"auto"``
@@ -238,6 +249,9 @@ class RpcOptions:
     busy_poll_us: float | str = field(
         default_factory=lambda: os.environ.get("RPCDIST_BUSY_POLL_US", "1000")
     )
+    gil_switch_us: float | str | None = field(
+        default_factory=lambda: os.environ.get("RPCDIST_GIL_SWITCH_US", "500")
+    )
     max_message_bytes: int = 2 * _GiB
     heartbeat_interval: float = 0.5
     peer_timeout: float | None = 3.0
@@ -286,18 +300,12 @@ class RpcOptions:
                 ) from None
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
-        spin: Any = self.busy_poll_us
-        with contextlib.suppress(ValueError):
-            spin = float(spin) if isinstance(spin, str) else spin
-        if (
-            not isinstance(spin, int | float)
-            or isinstance(spin, bool)
-            or not 0 <= spin <= 1_000_000
-        ):
-            raise ConfigError(
-                "RpcOptions.busy_poll_us (or RPCDIST_BUSY_POLL_US) must be a number of "
-                f"microseconds in [0, 1e6], got {self.busy_poll_us!r}"
-            )
+        spin = _microseconds(self.busy_poll_us, "busy_poll_us", 0)
+        switch = self.gil_switch_us
+        if not isinstance(switch, str) or switch.strip().lower() not in ("off", "none", ""):
+            switch = None if switch is None else _microseconds(switch, "gil_switch_us", 1)
+        else:
+            switch = None
         if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
                 "RpcOptions.transport must be 'auto', 'tcp', 'grpc' or 'inproc', "
@@ -359,7 +367,8 @@ class RpcOptions:
         return dataclasses.replace(
             self,
             sync_channels=n,
-            busy_poll_us=float(spin),
+            busy_poll_us=spin,
+            gil_switch_us=switch,
             callable_policy=policy,
             allowed_callables=allowed,
         )
@@ -419,3 +428,23 @@ class RpcOptions:
         if self.listen_host in ("0.0.0.0", "::", "[::]", ""):
             return "127.0.0.1"
         return self.listen_host
+
+
+def _microseconds(value: Any, name: str, least: float) -> float:
+    """``RpcOptions.<name>`` (or its environment variable) as a number of
+    microseconds in ``[least, 1e6]``.
+
+    Raises:
+        ConfigError: it is not one.
+    """
+    v = value
+    with contextlib.suppress(ValueError):
+        v = float(v) if isinstance(v, str) else v
+    if not isinstance(v, int | float) or isinstance(v, bool) or not least <= v <= 1_000_000:
+        env = f"RPCDIST_{name.upper()}"
+        extra = ", None or 'off'" if name == "gil_switch_us" else ""
+        raise ConfigError(
+            f"RpcOptions.{name} (or {env}) must be a number of microseconds in "
+            f"[{least:g}, 1e6]{extra}, got {value!r}"
+        )
+    return float(v)

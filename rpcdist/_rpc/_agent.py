@@ -153,7 +153,13 @@ class Agent:
             self.links = Links(self)
             limit = channel_limit(self)
             spin = float(self.options.busy_poll_us) * 1e-6 if limit else 0.0
-            self.busy_poll = BusyPoll(spin, self.activity, self.loop)
+            switch = self.options.gil_switch_us
+            self.busy_poll = BusyPoll(
+                spin,
+                self.activity,
+                self.loop,
+                switch=None if switch is None else float(switch) * 1e-6,
+            )
             self.sync = SyncPool(self, limit, self.busy_poll)
             self.sync_serving = SyncServing(self, limit, self.busy_poll)
             self.liveness = Liveness(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
+import sys
 import threading
 import time
 from typing import Any, Protocol
@@ -36,9 +37,15 @@ class _Inflight(Protocol):
     inflight: int
 
 
+#: Python's own switch interval (``sys.getswitchinterval()`` unless a program changed it).
+PYTHON_SWITCH = 0.005
+
+
 class ProcessGil:
     """The agents of this process, which share its GIL: ``slot`` is held by
-    the one thread polling now."""
+    the one thread polling now. While any runs, the interpreter's switch
+    interval is the agents' (``RpcOptions.gil_switch_us``), if the program
+    left Python's own in place."""
 
     def __init__(self) -> None:
         self.slot = threading.Lock()
@@ -46,17 +53,32 @@ class ProcessGil:
         self._members: set[int] = set()
         #: Agents of this process not yet closed.
         self.agents = 0
+        #: The switch interval the agents set (None: they set none).
+        self._switch: float | None = None
 
-    def join(self, member: object) -> None:
+    def join(self, member: object, switch: float | None = None) -> None:
+        """``member`` starts; ``switch``: the switch interval it asks for (seconds)."""
         with self._lock:
             self._members.add(id(member))
             self.agents = len(self._members)
+            # (only over Python's own interval: a program's own choice stays)
+            if switch is not None and self._switch is None and _python_switch():
+                sys.setswitchinterval(switch)
+                self._switch = sys.getswitchinterval()
 
     def leave(self, member: object) -> None:
         """``member`` is closing (idempotent)."""
         with self._lock:
             self._members.discard(id(member))
             self.agents = len(self._members)
+            if not self._members and self._switch is not None:
+                if sys.getswitchinterval() == self._switch:  # (nobody changed it since)
+                    sys.setswitchinterval(PYTHON_SWITCH)
+                self._switch = None
+
+
+def _python_switch() -> bool:
+    return sys.getswitchinterval() == PYTHON_SWITCH
 
 
 #: This process's GIL, as the pollers of its agents share it.
@@ -76,6 +98,7 @@ class BusyPoll:
         activity: _Inflight,
         loop: asyncio.AbstractEventLoop,
         process: ProcessGil = PROCESS,
+        switch: float | None = None,
     ) -> None:
         self.window = window
         self._activity = activity
@@ -103,7 +126,7 @@ class BusyPoll:
             selector = getattr(loop, "_selector", None)  # (asyncio's epoll)
             if selector is not None:
                 self.watch(selector.fileno())
-        process.join(self)
+        process.join(self, switch)
 
     def window_end(self, kind: tuple[int, str], now: float) -> float:
         """Until when a wait of ``kind`` starting ``now`` may poll (0: not at
