@@ -60,3 +60,8 @@ def echo(x: Any) -> Any:
 
 def fail(x: Any) -> None:
     raise KeyError("on purpose")
+
+
+def ignore(x: Any) -> None:
+    """Returns nothing: its reply is the codec's constant ``None`` header."""
+    return None

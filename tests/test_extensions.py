@@ -164,6 +164,23 @@ def test_reply_fields_reach_the_callers_handler_on_every_reply_path(answered_pro
     assert got == [("worker0", "worker1", ["worker1"])] * 3
 
 
+@pytest.mark.parametrize("channels", [4, 0], ids=["sync-threads", "loop"])
+def test_a_none_reply_with_fields_still_runs_them(answered_probe, channels):
+    """A ``None`` reply (the codec's constant header, which the caller
+    completes without decoding) still hands its fields to their handler."""
+    got: list[tuple[str, str, object]] = []
+    with local_agents(2, options=RpcOptions(token=None, sync_channels=channels)) as (a, _):
+        a.registry.add_reply_field(
+            "test.seen", lambda ag, src, v: got.append((ag.name, src.name, v))
+        )
+        with as_current(a):
+            assert rpcdist.rpc_sync("worker1", ef.ignore, args=(ef.Probe(),)) is None
+            assert rpcdist.rpc_async("worker1", ef.ignore, args=(ef.Probe(),)).wait(10) is None
+            window = [rpcdist.rpc_async("worker1", ef.echo, args=(None,)) for _ in range(64)]
+            assert [f.wait(10) for f in window] == [None] * 64  # no fields: no call
+    assert got == [("worker0", "worker1", ["worker1"])] * 2
+
+
 def test_reply_fields_are_registered_once():
     with local_agents(1) as (a,):
 
