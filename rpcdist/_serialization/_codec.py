@@ -12,7 +12,7 @@ from . import _arrays, _builtins  # noqa: F401  (install their extensions)
 from ._errorpath import locate
 from ._extensions import MARKS, STR_ERRORS, TUPLE, DecodeState, EncodeState
 
-__all__ = ["CODEC_VERSION", "decode", "encode"]
+__all__ = ["CODEC_VERSION", "EMPTY_CALL_HEADER", "NONE_HEADER", "decode", "encode"]
 
 CODEC_VERSION: Final = 1
 """Bumped whenever the wire format changes; peers compare it at handshake."""
