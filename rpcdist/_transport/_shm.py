@@ -8,13 +8,14 @@ name. The segment starts with a small table of where each buffer lies: a
 large buffer is placed at the same offset within a 4 KiB page as its
 source, since memcpy of a large block runs at a third of its speed when
 the destination sits a few cache lines past the source's page offset
-(glibc's copy on this kind of machine, measured in docs/benchmarks.md). The receiver (:class:`SegmentReader`) maps a
-segment the first time it is named and unlinks the file at once, so nothing
-is left in /dev/shm once both sides hold it; later messages through the same
-segment reuse both mappings. Arrays are decoded straight from the mapping
-(no copy); when the last of them is gone the receiver marks the segment free
-again in its first byte (the shared state: free, busy, retired), and the
-sender may reuse it.
+(glibc's copy on this kind of machine, measured in docs/benchmarks.md).
+The receiver (:class:`SegmentReader`) maps a segment the first time it is
+named and unlinks the file at once, so nothing is left in /dev/shm once
+both sides hold it; later messages through the same segment reuse both
+mappings. Arrays are decoded straight from the mapping (no copy); when the
+last of them is gone the receiver marks the segment free again in its
+first byte (the shared state: free, busy, retired), and the sender may
+reuse it.
 
 The sender keeps a few free segments (:data:`KEEP_FREE`); it retires the
 others (marks them retired and drops its mapping; the receiver drops its own
