@@ -6,6 +6,7 @@ import gc
 import glob
 import os
 import stat
+import time
 
 import mp_workers as mw
 import numpy as np
@@ -259,4 +260,30 @@ def test_threads_sending_large_arrays_at_once_each_get_their_own_back():
             t.join(60)
         assert got == {t: [True] * 8 for t in range(4)}
         assert _written(a) == 40 and _written(b) == 40
+    assert _ours() == []
+
+
+def test_a_large_blocking_call_that_times_out_leaves_the_next_working_and_nothing_behind():
+    """The request went through a segment on a thread-driven connection; the
+    call times out while the handler holds it, the connection goes to the
+    loop, and the late reply (also large, through a segment) is read and
+    dropped there."""
+    big = np.random.default_rng(6).random(300_000)  # 2.4 MB each way
+    rf.release.clear()
+    try:
+        with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, b), as_current(a):
+            with pytest.raises(rpcdist.RpcTimeoutError):
+                rpcdist.rpc_sync("worker1", rf.held, args=(big,), timeout=0.3)
+            assert _written(a) == 1  # the request took a segment
+            got = rpcdist.rpc_sync("worker1", rf.echo, args=(big * 2,))
+            assert np.array_equal(got, big * 2)
+            rf.release.set()  # the late handler answers with ``big``: a large reply
+            deadline = time.monotonic() + 30
+            while _written(b) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # (polling for the late reply's segment, not a wait for it)
+            assert _written(b) == 2
+            del got
+    finally:
+        rf.release.set()
+    gc.collect()
     assert _ours() == []
