@@ -273,10 +273,13 @@ def crowded_table(rounds: int, quick: bool, with_torch: bool) -> str:
                 names[CROWDING[mode]],
                 median([r["p50_us"] for r in rs]),
                 median([r["p99_us"] for r in rs]),
+                " / ".join(f"{r['p99_us']:,.0f}" for r in rs),
                 median([r.get("calls_s", float("nan")) for r in rs]),
             ]
         )
-    return table(["", "machine", "rpc_sync p50 (µs)", "p99 (µs)", "rpc_async calls/s"], rows)
+    return table(
+        ["", "machine", "rpc_sync p50 (µs)", "p99 (µs)", "p99 by round", "rpc_async calls/s"], rows
+    )
 
 
 # -------------------------------------------------------------- raw grpc.aio
