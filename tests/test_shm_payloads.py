@@ -287,3 +287,30 @@ def test_a_large_blocking_call_that_times_out_leaves_the_next_working_and_nothin
         rf.release.set()
     gc.collect()
     assert _ours() == []
+
+
+def test_large_payloads_are_copied_by_the_sending_threads_not_the_loops(monkeypatch):
+    """rpc_async calls in flight together and their replies under load take
+    the loops' path, but their arrays are copied into segments by the
+    calling thread and the handler threads: a loop copying 256 MB would hold
+    up every other message (heartbeats included) for tens of milliseconds."""
+    import threading
+
+    from rpcdist._transport import _shm
+
+    writers: list[str] = []
+    write = _shm.SegmentPool.write
+
+    def recording(self, buffers):
+        writers.append(threading.current_thread().name)
+        return write(self, buffers)
+
+    x = np.random.default_rng(7).random(300_000)  # 2.4 MB
+    with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, _), as_current(a):
+        rpcdist.rpc_sync("worker1", rf.add, args=(1, 2))  # the links are up
+        assert rpcdist.rpc_async("worker1", rf.add, args=(1, 2)).wait(30) == 3
+        monkeypatch.setattr(_shm.SegmentPool, "write", recording)
+        futs = [rpcdist.rpc_async("worker1", rf.echo, args=(x + i,)) for i in range(8)]
+        assert all(np.array_equal(f.wait(60), x + i) for i, f in enumerate(futs))
+    assert len(writers) == 16  # each call and each reply
+    assert not [w for w in writers if "loop" in w], writers

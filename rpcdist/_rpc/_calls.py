@@ -131,6 +131,8 @@ class Calls:
         if agent.in_loop_thread():
             self._start(dst, msg, fut)
         elif not self._send_now(dst, msg, fut):
+            if msg.buffers and (link := agent.links.get(dst)) is not None:
+                link.to_segment(msg)  # (a large payload: copied on this thread, not the loop)
             with self._lock:
                 self._queued += 1
             try:

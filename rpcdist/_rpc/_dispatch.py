@@ -411,6 +411,7 @@ def _reply_from_thread(
 ) -> None:
     """Account for the finished handler and send its reply, from a thread."""
     reply = _reply(m, wire, kind, header, buffers)
+    link.to_segment(reply)  # (a large payload: copied on this thread, not the loop)
     try:
         # (busy: replies coalesce better on the loop; asked here first, the usual answer)
         if agent.activity.inflight > 1 or not _reply_now(agent, link, reply):
