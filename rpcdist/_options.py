@@ -300,12 +300,8 @@ class RpcOptions:
                 ) from None
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"RpcOptions.sync_channels must be an int >= 0, got {n!r}")
-        spin = _microseconds(self.busy_poll_us, "busy_poll_us", 0)
-        switch = self.gil_switch_us
-        if not isinstance(switch, str) or switch.strip().lower() not in ("off", "none", ""):
-            switch = None if switch is None else _microseconds(switch, "gil_switch_us", 1)
-        else:
-            switch = None
+        spin = _microseconds(self.busy_poll_us, "busy_poll_us", 0) or 0.0
+        switch = _microseconds(self.gil_switch_us, "gil_switch_us", 1, off=True)
         if self.transport not in ("auto", "tcp", "grpc", "inproc"):
             raise ConfigError(
                 "RpcOptions.transport must be 'auto', 'tcp', 'grpc' or 'inproc', "
@@ -430,21 +426,24 @@ class RpcOptions:
         return self.listen_host
 
 
-def _microseconds(value: Any, name: str, least: float) -> float:
+_OFF_HINT = ", None or 'off'"
+
+
+def _microseconds(value: Any, name: str, least: float, *, off: bool = False) -> float | None:
     """``RpcOptions.<name>`` (or its environment variable) as a number of
-    microseconds in ``[least, 1e6]``.
+    microseconds in ``[least, 1e6]``; with ``off``, None for None or ``"off"``.
 
     Raises:
         ConfigError: it is not one.
     """
     v = value
+    if off and (v is None or (isinstance(v, str) and v.strip().lower() in ("off", "none", ""))):
+        return None
     with contextlib.suppress(ValueError):
         v = float(v) if isinstance(v, str) else v
     if not isinstance(v, int | float) or isinstance(v, bool) or not least <= v <= 1_000_000:
-        env = f"RPCDIST_{name.upper()}"
-        extra = ", None or 'off'" if name == "gil_switch_us" else ""
         raise ConfigError(
-            f"RpcOptions.{name} (or {env}) must be a number of microseconds in "
-            f"[{least:g}, 1e6]{extra}, got {value!r}"
+            f"RpcOptions.{name} (or RPCDIST_{name.upper()}) must be a number of microseconds "
+            f"in [{least:g}, 1e6]{_OFF_HINT if off else ''}, got {value!r}"
         )
     return float(v)
