@@ -49,6 +49,18 @@ class _Store:
         return await asyncio.shield(self.slot(key))
 
 
+KEY = "round/{}".format
+
+
+def _rank0(world: int, reported: dict[int, bytes]) -> types.SimpleNamespace:
+    """Rank 0 of ``world`` as ``gather_live`` sees it (in a running loop),
+    with the values of ``reported`` already in the store."""
+    store = _Store()
+    for rank, value in reported.items():
+        store.slot(KEY(rank)).set_result(value)
+    return types.SimpleNamespace(rank=0, world_size=world, liveness=_Detector(), store=store)
+
+
 def test_a_worker_lost_while_the_loop_was_held_up_still_has_its_report_read():
     """A peer that finished first looks lost to the slower ones; if noticing
     that kept the loop busy past the grace (dropping its connections can take
@@ -56,33 +68,26 @@ def test_a_worker_lost_while_the_loop_was_held_up_still_has_its_report_read():
 
     async def main() -> dict[int, bytes]:
         loop = asyncio.get_running_loop()
-        detector, store = _Detector(), _Store()
-        agent = types.SimpleNamespace(rank=0, world_size=2, liveness=detector, store=store)
-        key = "round/{}".format
-        store.slot(key(0)).set_result(b"mine")
+        agent = _rank0(2, {0: b"mine"})
+        detector, store = agent.liveness, agent.store
 
         def lost_then_busy() -> None:
             detector.declare(1, "its connection was refused")
             # the value was answered meanwhile; its reply waits behind this callback
-            loop.call_soon(store.slot(key(1)).set_result, b"theirs")
+            loop.call_soon(store.slot(KEY(1)).set_result, b"theirs")
             time.sleep(2 * _shutdown._LOST_GRACE)  # the loop is held up (not a wait for anything)
 
         loop.call_later(0.01, lost_then_busy)
-        return await _shutdown.gather_live(agent, key, 5.0)
+        return await _shutdown.gather_live(agent, KEY, 5.0)
 
     assert asyncio.run(main()) == {0: b"mine", 1: b"theirs"}
 
 
 def test_a_lost_worker_without_a_report_is_not_waited_for_beyond_the_grace():
     async def main() -> dict[int, bytes]:
-        loop = asyncio.get_running_loop()
-        detector, store = _Detector(), _Store()
-        agent = types.SimpleNamespace(rank=0, world_size=3, liveness=detector, store=store)
-        key = "round/{}".format
-        store.slot(key(0)).set_result(b"a")
-        store.slot(key(2)).set_result(b"c")
-        loop.call_later(0.01, detector.declare, 1, "killed")
+        agent = _rank0(3, {0: b"a", 2: b"c"})
+        asyncio.get_running_loop().call_later(0.01, agent.liveness.declare, 1, "killed")
         # (its value never comes: without the grace this would wait forever)
-        return await asyncio.wait_for(_shutdown.gather_live(agent, key, None), 10)
+        return await asyncio.wait_for(_shutdown.gather_live(agent, KEY, None), 10)
 
     assert asyncio.run(main()) == {0: b"a", 2: b"c"}
