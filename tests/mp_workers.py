@@ -289,7 +289,9 @@ def stray_segment():
     """Write a payload segment no one will be told of (as a sender killed mid-send leaves)."""
     from rpcdist._rpc._context import current_agent
 
-    path, _ = current_agent().links.transport.segments.pool().write([memoryview(b"x" * 100)])
+    pool = current_agent().links.transport.segments.pool()
+    _KEPT.append(pool)  # (a pool dropped retires its segments: the kill comes first)
+    path, _ = pool.write([memoryview(b"x" * 100)])
     return path
 
 
