@@ -108,6 +108,7 @@ def test_a_transport_stopping_takes_its_large_segments_down_off_its_loop(monkeyp
     torn_down: list[threading.Thread] = []
     _record(monkeypatch, "_teardown", torn_down)
     _record(monkeypatch, "_unmap", torn_down)
+    _record(monkeypatch, "_close_segments", torn_down)
     x = np.random.default_rng(8).random(3 << 20)  # 24 MB
     with local_agents(2, options=rpcdist.RpcOptions(token=None)) as (a, _), as_current(a):
         assert np.array_equal(rpcdist.rpc_sync("worker1", rf.echo, args=(x,)), x)

@@ -19,22 +19,22 @@ reuse it.
 
 The sender keeps a few free segments (:data:`KEEP_FREE`); it retires the
 others (marks them retired and drops its mapping; the receiver drops its own
-when it next sees one). A link's pool retires all of its segments when it is
-closed or dropped with its link (a peer lost, a connection closed). Files are
-0600, created by this process's user. Files a receiver never mapped (it
-died, or the message was dropped) are unlinked by the sender when it retires
-them or its transport stops; files of a sender killed before it could
+when it next sees one; a pool dropped with its link lets go of its mappings
+but leaves the states and files, as a message sent through one may still be
+read). Files are 0600, created by this process's user. Files a receiver
+never mapped (it died, or the message was dropped) are unlinked by the
+sender when its transport stops; files of a sender killed before it could
 (SIGKILL) are unlinked by the receivers it named them to, when theirs stop.
 
 Taking a large segment down (unmapping it, unlinking or closing the last
 hold on its file, which frees its pages) takes long: about a tenth of a
-second for 256 MB. Segments of :data:`REAP_MIN` or more, and a receiver's
-large mappings it lets go of, are therefore taken down by a reaper thread
-(``rpcdist-shm-reaper``, started when there is work, gone after
-:data:`_LINGER` idle seconds), never by the thread that retires them, which
-may be an event loop's; the state byte is set first, by the retiring thread.
-A transport's :meth:`SegmentWriter.aclean` waits for the reaper, so its
-files are gone and the thread has ended once it returns.
+second for 256 MB. Segments of :data:`REAP_MIN` or more, and the large
+mappings a receiver or a dropped pool lets go of, are therefore taken down
+by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
+gone after :data:`_LINGER` idle seconds), never by the thread that lets go
+of them, which may be an event loop's; a retired segment's state is set
+first, by that thread. A transport's :meth:`SegmentWriter.aclean` waits for
+the reaper, so its files are gone and the thread has ended once it returns.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ class SegmentPool:
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self.closed = False
-        #: Dropped unclosed (its link went away): retire what is left.
-        weakref.finalize(self, _retire_all, self._segments, writer).atexit = False
+        #: Dropped unclosed (its link went away): let go of its mappings.
+        weakref.finalize(self, _drop_all, self._segments).atexit = False
 
     def write(self, buffers: list[memoryview]) -> tuple[str, _Segment]:
         """Copy ``buffers`` into a free segment; return its path and the segment.
@@ -398,6 +398,21 @@ def _retire(seg: _Segment, writer: SegmentWriter) -> None:
 def _retire_all(segments: list[_Segment], writer: SegmentWriter) -> None:
     while segments:
         _retire(segments.pop(), writer)
+
+
+def _drop_all(segments: list[_Segment]) -> None:
+    """A pool dropped unclosed: the reaper unmaps its large segments."""
+    large = [s for s in segments if s.size >= REAP_MIN]
+    segments.clear()
+    if large and not _REAPER.here():
+        _REAPER.put(_close_segments, large)
+
+
+def _close_segments(segments: list[_Segment]) -> None:
+    while segments:
+        seg = segments.pop()
+        seg.mm.close()
+        seg.close_fd()
 
 
 def _teardown(seg: _Segment, writer: SegmentWriter) -> None:
