@@ -27,8 +27,8 @@ sender when its transport stops; files of a sender killed before it could
 (SIGKILL) are unlinked by the receivers it named them to, when theirs stop.
 
 Taking a large segment down (unmapping it, unlinking or closing the last
-hold on its file, which frees its pages) takes long: about a tenth of a
-second for 256 MB. Segments of :data:`REAP_MIN` or more, and the large
+hold on its file, which frees its pages) takes long: a tenth of a second
+for 256 MB (docs/benchmarks.md). Segments of :data:`REAP_MIN` or more, and the large
 mappings a receiver or a dropped pool lets go of, are therefore taken down
 by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
 gone after :data:`_LINGER` idle seconds), never by the thread that lets go
@@ -85,7 +85,7 @@ _GRAIN = 1 << 20
 _PAGE_ALIGN_MIN = 1 << 20
 _PAGE, _LINE = 4096, 64
 #: Segments (and receivers' mappings) this large are taken down by the
-#: reaper thread; smaller ones (1 MiB) at once (a few tenths of a millisecond).
+#: reaper thread; smaller ones (1 MiB) at once (docs/benchmarks.md).
 REAP_MIN = 2 << 20
 #: Seconds the reaper thread waits for more work before it ends.
 _LINGER = 1.0
