@@ -40,6 +40,7 @@ the reaper, so its files are gone and the thread has ended once it returns.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import glob
@@ -383,6 +384,7 @@ class _Reaper:
 
 _REAPER = _Reaper()
 os.register_at_fork(after_in_child=_REAPER.reset)
+atexit.register(_REAPER.drain)  # (a daemon thread: finish what was put before exiting)
 
 
 def _retire(seg: _Segment, writer: SegmentWriter) -> None:
