@@ -27,10 +27,10 @@ sender when its transport stops; files of a sender killed before it could
 (SIGKILL) are unlinked by the receivers it named them to, when theirs stop.
 
 Taking a large segment down (unmapping it, unlinking or closing the last
-hold on its file, which frees its pages) takes long: a tenth of a second
-for 256 MB (docs/benchmarks.md). Segments of :data:`REAP_MIN` or more, and the large
-mappings a receiver or a dropped pool lets go of, are therefore taken down
-by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
+hold on its file, which frees its pages) takes long: a tenth of a
+second for 256 MB (docs/benchmarks.md). Segments of :data:`REAP_MIN` or
+more, and the large mappings a receiver or a dropped pool lets go of, are
+therefore taken down by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
 gone after :data:`_LINGER` idle seconds), never by the thread that lets go
 of them, which may be an event loop's; a retired segment's state is set
 first, by that thread. A transport's :meth:`SegmentWriter.aclean` waits for
