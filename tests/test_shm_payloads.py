@@ -6,6 +6,8 @@ import gc
 import glob
 import os
 import stat
+import sys
+import threading
 import time
 
 import mp_workers as mw
@@ -163,6 +165,48 @@ def test_a_segment_is_reused_once_the_receivers_arrays_are_gone():
     assert seg.mm.closed and not os.path.exists(path2)
     with pytest.raises(OSError):
         pool.write([memoryview(b"late")])
+
+
+def test_other_threads_run_while_a_large_buffer_is_copied_into_its_segment():
+    # The calling or handler thread copies a large payload into its segment;
+    # the worker's loop must not wait for the copy. With a switch interval
+    # far longer than the copy, the thread woken as the copy starts gets the
+    # GIL only if the copy lets go of it: then it sees the copy unfinished.
+    w = SegmentWriter()
+    pool = w.pool()
+    big = memoryview(np.arange(16 << 20, dtype=np.float32)).cast("B")  # 64 MB
+    _, seg = pool.write([big])
+    pool.release(seg)  # (made and faulted in: every copy below reuses it)
+    seen: list[bool] = []
+
+    def copy(started: threading.Event, done: list[bool]) -> None:
+        started.set()
+        _, again = pool.write([big])
+        done.append(True)
+        assert again is seg  # (no segment made: making one lets go of the GIL)
+        pool.release(again)
+
+    def look(started: threading.Event, done: list[bool]) -> None:
+        started.wait()
+        seen.append(bool(done))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        for _ in range(5):
+            args = (threading.Event(), [])
+            threads = [threading.Thread(target=f, args=args) for f in (look, copy)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            if False in seen:
+                break
+    finally:
+        sys.setswitchinterval(old)
+        pool.close()
+        w.cleanup()
+    assert False in seen, f"no thread ran during any of {len(seen)} copies"
 
 
 def test_retired_segments_are_dropped_and_leftovers_unlinked():

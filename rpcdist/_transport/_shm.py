@@ -88,6 +88,9 @@ _PAGE, _LINE = 4096, 64
 #: Segments (and receivers' mappings) this large are taken down by the
 #: reaper thread; smaller ones (1 MiB) at once (docs/benchmarks.md).
 REAP_MIN = 2 << 20
+#: Buffers this large are copied into a segment with the GIL released, so the
+#: worker's other threads (its loop) run meanwhile.
+_UNLOCKED_COPY = 256 << 10
 #: Seconds the reaper thread waits for more work before it ends.
 _LINGER = 1.0
 
@@ -151,7 +154,12 @@ class SegmentPool:
             table[:] = offsets
             del table
             for off, b in zip(offsets, buffers):
-                mm[off : off + b.nbytes] = b
+                if b.nbytes < _UNLOCKED_COPY:
+                    mm[off : off + b.nbytes] = b
+                else:  # (NumPy lets go of the GIL for the copy; mmap's slice store keeps it)
+                    dst = np.frombuffer(mm, np.uint8, b.nbytes, off)
+                    np.copyto(dst, np.frombuffer(b, np.uint8))
+                    del dst
         except BaseException:
             mm[_STATE] = FREE
             raise
