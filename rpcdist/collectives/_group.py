@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing.util
+import os
 import threading
 import time
 from collections import deque
@@ -70,6 +72,37 @@ ABORT = "collectives.abort"
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 Body = Callable[[int], Any]
+
+
+#: Failure notices still on their way to the other members. A member that
+#: fails a collective and exits at once waits for them a moment as it exits
+#: (a normal exit, or a multiprocessing child's), so the others learn the
+#: cause (a lost rank), not only that this member left.
+_NOTICES: set[threading.Event] = set()
+#: Longest an exit waits for them (seconds).
+NOTICE_GRACE = 2.0
+#: The process that registered the wait (a forked child registers its own).
+_waiting_in: list[int] = []
+
+
+def _sending(notice: threading.Event) -> None:
+    _NOTICES.add(notice)
+    if _waiting_in != [os.getpid()]:
+        _waiting_in[:] = [os.getpid()]
+        # (run at interpreter exit, and by multiprocessing children, which
+        # leave with os._exit and so skip plain atexit functions)
+        multiprocessing.util.Finalize(None, _deliver_notices, exitpriority=100)
+
+
+def _delivered(notice: threading.Event) -> None:
+    _NOTICES.discard(notice)
+    notice.set()
+
+
+def _deliver_notices() -> None:
+    end = time.monotonic() + NOTICE_GRACE
+    for notice in list(_NOTICES):
+        notice.wait(max(0.0, end - time.monotonic()))
 
 
 @dataclass(eq=False, slots=True)
@@ -357,8 +390,12 @@ class ProcessGroup:
         agent = self._state.agent
         agent.mailbox.discard(self.prefix)
         for g in self.ranks:
-            if g != agent.rank and not agent.closed:
-                agent.spawn(self._notify(g, payload))
+            if g != agent.rank and not agent.closed and not agent.liveness.is_lost(g):
+                notice = threading.Event()
+                _sending(notice)
+                agent.spawn(self._notify(g, payload)).add_done_callback(
+                    lambda _, n=notice: _delivered(n)  # type: ignore[misc]
+                )
 
     async def _notify(self, dst: int, payload: list[Any]) -> None:
         try:

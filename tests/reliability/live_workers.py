@@ -17,6 +17,8 @@ import numpy as np
 import rel_funcs as rf
 
 import rpcdist
+from rpcdist._faults import FaultInjector
+from rpcdist.collectives._group import ABORT
 
 #: ``usleep`` called through ``PyDLL`` keeps the GIL for the whole call, as
 #: a native library that does not release it does.
@@ -86,13 +88,22 @@ def gil_and_sigstop(rank: int, world_size: int, init: str, port: int) -> dict[st
 
 
 def sigstop_collective(
-    rank: int, world_size: int, init: str, port: int, way: str
+    rank: int,
+    world_size: int,
+    init: str,
+    port: int,
+    way: str,
+    windows: tuple[float, ...] | None = None,
+    slow_notice: float = 0.0,
 ) -> dict[str, Any]:
     """The last rank is stopped (SIGSTOP, by rank 0) in the middle of an
     ``all_reduce`` loop; the others report what their collective raised and
     when. ``way``: ``"shm"``, ``"ring-unix"`` / ``"ring-tcp"`` (the message
     ring over same-host Unix sockets or TCP), ``"ring-rpc"`` (the ring on
-    the agent ``init_rpc`` started) or ``"ring-grpc"``."""
+    the agent ``init_rpc`` started) or ``"ring-grpc"``. ``windows``: each
+    rank's failure-detector window (``peer_timeout``), on an agent
+    ``init_rpc`` starts; ``slow_notice``: seconds rank 1's notices that a
+    collective failed wait before they leave (a busy machine's delay)."""
     from rpcdist import collectives as dist
 
     del init
@@ -100,8 +111,12 @@ def sigstop_collective(
     os.environ["RPCDIST_LOCAL_SOCKETS"] = "0" if way == "ring-tcp" else "1"
     os.environ["RPCDIST_TRANSPORT"] = "grpc" if way == "ring-grpc" else "auto"
     victim = world_size - 1
-    if way == "ring-rpc":
-        rpcdist.init_rpc(f"w{rank}", rpc_timeout=None, options=_options())
+    if way == "ring-rpc" or windows is not None:
+        kw: dict[str, Any] = {} if windows is None else {"peer_timeout": windows[rank]}
+        if slow_notice and rank == 1:
+            kw["faults"] = FaultInjector()
+            kw["faults"].add(ABORT, "delay", times=None, delay=slow_notice)
+        rpcdist.init_rpc(f"w{rank}", rpc_timeout=None, options=_options(**kw))
     dist.init_process_group(backend="shm" if way == "shm" else "ring", timeout=120)
     buf = np.ones(1 << 16, dtype=np.float32)
     dist.all_reduce(buf)  # everyone is in

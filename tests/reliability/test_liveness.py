@@ -80,6 +80,28 @@ def test_a_sigstopped_rank_fails_a_blocked_all_reduce_on_every_backend(way):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("way", ["ring-rpc", "ring-grpc"])
+def test_a_member_that_exits_after_a_loss_tells_the_others_its_cause(way):
+    # Rank 1 sees the stopped rank 2 lost after 3 s and its process ends at
+    # once, its notice to rank 0 held up half a second (a busy machine);
+    # rank 0 would take 20 s, so it first hears of the loss from rank 1, or
+    # sees rank 1 leave, which the notice must come before.
+    windows = (20.0, WINDOW, WINDOW)
+    res = harness.run_job(
+        lw.sigstop_collective, 3, (_port(), way, windows, 0.5), timeout=90, expect={0, 1}
+    )
+    assert not res.errors, res.errors
+    assert "lost rank 2" in res.values[1]["message"], res.values[1]
+    v = res.values[0]
+    assert v["error"] == "CollectiveError", v
+    assert "failed on rank 1" in v["message"] and "lost rank 2" in v["message"], v["message"]
+    assert "(rank 1)" not in v["message"], v["message"]
+    assert v["failed_at"] - v["stopped_at"] < WINDOW + MARGIN, v["failed_at"] - v["stopped_at"]
+    assert res.exitcodes[1] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_shutdown_with_the_store_host_stopped_ends_promptly_naming_it_only():
     res = harness.run_job(lw.store_host_stopped, 3, (_port(),), timeout=90, expect={1, 2})
     assert not res.errors, res.errors
