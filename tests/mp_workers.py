@@ -299,14 +299,34 @@ def shm_files(pid):
     return glob.glob(f"/dev/shm/rpcdist-msg-{pid}-*")
 
 
+def _teardown_threads():
+    """Note the thread of every large segment taken down in this process."""
+    from rpcdist._transport import _shm
+
+    names = []
+
+    def recording(fn):
+        def call(*args):
+            names.append(threading.current_thread().name)
+            fn(*args)
+
+        return call
+
+    for name in ("_teardown", "_unmap", "_close_segments"):
+        setattr(_shm, name, recording(getattr(_shm, name)))
+    return names
+
+
 def shm_after_killed_peer(rank, world_size, init_method):
     """Rank 0 moves large arrays both ways with rank 1, SIGKILLs it, shuts down
-    and reports the /dev/shm files of both processes left after that."""
+    and reports the /dev/shm files of both processes left after that, and
+    the threads that took its large segments down."""
     import os
     import signal
 
     import numpy as np
 
+    torn_down = _teardown_threads()
     rpcdist.init_rpc(f"w{rank}", rank, world_size, init_method=init_method, rpc_timeout=30)
     if rank == 1:
         while True:  # serve until rank 0 kills us
@@ -324,6 +344,7 @@ def shm_after_killed_peer(rank, world_size, init_method):
             rpcdist.rpc_sync("w1", rf.echo, args=(x,), timeout=10)
         except rpcdist.RpcdistError:
             pass
+        before["answers"] = rpcdist.rpc_async("w0", rf.add, args=(1, 2)).wait(10)  # our loop
     finally:
         from rpcdist._rpc._context import current_agent
 
@@ -333,6 +354,7 @@ def shm_after_killed_peer(rank, world_size, init_method):
         **before,
         "written": written,
         "left": shm_files(os.getpid()) + shm_files(victim),
+        "torn_down": torn_down,
     }
 
 

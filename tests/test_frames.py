@@ -9,14 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpcdist import ProtocolError
-from rpcdist._proto import rpc_pb2
 from rpcdist._transport._frames import (
     _LEN,
     CALL,
     P2P,
+    Frame,
     OutMessage,
     Reassembler,
     pack_batch,
+    pack_envelope,
     parse_envelope,
 )
 
@@ -71,7 +72,7 @@ def _staged(msg):
     """``msg`` packed as one stream message: its single frame, and the bytes after the envelope."""
     data = memoryview(bytearray(pack_batch(deque([msg]), 1 << 20, 1 << 20)))
     (n,) = _LEN.unpack_from(data, 0)
-    (frame,) = parse_envelope(data[4 : 4 + n]).frames
+    (frame,) = parse_envelope(data[4 : 4 + n])
     return frame, data[4 + n :]
 
 
@@ -164,10 +165,10 @@ def test_truncated_or_mutated_messages_are_protocol_errors(data):
 
 def test_a_deadline_travels_as_the_time_left():
     q = deque([OutMessage(CALL, "f", b"h", [], id=3, deadline=time.monotonic() + 5.0)])
-    (frame,) = _envelope(pack_batch(q, 1 << 16, 1 << 16)).frames
+    (frame,) = _envelope(pack_batch(q, 1 << 16, 1 << 16))
     assert 4_000_000 < frame.timeout_us <= 5_000_000
     q = deque([OutMessage(CALL, "f", b"h", [], id=4, deadline=time.monotonic() - 5.0)])
-    assert _envelope(pack_batch(q, 1 << 16, 1 << 16)).frames[0].timeout_us == 1
+    assert _envelope(pack_batch(q, 1 << 16, 1 << 16))[0].timeout_us == 1
 
 
 def _envelope(data):
@@ -197,9 +198,41 @@ def test_whole_messages_among_chunks_of_a_large_one_arrive_whole_and_in_order():
 
 def test_a_whole_message_reusing_the_id_of_one_being_received_is_a_protocol_error():
     frames = [
-        rpc_pb2.Frame(id=9, kind=CALL, first=True, method="f", buffer_sizes=[8], data_len=4),
-        rpc_pb2.Frame(id=9, kind=CALL, first=True, last=True, method="g"),
+        Frame(id=9, kind=CALL, first=True, method="f", buffer_sizes=(8,), data_len=4),
+        Frame(id=9, kind=CALL, first=True, last=True, method="g"),
     ]
-    env = rpc_pb2.Batch(frames=frames).SerializeToString()
     with pytest.raises(ProtocolError, match="started twice"):
-        Reassembler().feed(_LEN.pack(len(env)) + env + b"abcd")
+        Reassembler().feed(pack_envelope(frames) + b"abcd")
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ((9, CALL, True, True, "f", b"", (), 0, -4, "", b""), "negative"),
+        ((9, CALL, True, True, "f", b"", (8, -1), 0, 0, "", b""), "buffer sizes"),
+        ((9, CALL, True, True, "f", b"", ("8",), 0, 0, "", b""), "buffer sizes"),
+        ((9, CALL, 1, True, "f", b"", (), 0, 0, "", b""), "'int', 'bool'"),
+        ((True, CALL, True, True, "f", b"", (), 0, 0, "", b""), "'bool', 'int'"),
+        ((9, CALL, True, True, b"f", b"", (), 0, 0, "", b""), "'bytes', 'bytes'"),
+        ((9, CALL, True, True, "f", b"", (), 0, 0, ""), "fields are"),
+        ((9, CALL, True, True, "f", b"", (), 0, 0, "", b"", 0), "fields are"),
+        ({"id": 9}, "fields are"),
+    ],
+)
+def test_an_envelope_field_of_the_wrong_type_or_sign_is_refused_naming_it(fields, named):
+    with pytest.raises(ProtocolError, match=f"malformed frame 1 .*{named}"):
+        parse_envelope(memoryview(pack_envelope([Frame(1, CALL), fields])[4:]))
+
+
+@pytest.mark.parametrize("env", [b"\x93\x01\x02\x03", b"\x81\xa1a\x01", b"\xc1", b"\xdd\xff\xff"])
+def test_an_envelope_that_is_no_array_of_frames_is_refused(env):
+    with pytest.raises(ProtocolError, match="malformed frame"):
+        parse_envelope(memoryview(env))
+
+
+def test_every_field_of_a_frame_survives_the_envelope():
+    frames = [
+        Frame(2**64 - 1, P2P, True, False, "k\u00e9", b"\x00h", (0, 1 << 40), 7, 3, "/p", b"\x80"),
+        Frame(0, CALL),
+    ]
+    assert parse_envelope(memoryview(pack_envelope(frames)[4:])) == frames

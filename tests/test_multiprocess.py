@@ -156,7 +156,7 @@ def test_unauthenticated_peer_is_rejected_and_nothing_runs(transport):
             outcome, env = _raw_tcp(
                 a.links.address(0), "s3cret", [_record_call("friend")], True, unix=unix, sync=sync
             )
-            frames = parse_envelope(memoryview(env)).frames
+            frames = parse_envelope(memoryview(env))
             assert outcome == "ok" and [(f.kind, f.id) for f in frames] == [(REPLY, 1)]
             assert rf.records() == [*before, "friend"]
 

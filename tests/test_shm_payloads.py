@@ -116,6 +116,9 @@ def test_nothing_is_left_in_dev_shm_after_a_peer_is_killed():
     r0 = res[0]
     assert r0["stray"] and r0["held"] == 8 << 20 and r0["written"] >= 4
     assert r0["left"] == []
+    # Its loop answered after the loss; no loop took a large segment down.
+    assert r0["answers"] == 3
+    assert r0["torn_down"] and not [t for t in r0["torn_down"] if "loop" in t], r0["torn_down"]
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,9 @@ _REFUSALS_WAIT = 2.0
 #: What rpcdist's messages mean, bumped whenever that changes: every worker of
 #: a job must agree (checked as they join). 2: an RRef passed back to its
 #: owner in a call is confirmed in the call's reply (reply field ``rca``),
-#: which a worker of protocol 1 would never read.
-WIRE_PROTOCOL = 2
+#: which a worker of protocol 1 would never read. 3: the stream's frame
+#: envelope is msgpack (it was a protobuf ``Batch``).
+WIRE_PROTOCOL = 3
 
 
 def _version() -> str:

@@ -1,7 +1,13 @@
 """Pure framing: pack outgoing messages into stream messages and reassemble them.
 
-A stream message is ``[u32 envelope length][rpc_pb2.Batch][payload area]``;
-see ``proto/rpcdist/v1/rpc.proto``. :func:`pack_batch_parts` copies nothing
+A stream message is ``[u32 envelope length][envelope][payload area]``. The
+envelope is a msgpack array of frames, each an array of the eleven fields of
+:class:`Frame` in order (a first frame carries the message's method, codec
+header, buffer sizes, remaining budget and extension fields; a continuation
+frame only its id, kind, flags and payload length); the payload area holds
+each frame's ``data_len`` bytes in frame order. :func:`parse_envelope`
+checks every field's type and sign before anything reads them.
+:func:`pack_batch_parts` copies nothing
 (the TCP transport hands its parts to ``sendmsg``); :func:`pack_batch` joins
 them for gRPC. The :class:`Reassembler` says where each frame's payload goes
 (a fresh buffer or one the receiver posted in advance): the TCP transport
@@ -12,17 +18,17 @@ message into it. No sockets, no event loop.
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from .._errors import ProtocolError
-from .._proto import rpc_pb2
 
 __all__ = [
     "CALL",
@@ -31,6 +37,7 @@ __all__ = [
     "INTERNAL",
     "P2P",
     "REPLY",
+    "Frame",
     "InMessage",
     "Meta",
     "OutMessage",
@@ -38,6 +45,7 @@ __all__ = [
     "fault_label",
     "pack_batch",
     "pack_batch_parts",
+    "pack_envelope",
     "parse_envelope",
 ]
 
@@ -47,13 +55,11 @@ MAX_PARTIAL = 1024
 #: Most frames coalesced into one stream message.
 MAX_FRAMES_PER_BATCH = 512
 
-CALL, INTERNAL, REPLY, ERROR_REPLY, P2P = (
-    rpc_pb2.CALL,
-    rpc_pb2.INTERNAL,
-    rpc_pb2.REPLY,
-    rpc_pb2.ERROR_REPLY,
-    rpc_pb2.P2P,
-)
+#: What a message is: a user function's call (by qualified name,
+#: ``"module:qualname"``), an rpcdist control method's (RRef protocol,
+#: shutdown, ...), the value or the exception either returned, or a one-way
+#: point-to-point message (collectives).
+CALL, INTERNAL, REPLY, ERROR_REPLY, P2P = 1, 2, 3, 4, 5
 KIND_NAMES = {CALL: "call", INTERNAL: "internal", REPLY: "reply", ERROR_REPLY: "error", P2P: "p2p"}
 #: The key of a heartbeat: an empty one-way (P2P) message on an idle link,
 #: which the receiver drops (it only shows that the sender is alive).
@@ -61,6 +67,40 @@ HEARTBEAT = "\x00hb"
 
 #: Named extension fields of a message (``Frame.meta``): msgpack-able values.
 Meta = dict[str, object]
+
+
+class Frame(NamedTuple):
+    """One frame of a stream message: a whole small message, or a chunk of a large one."""
+
+    #: Message id, unique per sender and kind.
+    id: int
+    kind: int
+    #: First and last frame of the message.
+    first: bool = False
+    last: bool = False
+    #: Function name, internal method or P2P key (first frame).
+    method: str = ""
+    #: The codec's msgpack header (first frame).
+    header: bytes = b""
+    #: Sizes of the out-of-band buffers (first frame).
+    buffer_sizes: tuple[int, ...] = ()
+    #: Remaining budget when sent; 0 = none (first frame).
+    timeout_us: int = 0
+    #: Payload bytes following in this stream message.
+    data_len: int = 0
+    #: A /dev/shm file holding the buffers (first frame; then no stream data).
+    shm_path: str = ""
+    #: The extension fields, msgpack-packed (first frame; empty: none).
+    meta: bytes = b""
+
+
+#: Each field's exact type on the wire, in order (a ``bool`` is no ``int`` here).
+_TYPES = (int, int, bool, bool, str, bytes, tuple, int, int, str, bytes)
+_new_tuple = tuple.__new__
+#: Each thread's msgpack packer for envelopes (made once: ``packb`` makes one a call).
+_packers = threading.local()
+#: A continuation frame's empty fields.
+_NO_SIZES: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -137,33 +177,25 @@ def pack_batch_parts(
     of at most ``chunk_bytes`` and stays at the head with its cursor advanced.
     Messages completely packed are removed from ``queue``.
     """
-    batch = rpc_pb2.Batch()
+    frames: list[tuple[object, ...]] = []
     parts: list[memoryview] = []
     packed: list[Callable[[], None]] = []
     budget = batch_bytes
     now = time.monotonic()
-    while (
-        queue and budget > 0 and len(batch.frames) < MAX_FRAMES_PER_BATCH and len(parts) < max_parts
-    ):
+    while queue and budget > 0 and len(frames) < MAX_FRAMES_PER_BATCH and len(parts) < max_parts:
         m = queue[0]
-        f = batch.frames.add()
-        f.id = m.id
-        f.kind = m.kind  # type: ignore[assignment]
-        if not m._started:
+        first = not m._started
+        if first:
             m._started = True
-            f.first = True
-            f.method = m.method
-            f.header = m.header
-            if m.buffers:
-                f.buffer_sizes.extend(b.nbytes for b in m.buffers)
-            if m.deadline is not None:
-                f.timeout_us = max(1, int((m.deadline - now) * 1e6))
-            if m.meta:
-                f.meta = msgpack.packb(m.meta)
-            if m.shm_path:
-                f.shm_path = m.shm_path
+            method, header, shm_path = m.method, m.header, m.shm_path
+            sizes = tuple(b.nbytes for b in m.buffers) if m.buffers else _NO_SIZES
+            timeout_us = 0 if m.deadline is None else max(1, int((m.deadline - now) * 1e6))
+            meta = msgpack.packb(m.meta) if m.meta else b""
+            if shm_path:
                 m._buf = len(m.buffers)  # nothing goes through the stream
-            budget -= len(m.header) + 32
+            budget -= len(header) + 32
+        else:
+            method, header, sizes, timeout_us, shm_path, meta = "", b"", _NO_SIZES, 0, "", b""
         take = min(chunk_bytes, max(budget, 0))
         taken = 0
         while m._buf < len(m.buffers) and taken < take and len(parts) < max_parts:
@@ -176,16 +208,26 @@ def pack_batch_parts(
             if m._off == b.nbytes:
                 m._buf += 1
                 m._off = 0
-        if taken:
-            f.data_len = taken
-            budget -= taken
-        if m._buf >= len(m.buffers):
-            f.last = True
+        budget -= taken
+        last = m._buf >= len(m.buffers)
+        frames.append(
+            (m.id, m.kind, first, last, method, header, sizes, timeout_us, taken, shm_path, meta)
+        )
+        if last:
             queue.popleft()
             if m.on_packed is not None:
                 packed.append(m.on_packed)
-    env = batch.SerializeToString()
-    return _LEN.pack(len(env)) + env, parts, packed
+    return pack_envelope(frames), parts, packed
+
+
+def pack_envelope(frames: list[tuple[object, ...]] | list[Frame]) -> bytes:
+    """``[u32 length][envelope]`` for ``frames`` (each a :class:`Frame` or a tuple of its fields)."""
+    try:
+        env = _packers.packer.pack(frames)
+    except AttributeError:
+        _packers.packer = msgpack.Packer()
+        env = _packers.packer.pack(frames)
+    return _LEN.pack(len(env)) + env  # type: ignore[no-any-return]
 
 
 def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> bytes:
@@ -197,16 +239,38 @@ def pack_batch(queue: deque[OutMessage], batch_bytes: int, chunk_bytes: int) -> 
     return data
 
 
-def parse_envelope(data: memoryview) -> rpc_pb2.Batch:
-    """Decode a ``Batch`` envelope.
+def parse_envelope(data: memoryview) -> list[Frame]:
+    """Decode an envelope into its frames, each field checked.
 
     Raises:
-        ProtocolError: it is malformed.
+        ProtocolError: it is malformed: not msgpack, not an array of frames,
+            a frame of the wrong length, a field of the wrong type, a
+            negative id, length, budget or buffer size.
     """
     try:
-        return rpc_pb2.Batch.FromString(data)  # type: ignore[arg-type]
-    except (DecodeError, ValueError, RuntimeError) as e:
+        raw = msgpack.unpackb(data, use_list=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise ProtocolError(f"malformed frame envelope: {e}") from e
+    if type(raw) is not tuple:
+        raise ProtocolError(f"malformed frame envelope: a {type(raw).__name__}, not an array")
+    frames = []
+    for i, t in enumerate(raw):
+        if type(t) is not tuple or tuple(map(type, t)) != _TYPES:
+            got = [type(v).__name__ for v in t] if type(t) is tuple else type(t).__name__
+            raise ProtocolError(
+                f"malformed frame {i} of the envelope: its fields are {got}, not "
+                f"{[k.__name__ for k in _TYPES]} ({', '.join(Frame._fields)})"
+            )
+        f = _new_tuple(Frame, t)  # (``Frame(*t)`` but for the arguments' parsing: checked above)
+        if min(f.id, f.kind, f.timeout_us, f.data_len) < 0:
+            raise ProtocolError(f"malformed frame {i} of the envelope: a negative field in {f}")
+        if f.buffer_sizes and not all(type(n) is int and n >= 0 for n in f.buffer_sizes):
+            raise ProtocolError(
+                f"malformed frame {i} of the envelope: buffer sizes {f.buffer_sizes!r} are not "
+                "all non-negative integers"
+            )
+        frames.append(f)
+    return frames
 
 
 @dataclass(eq=False)
@@ -232,7 +296,7 @@ class InMessage:
         return self.received_at + self.timeout_us / 1e6 if self.timeout_us else None
 
 
-def _meta(f: rpc_pb2.Frame) -> Meta | None:
+def _meta(f: Frame) -> Meta | None:
     """A first frame's extension fields.
 
     Raises:
@@ -298,10 +362,10 @@ class Reassembler:
         (n,) = _LEN.unpack_from(mv, 0)
         if 4 + n > len(mv):
             raise ProtocolError(f"envelope length {n} exceeds the {len(mv) - 4} bytes received")
-        batch = parse_envelope(mv[4 : 4 + n])
+        frames = parse_envelope(mv[4 : 4 + n])
         pos = 4 + n
         done: list[InMessage] = []
-        for f in batch.frames:
+        for f in frames:
             if m := self.whole(f, mv[pos:]):  # a small message: no bookkeeping
                 pos += f.data_len
                 done.append(m)
@@ -323,7 +387,7 @@ class Reassembler:
             raise ProtocolError(f"{len(mv) - pos} stray bytes after the last frame")
         return done
 
-    def whole(self, f: rpc_pb2.Frame, staged: memoryview | None = None) -> InMessage | None:
+    def whole(self, f: Frame, staged: memoryview | None = None) -> InMessage | None:
         """``f`` as a message if it is a whole one with no buffers, or one
         whose buffers all arrived with it at the start of ``staged`` (most
         small calls and replies, arrays or not), skipping the bookkeeping;
@@ -361,7 +425,7 @@ class Reassembler:
                 off += n
         return InMessage(f.id, f.kind, f.method, f.header, bufs, f.timeout_us, meta=_meta(f))
 
-    def start_frame(self, f: rpc_pb2.Frame) -> memoryview:
+    def start_frame(self, f: Frame) -> memoryview:
         """Account for frame ``f``; return where its ``data_len`` payload bytes go.
 
         Raises:
@@ -433,7 +497,7 @@ class Reassembler:
         p.filled += f.data_len
         return p.dest[start : p.filled]
 
-    def finish_frame(self, f: rpc_pb2.Frame) -> InMessage | None:
+    def finish_frame(self, f: Frame) -> InMessage | None:
         """After ``f``'s payload arrived: the whole message if ``f`` was its last frame."""
         if not f.last:
             return None

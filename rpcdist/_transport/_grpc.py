@@ -319,7 +319,7 @@ class GrpcTransport(TransportBase):
             server, self._server = self._server, None
             await server.stop(grace)
         if self.segments is not None:
-            self.segments.cleanup()
+            await self.segments.aclean()
 
 
 def _open_channel(tls: GrpcTls | None, address: str) -> grpc.aio.Channel:

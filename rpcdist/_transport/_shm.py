@@ -19,26 +19,45 @@ reuse it.
 
 The sender keeps a few free segments (:data:`KEEP_FREE`); it retires the
 others (marks them retired and drops its mapping; the receiver drops its own
-when it next sees one). Files are 0600, created by this process's user.
-Files a receiver never mapped (it died, or the message was dropped) are
-unlinked by the sender when its transport stops; files of a sender killed
-before it could (SIGKILL) are unlinked by the receivers it named them to,
-when theirs stop.
+when it next sees one; a pool dropped with its link lets go of its mappings
+but leaves the states and files, as a message sent through one may still be
+read). Files are 0600, created by this process's user. Files a receiver
+never mapped (it died, or the message was dropped) are unlinked by the
+sender when its transport stops; files of a sender killed before it could
+(SIGKILL) are unlinked by the receivers it named them to, when theirs stop.
+
+Taking a large segment down (unmapping it, unlinking or closing the last
+hold on its file, which frees its pages) takes long: a tenth of a
+second for 256 MB (docs/benchmarks.md). Segments of :data:`REAP_MIN` or
+more, and the large mappings a receiver or a dropped pool lets go of, are
+therefore taken down by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
+gone after :data:`_LINGER` idle seconds), never by the thread that lets go
+of them, which may be an event loop's; a retired segment's state is set
+first, by that thread. A transport's :meth:`SegmentWriter.aclean` waits for
+the reaper, so its files are gone and the thread has ended once it returns.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
 import glob
 import logging
 import mmap
 import os
+import queue
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "REAP_MIN",
     "SHM_DIR",
     "SegmentPool",
     "SegmentReader",
@@ -66,6 +85,11 @@ _GRAIN = 1 << 20
 #: ones start on a cache line.
 _PAGE_ALIGN_MIN = 1 << 20
 _PAGE, _LINE = 4096, 64
+#: Segments (and receivers' mappings) this large are taken down by the
+#: reaper thread; smaller ones (1 MiB) at once (docs/benchmarks.md).
+REAP_MIN = 2 << 20
+#: Seconds the reaper thread waits for more work before it ends.
+_LINGER = 1.0
 
 
 def layout(buffers: list[memoryview]) -> tuple[list[int], int]:
@@ -105,6 +129,8 @@ class SegmentPool:
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self.closed = False
+        #: Dropped unclosed (its link went away): let go of its mappings.
+        weakref.finalize(self, _drop_all, self._segments).atexit = False
 
     def write(self, buffers: list[memoryview]) -> tuple[str, _Segment]:
         """Copy ``buffers`` into a free segment; return its path and the segment.
@@ -164,18 +190,14 @@ class SegmentPool:
 
     def _retire(self, seg: _Segment) -> None:
         self._segments.remove(seg)
-        seg.mm[_STATE] = RETIRED
-        _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
-        seg.mm.close()
-        seg.close_fd()
-        self._writer.forget(seg.path)
+        _retire(seg, self._writer)
 
     def close(self) -> None:
-        """Retire every segment (arrays the receiver still holds stay valid)."""
+        """Retire every segment (arrays the receiver still holds stay valid);
+        the large ones are taken down by the reaper."""
         with self._lock:
             self.closed = True
-            for seg in list(self._segments):
-                self._retire(seg)
+            _retire_all(self._segments, self._writer)
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -214,15 +236,22 @@ class SegmentWriter:
             self._paths.discard(path)
 
     def cleanup(self) -> None:
-        """Close every pool, unlink files that were never picked up, and those
-        a peer that died (SIGKILL) left behind for us."""
+        """Close every pool, wait for the reaper, unlink files that were never
+        picked up, and those a peer that died (SIGKILL) left behind for us
+        (blocks: see :meth:`aclean` for the loop)."""
         with self._lock:
             pools = list(self._pools)
         for p in pools:
             p.close()
+        _REAPER.drain()
         while self._paths:
             _unlink(self._paths.pop())
         sweep()
+
+    async def aclean(self) -> None:
+        """:meth:`cleanup` on the reaper thread, without holding up the loop."""
+        await asyncio.wrap_future(_REAPER.put(self.cleanup))
+        _REAPER.drain()  # (ends the thread: it has nothing left to do)
 
 
 #: Process ids of the senders this process was named segments by (a
@@ -236,6 +265,8 @@ class SegmentReader:
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
+        #: Dropped with its link: the reaper unmaps the large mappings.
+        weakref.finalize(self, _let_go, self._maps).atexit = False
 
     def buffers(self, path: str, sizes: list[int]) -> list[memoryview]:
         """Views of a message's buffers in segment ``path`` (mapped and unlinked on first use).
@@ -248,8 +279,10 @@ class SegmentReader:
             ValueError: ``path`` is not a payload file of ours.
         """
         with self._lock:
-            for p in [p for p, mm in self._maps.items() if mm[_STATE] == RETIRED]:
+            retired = {p: mm for p, mm in self._maps.items() if mm[_STATE] == RETIRED}
+            for p in retired:
                 del self._maps[p]
+            _let_go(retired)
             mm = self._maps.get(path)
             if mm is None:
                 _SENDERS.add(_sender(path))
@@ -271,7 +304,141 @@ class SegmentReader:
     def close(self) -> None:
         """Forget the mappings (each lasts until the arrays in it are gone)."""
         with self._lock:
-            self._maps.clear()
+            _let_go(self._maps)
+
+
+class _Reaper:
+    """The thread that takes large segments down (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (put: reentrant)
+        #: Reentrant: a collection on a thread holding it may drop a pool.
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+
+    def put(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        """Run ``fn(*args)`` on the reaper thread (any thread); the future says when it has."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._jobs.put((fn, args, done))
+        with self._lock:
+            if self._thread is None:
+                t = threading.Thread(target=self._run, name="rpcdist-shm-reaper", daemon=True)
+                if self._thread is None:  # (a collection in Thread() may have started one)
+                    self._thread = t
+                    try:
+                        t.start()
+                    except RuntimeError:  # the interpreter is exiting: do it here
+                        self._thread = None
+                        self._work(block=False)
+        return done
+
+    def here(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def drain(self) -> None:
+        """Wait until everything put is done and the thread has ended (not on the reaper)."""
+        while True:
+            with self._lock:
+                t = self._thread
+            if t is None or t is threading.current_thread():
+                return
+            self._jobs.put(None)  # (wakes it: it ends once nothing is left)
+            t.join()
+
+    def _run(self) -> None:
+        self._work(block=True)
+        while True:  # (a wake-up from drain, or idle: finish what is left and end)
+            with self._lock:
+                if self._jobs.empty():
+                    self._thread = None
+                    return
+            self._work(block=False)
+
+    def _work(self, *, block: bool) -> None:
+        """Run jobs until none came for ``_LINGER`` seconds (or none is left),
+        or a wake-up from :meth:`drain`."""
+        while True:
+            try:
+                job = self._jobs.get(block, _LINGER)
+            except queue.Empty:
+                return
+            if job is None:
+                return
+            fn, args, done = job
+            del job
+            try:
+                fn(*args)
+            except Exception as e:
+                _log.warning("taking down shared-memory segments failed: %s", e)
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+            del fn, args  # (the last hold on a mapping goes here, not on the next job)
+
+    def reset(self) -> None:
+        """In a forked child: the parent's thread is not there."""
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._thread = None
+
+
+_REAPER = _Reaper()
+os.register_at_fork(after_in_child=_REAPER.reset)
+atexit.register(_REAPER.drain)  # (a daemon thread: finish what was put before exiting)
+
+
+def _retire(seg: _Segment, writer: SegmentWriter) -> None:
+    """Mark ``seg`` retired (the receiver never reuses it) and take it down,
+    by the reaper if it is large."""
+    seg.mm[_STATE] = RETIRED
+    if seg.size < REAP_MIN or _REAPER.here():
+        _teardown(seg, writer)
+    else:
+        _REAPER.put(_teardown, seg, writer)
+
+
+def _retire_all(segments: list[_Segment], writer: SegmentWriter) -> None:
+    while segments:
+        _retire(segments.pop(), writer)
+
+
+def _drop_all(segments: list[_Segment]) -> None:
+    """A pool dropped unclosed: the reaper unmaps its large segments."""
+    large = [s for s in segments if s.size >= REAP_MIN]
+    segments.clear()
+    if large and not _REAPER.here():
+        _REAPER.put(_close_segments, large)
+
+
+def _close_segments(segments: list[_Segment]) -> None:
+    while segments:
+        seg = segments.pop()
+        seg.mm.close()
+        seg.close_fd()
+
+
+def _teardown(seg: _Segment, writer: SegmentWriter) -> None:
+    """Unlink ``seg``'s file, unmap it and close its descriptor (frees its
+    pages if the receiver holds it no more)."""
+    _unlink(seg.path)  # (the receiver unlinked it already if it mapped it)
+    seg.mm.close()
+    seg.close_fd()
+    writer.forget(seg.path)
+
+
+def _let_go(maps: dict[str, mmap.mmap]) -> None:
+    """Empty ``maps``, a receiver's mappings; the reaper unmaps the large ones."""
+    large = [mm for mm in maps.values() if len(mm) >= REAP_MIN]
+    maps.clear()
+    if large and not _REAPER.here():
+        _REAPER.put(_unmap, large)
+
+
+def _unmap(maps: list[mmap.mmap]) -> None:
+    while maps:
+        mm = maps.pop()
+        with contextlib.suppress(BufferError):  # arrays still use it: unmapped with them
+            mm.close()
 
 
 def sweep() -> None:

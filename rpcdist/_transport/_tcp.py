@@ -1,7 +1,7 @@
 """Plain-socket transport: the default data path between workers.
 
-Same framing as the gRPC stream (``[u32 length][Batch envelope][payload]``,
-see ``proto/rpcdist/v1/rpc.proto``), carried on one TCP connection per
+Same framing as the gRPC stream (``[u32 length][envelope][payload]``, see
+:mod:`._frames`), carried on one TCP connection per
 ordered pair of workers, driven by the loop's reader/writer callbacks:
 
 - writes go out with ``sendmsg`` straight from the senders' buffers (no join,
@@ -36,9 +36,8 @@ from typing import Any
 
 from .._errors import ProtocolError, RpcdistError, WorkerLostError
 from .._options import RpcOptions
-from .._proto import rpc_pb2
 from ._base import Hooks, Link
-from ._frames import OutMessage, pack_batch_parts, parse_envelope
+from ._frames import Frame, OutMessage, pack_batch_parts, parse_envelope
 from ._shm import SegmentWriter
 
 __all__ = ["DIRECT_BYTES", "MAGIC", "TcpLink"]
@@ -134,7 +133,7 @@ class TcpLink(Link):
         self._stage = bytearray(_STAGE_BYTES)
         self._view = memoryview(self._stage)
         self._lo = self._hi = 0
-        self._frames: list[rpc_pb2.Frame] = []
+        self._frames: list[Frame] = []
         self._frame_index = self._need = 0
         self._dest = memoryview(b"")
         #: Largest envelope accepted (headers count towards a message's size).
@@ -640,20 +639,19 @@ class TcpLink(Link):
                     self._stage, self._view = stage, memoryview(stage)
                     self._lo, self._hi = 0, avail
                 return
-            batch = parse_envelope(self._view[self._lo + 4 : self._lo + 4 + n])
+            frames = parse_envelope(self._view[self._lo + 4 : self._lo + 4 + n])
             self._lo += 4 + n
             self.messages_in += 1
             if len(self._stage) > _STAGE_BYTES and self._lo == self._hi:
                 self._stage = bytearray(_STAGE_BYTES)
                 self._view = memoryview(self._stage)
                 self._lo = self._hi = 0
-            frames = batch.frames
             staged = self._view[self._lo : self._hi]  # (a whole message's buffers are copied)
             if len(frames) == 1 and (m := self._reasm.whole(frames[0], staged)):
                 self._lo += frames[0].data_len
                 self._deliver(m)  # one small message: the common case at low load
                 continue
-            self._frames = list(frames)
+            self._frames = frames
             self._frame_index = 0
 
     def _end_frame(self) -> None:

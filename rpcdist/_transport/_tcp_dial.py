@@ -410,4 +410,4 @@ class TcpTransport(TransportBase):
         del grace  # links are closed by their owners first
         await self._server.stop()
         if self.segments is not None:
-            self.segments.cleanup()
+            await self.segments.aclean()

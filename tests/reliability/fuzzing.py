@@ -49,6 +49,16 @@ from rpcdist._transport._tcp_dial import check_hello, parse_hello
 
 LIMIT = 1 << 20  # max_message_bytes of the fuzzed links
 _LEN = struct.Struct("<I")
+#: msgpack items an envelope's fields could be swapped for: arrays, maps and
+#: bins claiming 4 GiB, int64's least and uint64's greatest value, a bool.
+_HEADS = (
+    b"\xdd\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00",
+    b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff",
+    b"\xc3",
+)
 _HANDLED = (rpcdist.ProtocolError, rpcdist.SerializationError, rpcdist.WorkerLostError)
 
 
@@ -116,9 +126,9 @@ def mutate(rnd: random.Random, data: bytes, pool: list[bytes]) -> bytes:
         elif op == 5:  # repeat a piece
             i = rnd.randrange(len(b) + 1)
             b[i:i] = b[i : i + rnd.randrange(64)] * rnd.randrange(1, 4)
-        elif op == 6 and b:  # varints: set a high bit run (protobuf lengths)
+        elif op == 6 and b:  # msgpack heads: a huge array, map or bin; extreme integers
             i = rnd.randrange(len(b))
-            b[i : i + 5] = b"\xff\xff\xff\xff\x0f"
+            b[i : i + rnd.randrange(1, 10)] = rnd.choice(_HEADS)
         else:  # noise
             b = bytearray(rnd.randbytes(rnd.randrange(64)))
     return bytes(b)

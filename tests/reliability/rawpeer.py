@@ -9,10 +9,16 @@ from typing import Any
 
 import msgpack
 
-from rpcdist._proto import rpc_pb2
 from rpcdist._serialization import encode
 from rpcdist._transport import _tcp, _tcp_dial
-from rpcdist._transport._frames import CALL, OutMessage, pack_batch
+from rpcdist._transport._frames import (
+    CALL,
+    Frame,
+    OutMessage,
+    pack_batch,
+    pack_envelope,
+    parse_envelope,
+)
 
 _LEN = struct.Struct("<I")
 
@@ -25,14 +31,9 @@ def call_record(method: str, args: tuple[Any, ...], call_id: int = 1) -> bytes:
 
 def claim_record(nbytes: int, call_id: int = 7) -> bytes:
     """The head of a call announcing ``nbytes`` of array data (none follows)."""
-    batch = rpc_pb2.Batch()
-    f = batch.frames.add()
-    f.id, f.kind, f.first, f.method = call_id, CALL, True, "rel_funcs:echo"
-    f.header = encode(((0,), {}))[0]
-    f.buffer_sizes.append(nbytes)
-    f.data_len = 16
-    env = batch.SerializeToString()
-    return _LEN.pack(len(env)) + env + b"\0" * 16
+    header = encode(((0,), {}))[0]
+    f = Frame(call_id, CALL, True, False, "rel_funcs:echo", header, (nbytes,), data_len=16)
+    return pack_envelope([f]) + b"\0" * 16
 
 
 class RawPeer:
@@ -55,9 +56,10 @@ class RawPeer:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def read_reply(self) -> rpc_pb2.Batch:
+    def read_reply(self) -> list[Frame]:
+        """The frames of the next stream message."""
         (n,) = _LEN.unpack(self.recv_exact(4))
-        return rpc_pb2.Batch.FromString(self.recv_exact(n))
+        return parse_envelope(memoryview(self.recv_exact(n)))
 
     def until_closed(self) -> bytes:
         got = b""

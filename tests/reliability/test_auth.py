@@ -12,6 +12,7 @@ from rawpeer import RawPeer, call_record
 
 import rpcdist
 from rpcdist._rpc._agent import Agent
+from rpcdist._transport._frames import REPLY
 from rpcdist._transport._tcp_dial import tcp_connect
 from rpcdist.testing import local_agents
 
@@ -64,7 +65,7 @@ def test_workers_without_a_token_cannot_be_called_from_another_jobs_process():
         peer = RawPeer(a.links.address(0), rank=1, name="worker1", token=secret)
         assert peer.refused is None
         peer.send(call_record("rel_funcs:add", (20, 22)))
-        assert peer.read_reply().frames[0].kind == rpcdist._proto.rpc_pb2.REPLY
+        assert peer.read_reply()[0].kind == REPLY
         peer.close()
         assert before == 2 and a.rpc_sync(1, rf.add, args=(2, 2)) == 4
 
@@ -141,7 +142,7 @@ def test_a_stray_call_from_outside_the_worker_table_does_not_hold_up_shutdown():
         a = agents[0]
         peer = RawPeer(a.links.address(0), rank=1, name="worker1", token="t")
         peer.send(call_record("rel_funcs:add", (1, 1)))
-        assert peer.read_reply().frames[0].kind == rpcdist._proto.rpc_pb2.REPLY
+        assert peer.read_reply()[0].kind == REPLY
         peer.close()  # its end is not worker1's: worker1 is not declared lost
         assert a.rpc_sync(1, rf.add, args=(1, 2)) == 3
         outsider = RawPeer(a.links.address(0), rank=5, name="nobody", token="t")

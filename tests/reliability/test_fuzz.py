@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rpcdist
-from rpcdist._proto import rpc_pb2
 from rpcdist._transport import _frames
-from rpcdist._transport._frames import Reassembler
+from rpcdist._transport._frames import CALL, INTERNAL, P2P, REPLY, Frame, Reassembler, pack_envelope
 from rpcdist._transport._tcp_dial import check_hello, parse_hello
 
 _LEN = struct.Struct("<I")
@@ -33,18 +32,18 @@ def test_a_hundred_thousand_mutated_streams_and_hellos_crash_nothing():
 
 
 _frame = st.builds(
-    lambda i, kind, first, last, sizes, data, shm: rpc_pb2.Frame(
+    lambda i, kind, first, last, sizes, data, shm: Frame(
         id=i,
         kind=kind,
         first=first,
         last=last,
         method="m",
-        buffer_sizes=sizes,
+        buffer_sizes=tuple(sizes),
         data_len=data,
         shm_path=shm,
     ),
     st.integers(0, 3),
-    st.sampled_from([rpc_pb2.CALL, rpc_pb2.REPLY, rpc_pb2.P2P, rpc_pb2.INTERNAL]),
+    st.sampled_from([CALL, REPLY, P2P, INTERNAL]),
     st.booleans(),
     st.booleans(),
     st.lists(st.one_of(st.integers(0, 64), st.integers(0, 1 << 44)), max_size=3),
@@ -65,7 +64,7 @@ def test_arbitrary_envelopes_are_reassembled_or_refused_within_bounds(frames, pa
         asked.append(n)
         return real(n)
 
-    env = rpc_pb2.Batch(frames=frames).SerializeToString()
+    env = pack_envelope(frames)[4:]
     data = _LEN.pack(len(env) + extra) + env + payload
     reasm = Reassembler(max_message_bytes=1 << 16)
     _frames._fresh = fresh

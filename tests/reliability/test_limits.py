@@ -10,18 +10,15 @@ import rel_funcs as rf
 from rawpeer import RawPeer, call_record, claim_record
 
 import rpcdist
-from rpcdist._proto import rpc_pb2
 from rpcdist._transport import _frames
-from rpcdist._transport._frames import CALL, Reassembler
+from rpcdist._transport._frames import CALL, REPLY, Frame, Reassembler
 from rpcdist.testing import local_agents
 
 TiB = 1 << 40
 
 
-def _frame(i: int, size: int, last: bool = False) -> rpc_pb2.Frame:
-    f = rpc_pb2.Frame(id=i, kind=CALL, first=True, last=last, method="m")
-    f.buffer_sizes.append(size)
-    return f
+def _frame(i: int, size: int, last: bool = False) -> Frame:
+    return Frame(i, CALL, True, last, "m", buffer_sizes=(size,))
 
 
 def test_a_huge_claim_is_refused_before_any_allocation(monkeypatch):
@@ -57,7 +54,7 @@ def test_a_peer_claiming_a_tebibyte_is_dropped_and_the_worker_serves_on(caplog):
         assert b.rpc_sync(0, rf.add, args=(2, 3)) == 5
         again = RawPeer(addr, rank=1, name="worker1", token="t")
         again.send(call_record("rel_funcs:add", (1, 1)))
-        assert [f.kind for f in again.read_reply().frames] == [rpc_pb2.REPLY]
+        assert [f.kind for f in again.read_reply()] == [REPLY]
         again.close()
 
 
