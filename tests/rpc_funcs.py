@@ -207,11 +207,12 @@ nested_probe_release = threading.Event()
 nested_probe_result: list = []
 
 
-def nested_timeout_probe(to, seconds):
-    """A nested call with no timeout of its own; records how it ended."""
+def nested_timeout_probe(to):
+    """A nested call with no timeout of its own, to :func:`held` on ``to``;
+    records how it ended."""
     start = time.monotonic()
     try:
-        rpcdist.rpc_sync(to, sleep_then, args=(seconds,))
+        rpcdist.rpc_sync(to, held)
         nested_probe_result.append(("ok", time.monotonic() - start))
     except rpcdist.RpcTimeoutError:
         nested_probe_result.append(("timeout", time.monotonic() - start))

@@ -230,22 +230,26 @@ def test_unknown_workers_and_bad_ranks(agents2):
 
 def test_timeout_rules(agents2):
     a, _ = agents2
+    rf.release.clear()  # the calls that time out hold their pool thread until the end
     with as_current(a):
-        with pytest.raises(RpcTimeoutError, match="rpc_funcs:sleep_then"):
-            rpcdist.rpc_sync("worker1", rf.sleep_then, args=(2.0,), timeout=0.1)
-        assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 1), timeout=None) == 1
-        assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 2), timeout=0) == 2
-        old = rpcdist.get_rpc_timeout()
-        slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.5, "slow"))
-        rpcdist.set_rpc_timeout(0.1)
         try:
-            with pytest.raises(RpcTimeoutError):
-                rpcdist.rpc_sync("worker1", rf.sleep_then, args=(2.0,))
-            assert slow.wait() == "slow"  # made before the change: keeps its timeout
+            with pytest.raises(RpcTimeoutError, match="rpc_funcs:held"):
+                rpcdist.rpc_sync("worker1", rf.held, timeout=0.1)
+            assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 1), timeout=None) == 1
+            assert rpcdist.rpc_sync("worker1", rf.sleep_then, args=(0.2, 2), timeout=0) == 2
+            old = rpcdist.get_rpc_timeout()
+            slow = rpcdist.rpc_async("worker1", rf.sleep_then, args=(0.5, "slow"))
+            rpcdist.set_rpc_timeout(0.1)
+            try:
+                with pytest.raises(RpcTimeoutError):
+                    rpcdist.rpc_sync("worker1", rf.held)
+                assert slow.wait() == "slow"  # made before the change: keeps its timeout
+            finally:
+                rpcdist.set_rpc_timeout(old)
+            with pytest.raises(ConfigError):
+                rpcdist.rpc_sync("worker1", rf.no_args, timeout=-1)
         finally:
-            rpcdist.set_rpc_timeout(old)
-        with pytest.raises(ConfigError):
-            rpcdist.rpc_sync("worker1", rf.no_args, timeout=-1)
+            rf.release.set()
 
 
 @pytest.mark.parametrize("timeout", [0.3, 1.6])
@@ -292,16 +296,20 @@ def test_deadline_travels_with_nested_calls(agents3):
     rf.nested_probe_done.clear()
     rf.nested_probe_result.clear()
     rf.nested_probe_release.clear()
+    rf.release.clear()  # worker2 holds the nested call until the end
     try:
-        with as_current(a), pytest.raises(RpcTimeoutError):
-            rpcdist.rpc_sync("worker1", rf.nested_timeout_probe, args=("worker2", 3.0), timeout=0.3)
+        try:
+            with as_current(a), pytest.raises(RpcTimeoutError):
+                rpcdist.rpc_sync("worker1", rf.nested_timeout_probe, args=("worker2",), timeout=0.3)
+        finally:
+            rf.nested_probe_release.set()
+        # On worker1 the nested call (no timeout of its own) inherited the 0.3 s
+        # budget instead of the 30 s default.
+        assert rf.nested_probe_done.wait(10)
+        (how, elapsed) = rf.nested_probe_result[0]
+        assert how == "timeout" and elapsed < 2.0
     finally:
-        rf.nested_probe_release.set()
-    # On worker1 the nested call (no timeout of its own) inherited the 0.3 s
-    # budget instead of the 30 s default.
-    assert rf.nested_probe_done.wait(10)
-    (how, elapsed) = rf.nested_probe_result[0]
-    assert how == "timeout" and elapsed < 2.0
+        rf.release.set()
 
 
 def test_blocking_call_on_loop_thread_raises_wrong_thread(agents2):
@@ -366,11 +374,15 @@ def test_graceful_shutdown_waits_for_uneven_work_and_fire_and_forget_chains():
 
 
 def test_nongraceful_shutdown_fails_pending_with_closed_error():
-    with local_agents(2) as (a, b):
-        fut = a.rpc_async("worker1", rf.sleep_then, args=(5.0,), timeout=None)
-        a.shutdown(graceful=False)
-        with pytest.raises(rpcdist.ClosedError):
-            fut.wait(5)
+    rf.release.clear()
+    try:
+        with local_agents(2) as (a, b):
+            fut = a.rpc_async("worker1", rf.held, timeout=None)
+            a.shutdown(graceful=False)
+            with pytest.raises(rpcdist.ClosedError):
+                fut.wait(5)
+    finally:
+        rf.release.set()  # the handler, still running on worker1's pool thread
 
 
 def test_call_to_departed_peer_fails_fast_with_typed_error():
@@ -395,27 +407,31 @@ def test_statistics_return_to_zero(agents2):
 
 
 def test_graceful_shutdown_timeout_raises_and_still_closes():
-    with local_agents(2) as (a, b):
-        fut = a.rpc_async(1, rf.sleep_then, args=(3.0,), timeout=None)
-        errors: list[BaseException] = []
+    rf.release.clear()
+    try:
+        with local_agents(2) as (a, b):
+            fut = a.rpc_async(1, rf.held, timeout=None)
+            errors: list[BaseException] = []
 
-        def stop(agent):
-            try:
-                agent.shutdown(graceful=True, timeout=0.5)
-            except BaseException as e:
-                errors.append(e)
+            def stop(agent):
+                try:
+                    agent.shutdown(graceful=True, timeout=0.5)
+                except BaseException as e:
+                    errors.append(e)
 
-        threads = [threading.Thread(target=stop, args=(x,)) for x in (a, b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert errors and all(isinstance(e, RpcTimeoutError) for e in errors)
-        assert a.closed and b.closed
-        # The call fails, not hangs: ClosedError when worker0 closed first,
-        # WorkerLostError when it saw worker1's connection end before that.
-        with pytest.raises((rpcdist.ClosedError, rpcdist.WorkerLostError)):
-            fut.wait(5)
+            threads = [threading.Thread(target=stop, args=(x,)) for x in (a, b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            assert errors and all(isinstance(e, RpcTimeoutError) for e in errors)
+            assert a.closed and b.closed
+            # The call fails, not hangs: ClosedError when worker0 closed first,
+            # WorkerLostError when it saw worker1's connection end before that.
+            with pytest.raises((rpcdist.ClosedError, rpcdist.WorkerLostError)):
+                fut.wait(5)
+    finally:
+        rf.release.set()  # the handler, still running on worker1's pool thread
 
 
 def test_graceful_shutdown_waits_for_working_peers_beyond_shutdown_timeout():
