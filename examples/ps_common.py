@@ -100,6 +100,20 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 # ----------------------------------------------------------------- the scoreboard
 
 
+def _progress_bar(total: int, title: str) -> Any:
+    """A tqdm bar on a terminal; elsewhere (a log, a pipe) or without tqdm,
+    ``None``: a plain line at every tenth of the way."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"{title}: {total} steps (pip install tqdm for a progress bar)", flush=True)
+        return None
+    if not sys.stderr.isatty():
+        print(f"{title}: {total} steps", flush=True)
+        return None
+    return tqdm(total=total, desc=title, unit="step", dynamic_ncols=True)
+
+
 class Scoreboard:
     """Progress, per-epoch results and the final files, on rank 0.
 
@@ -132,13 +146,7 @@ class Scoreboard:
         self.done = threading.Event()
         total = len(ranks) * epochs * steps_per_epoch
         self.total, self.steps, self.title = total, 0, title
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar: Any = None
-            print(f"{title}: {total} steps (pip install tqdm for a progress bar)", flush=True)
-        else:
-            self.bar = tqdm(total=total, desc=title, unit="step", dynamic_ncols=True)
+        self.bar: Any = _progress_bar(total, title)
 
     def write(self, line: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -148,7 +156,7 @@ class Scoreboard:
             self.bar.write(line)
 
     def advance(self, steps: int, loss: float) -> None:
-        """Move the bar by ``steps`` (without tqdm: a line at every tenth of the way)."""
+        """Move the bar by ``steps`` (without a bar: a line at every tenth of the way)."""
         with self.lock:
             before, self.steps = self.steps, self.steps + steps
             if self.bar is not None:
