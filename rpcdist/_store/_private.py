@@ -91,6 +91,7 @@ async def _join(
             try:
                 store = await _reach(spec, secret, polling.attempt(), timeout, tls)
             except ConnectError as exc:
+                _no_user_token(spec.rank, exc)  # (a stale file, and a job with RPCDIST_TOKEN)
                 problem = f"the secret in {path!r} did not open the store: {exc}"
             else:
                 if store.server_id == server_id:
@@ -113,17 +114,21 @@ async def _probe(spec: RendezvousSpec, tls: GrpcTls | None) -> None:
         ConnectError: the store refused us and is not guarded by a secret file
             (its job has ``RPCDIST_TOKEN``; this rank has none).
     """
-    rank = spec.rank
     try:
         store = await _reach(spec, None, _PROBE_TIMEOUT, _PROBE_TIMEOUT, tls, probe=True)
         await store.close()  # a store with no token at all: not this job's
     except ConnectError as exc:
-        text = str(exc)
-        if "rejected this process's token" in text and SECRET_FILE_REFUSAL not in text:
-            raise ConnectError(
-                f"rank {rank} has no job token (RPCDIST_TOKEN) but its job's store asks for "
-                f"one: {text}"
-            ) from exc
+        _no_user_token(spec.rank, exc)
+
+
+def _no_user_token(rank: int, exc: ConnectError) -> None:
+    """Raises: ConnectError: ``exc`` is a refusal by a store that asks for a
+    user token (``RPCDIST_TOKEN``), not for a secret file's."""
+    text = str(exc)
+    if "rejected this process's token" in text and SECRET_FILE_REFUSAL not in text:
+        raise ConnectError(
+            f"rank {rank} has no job token (RPCDIST_TOKEN) but its job's store asks for one: {text}"
+        ) from exc
 
 
 async def _reach(

@@ -12,6 +12,9 @@ from rawpeer import RawPeer, call_record
 
 import rpcdist
 from rpcdist._rpc._agent import Agent
+from rpcdist._store._private import private_secret_path
+from rpcdist._store._rendezvous import parse_init_method
+from rpcdist._store._secret_file import remove_secret, write_secret
 from rpcdist._transport._frames import REPLY
 from rpcdist._transport._tcp_dial import tcp_connect
 from rpcdist.testing import local_agents
@@ -116,6 +119,28 @@ def test_a_token_mismatch_fails_the_rank_at_once_and_rank_0_names_it_at_its_time
     assert isinstance(errors.get(0), rpcdist.RpcTimeoutError), errors
     assert "refused for their token, from ipv4:127.0.0.1:" in str(errors[0])
     assert "(claiming rank 1)" in str(errors[0])
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+def test_a_rank_without_a_token_fails_at_once_despite_a_stale_secret_file(tmp_path, scheme):
+    # A tokenless job that met at the same place earlier left its secret file
+    # (killed before it could remove it); this job's rank 0 has a token.
+    if scheme == "file":
+        init = f"file://{tmp_path}/rdv"
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    path = private_secret_path(parse_init_method(init, 1, 2))
+    write_secret(path, "0" * 32, "a-past-job")
+    try:
+        errors = _start_pair(init, ("a", None))
+    finally:
+        remove_secret(path, "a-past-job")
+    assert isinstance(errors.get(1), rpcdist.ConnectError), errors
+    assert "RPCDIST_TOKEN" in str(errors[1]) and "asks for one" in str(errors[1]), errors[1]
 
 
 def test_listening_beyond_loopback_needs_a_token_tls_or_an_explicit_option():
