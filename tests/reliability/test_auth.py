@@ -3,6 +3,7 @@ rank with a wrong token fails at once, and the ranks let in keep waiting."""
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import harness
@@ -96,6 +97,15 @@ def _start_pair(init: str, tokens: tuple[str | None, str | None]) -> dict[int, B
     return errors
 
 
+def _init_method(tmp_path, scheme: str) -> str:
+    """A fresh rendezvous: a file under ``tmp_path``, or a free port on 127.0.0.1."""
+    if scheme == "file":
+        return f"file://{tmp_path}/rdv"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 @pytest.mark.parametrize("scheme", ["file", "tcp"])
 @pytest.mark.parametrize(
     "tokens", [("a", "b"), (None, "b"), ("a", None)], ids=["wrong", "only-rank1", "only-rank0"]
@@ -103,14 +113,7 @@ def _start_pair(init: str, tokens: tuple[str | None, str | None]) -> dict[int, B
 def test_a_token_mismatch_fails_the_rank_at_once_and_rank_0_names_it_at_its_timeout(
     tmp_path, scheme, tokens
 ):
-    if scheme == "file":
-        init = f"file://{tmp_path}/rdv"
-    else:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = _init_method(tmp_path, scheme)
     errors = _start_pair(init, tokens)
     assert isinstance(errors.get(1), rpcdist.ConnectError), errors
     assert "token" in str(errors[1]) and "RPCDIST_TOKEN" in str(errors[1])
@@ -125,14 +128,7 @@ def test_a_token_mismatch_fails_the_rank_at_once_and_rank_0_names_it_at_its_time
 def test_a_rank_without_a_token_fails_at_once_despite_a_stale_secret_file(tmp_path, scheme):
     # A tokenless job that met at the same place earlier left its secret file
     # (killed before it could remove it); this job's rank 0 has a token.
-    if scheme == "file":
-        init = f"file://{tmp_path}/rdv"
-    else:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = _init_method(tmp_path, scheme)
     path = private_secret_path(parse_init_method(init, 1, 2))
     write_secret(path, "0" * 32, "a-past-job")
     try:
