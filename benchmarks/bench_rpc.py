@@ -257,7 +257,7 @@ def crowded_table(rounds: int, quick: bool, with_torch: bool) -> str:
     cgroup quota), and with a pure-Python compute thread in each worker (it
     holds the GIL the handlers need), rpcdist and PyTorch RPC alternating."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from rpcdist._rpc._cores import cpu_allowance
+    from rpcdist._cores import cpu_allowance
 
     cores = cpu_allowance()
     ctx = mp.get_context("spawn")

@@ -32,6 +32,7 @@ LAYERS: list[list[str]] = [
         "rpcdist._futures",
         "rpcdist._loop",
         "rpcdist._pool",
+        "rpcdist._cores",
         "rpcdist._publish",
         "rpcdist._proto",
         "rpcdist.functions",

@@ -491,18 +491,19 @@ def test_a_served_call_wakes_only_the_caller_and_the_serving_thread():
 
 
 @pytest.mark.parametrize(
-    ("loadavg", "cores", "crowded"),
+    ("loadavg", "cores", "crowded", "spare"),
     [
-        (b"0.50 0.40 0.30 3/120 4567\n", 2, True),
-        (b"0.50 0.40 0.30 2/120 4567\n", 2, False),
-        (b"1.00 1.00 1.00 1/99 1\n", 1, False),
-        (b"garbled\n", 2, False),
+        (b"0.50 0.40 0.30 3/120 4567\n", 2, True, False),
+        (b"0.50 0.40 0.30 2/120 4567\n", 2, False, False),
+        (b"0.50 0.40 0.30 1/120 4567\n", 2, False, True),
+        (b"1.00 1.00 1.00 1/99 1\n", 1, False, False),
+        (b"garbled\n", 2, False, False),
     ],
 )
 def test_the_host_is_crowded_when_runnable_threads_outnumber_its_cores(
-    monkeypatch, tmp_path, loadavg, cores, crowded
+    monkeypatch, tmp_path, loadavg, cores, crowded, spare
 ):
-    from rpcdist._rpc import _cores
+    from rpcdist import _cores
 
     path = tmp_path / "loadavg"
     path.write_bytes(loadavg)
@@ -511,15 +512,17 @@ def test_the_host_is_crowded_when_runnable_threads_outnumber_its_cores(
         monkeypatch.setattr(_cores, "_FD", fd)
         monkeypatch.setattr(_cores, "_CORES", cores)
         assert _cores.crowded() is crowded
+        assert _cores.spare_core() is spare
     finally:
         os.close(fd)
 
 
 def test_an_unreadable_load_never_counts_as_crowded(monkeypatch):
-    from rpcdist._rpc import _cores
+    from rpcdist import _cores
 
     monkeypatch.setattr(_cores, "_FD", -1)
     assert _cores.crowded() is False
+    assert _cores.spare_core() is False
 
 
 @pytest.mark.parametrize(
@@ -538,7 +541,7 @@ def test_an_unreadable_load_never_counts_as_crowded(monkeypatch):
     ],
 )
 def test_the_cpu_allowance_is_the_fewest_of_affinity_and_cgroup_quota(affinity, cpu_max, v1, cpus):
-    from rpcdist._rpc import _cores
+    from rpcdist import _cores
 
     assert _cores.allowance(affinity, cpu_max, *(v1 or (None, None))) == cpus
 
@@ -548,7 +551,7 @@ def test_a_process_pinned_to_one_cpu_has_an_allowance_of_one():
     computes its allowance (the host's count would be os.cpu_count())."""
     code = (
         "import os; os.sched_setaffinity(0, {0})\n"
-        "from rpcdist._rpc._cores import cpu_allowance\n"
+        "from rpcdist._cores import cpu_allowance\n"
         "print(cpu_allowance(), cpu_allowance())\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

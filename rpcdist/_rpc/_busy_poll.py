@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from ._cores import CROWDED_FOR, crowded
+from .._cores import CROWDED_FOR, crowded
 
 __all__ = ["LOOK_EVERY", "PROCESS", "BusyPoll", "ProcessGil"]
 

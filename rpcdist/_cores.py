@@ -1,4 +1,5 @@
-"""Whether the host has a core to spare for a thread that busy-polls.
+"""Whether the host has a core to spare: for a thread that busy-polls, or
+one that shares a large copy.
 
 A thread that polls a socket instead of sleeping holds a core. Where every
 core is wanted (a peer's parallel kernel, other processes), that core is
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["CROWDED_FOR", "allowance", "cpu_allowance", "crowded"]
+__all__ = ["CROWDED_FOR", "allowance", "cpu_allowance", "crowded", "spare_core"]
 
 #: How long (seconds) the host must stay crowded before a poller gives way.
 CROWDED_FOR = 50e-6
@@ -88,9 +89,9 @@ def cpu_allowance() -> int:
     return _CORES
 
 
-def crowded() -> bool:
-    """More threads are runnable on this host now than this process has
-    CPUs (:func:`cpu_allowance`); False where that cannot be read."""
+def _runnable() -> int | None:
+    """Threads runnable on this host now (``/proc/loadavg``), or None where
+    that cannot be read."""
     global _FD
     if _FD is None:
         try:
@@ -98,9 +99,23 @@ def crowded() -> bool:
         except OSError:
             _FD = -1
     if _FD < 0:
-        return False
+        return None
     try:
-        running = int(os.pread(_FD, 64, 0).split()[3].split(b"/")[0])
+        return int(os.pread(_FD, 64, 0).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
-        return False
-    return running > (_CORES or cpu_allowance())
+        return None
+
+
+def crowded() -> bool:
+    """More threads are runnable on this host now than this process has
+    CPUs (:func:`cpu_allowance`); False where that cannot be read."""
+    running = _runnable()
+    return running is not None and running > (_CORES or cpu_allowance())
+
+
+def spare_core() -> bool:
+    """One more thread of this process would find a CPU idle now (fewer
+    threads are runnable than it has CPUs, the caller counted); False
+    where that cannot be read."""
+    running = _runnable()
+    return running is not None and running < (_CORES or cpu_allowance())
