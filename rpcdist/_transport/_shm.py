@@ -31,30 +31,36 @@ hold on its file, which frees its pages) takes long: a tenth of a
 second for 256 MB (docs/benchmarks.md). Segments of :data:`REAP_MIN` or
 more, and the large mappings a receiver or a dropped pool lets go of, are
 therefore taken down by a reaper thread (``rpcdist-shm-reaper``, started when there is work,
-gone after :data:`_LINGER` idle seconds), never by the thread that lets go
+gone after a second idle), never by the thread that lets go
 of them, which may be an event loop's; a retired segment's state is set
-first, by that thread. A transport's :meth:`SegmentWriter.aclean` waits for
-the reaper, so its files are gone and the thread has ended once it returns.
+first, by that thread.
+
+The copy itself lets go of the GIL from :data:`_UNLOCKED_COPY` up, so the
+worker's loop runs meanwhile. From :data:`_SHARED_COPY` up, where a core
+is idle (:func:`rpcdist._cores.spare_core`), the sending thread shares it
+with a copier thread (``rpcdist-shm-copier``, started and gone like the
+reaper): one core's stores do not fill the memory bus on this kind of
+machine (docs/benchmarks.md). A transport's :meth:`SegmentWriter.aclean`
+waits for both threads, so its files are gone and the threads have ended
+once it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import concurrent.futures
 import contextlib
 import glob
 import logging
 import mmap
 import os
-import queue
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+
+from .._cores import spare_core
+from ._lingering import LingeringThread
 
 __all__ = [
     "REAP_MIN",
@@ -91,8 +97,11 @@ REAP_MIN = 2 << 20
 #: Buffers this large are copied into a segment with the GIL released, so the
 #: worker's other threads (its loop) run meanwhile.
 _UNLOCKED_COPY = 256 << 10
-#: Seconds the reaper thread waits for more work before it ends.
-_LINGER = 1.0
+#: Buffers this large are copied by two threads at once when a core is
+#: idle (NumPy's copy into a segment, 2 cores: 16 MB 11.5 -> 15.5 GB/s,
+#: 64 MB 9.2 -> 13.3; docs/benchmarks.md), in pieces this large.
+_SHARED_COPY = 4 << 20
+_PIECE = 2 << 20
 
 
 def layout(buffers: list[memoryview]) -> tuple[list[int], int]:
@@ -158,7 +167,7 @@ class SegmentPool:
                     mm[off : off + b.nbytes] = b
                 else:  # (NumPy lets go of the GIL for the copy; mmap's slice store keeps it)
                     dst = np.frombuffer(mm, np.uint8, b.nbytes, off)
-                    np.copyto(dst, np.frombuffer(b, np.uint8))
+                    _copy(dst, np.frombuffer(b, np.uint8))
                     del dst
         except BaseException:
             mm[_STATE] = FREE
@@ -251,6 +260,7 @@ class SegmentWriter:
             pools = list(self._pools)
         for p in pools:
             p.close()
+        _COPIER.drain()
         _REAPER.drain()
         while self._paths:
             _unlink(self._paths.pop())
@@ -315,84 +325,64 @@ class SegmentReader:
             _let_go(self._maps)
 
 
-class _Reaper:
-    """The thread that takes large segments down (see the module docstring)."""
+_REAPER = LingeringThread("rpcdist-shm-reaper", "taking down shared-memory segments")
+_COPIER = LingeringThread("rpcdist-shm-copier", "copying into a shared-memory segment")
 
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (put: reentrant)
-        #: Reentrant: a collection on a thread holding it may drop a pool.
-        self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
 
-    def put(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
-        """Run ``fn(*args)`` on the reaper thread (any thread); the future says when it has."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._jobs.put((fn, args, done))
-        with self._lock:
-            if self._thread is None:
-                t = threading.Thread(target=self._run, name="rpcdist-shm-reaper", daemon=True)
-                if self._thread is None:  # (a collection in Thread() may have started one)
-                    self._thread = t
-                    try:
-                        t.start()
-                    except RuntimeError:  # the interpreter is exiting: do it here
-                        self._thread = None
-                        self._work(block=False)
-        return done
+class _SharedCopy:
+    """One large copy cut into :data:`_PIECE` pieces, which the thread that
+    sends and the copier thread take in turn until none is left. The
+    sender never waits for the copier to start (it takes every piece if it
+    must); it waits at most for the piece the copier is on."""
 
-    def here(self) -> bool:
-        return threading.current_thread() is self._thread
+    __slots__ = ("_dst", "_error", "_left", "_lock", "_next", "_src", "done")
 
-    def drain(self) -> None:
-        """Wait until everything put is done and the thread has ended (not on the reaper)."""
+    def __init__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self._dst: np.ndarray | None = dst
+        self._src: np.ndarray | None = src
+        self._next = 0
+        self._left = -(-src.nbytes // _PIECE)
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+
+    def work(self) -> None:
+        """Copy pieces until none is left to take (any thread)."""
         while True:
             with self._lock:
-                t = self._thread
-            if t is None or t is threading.current_thread():
+                dst, src, i = self._dst, self._src, self._next
+                self._next += 1
+            if dst is None or src is None or i * _PIECE >= src.nbytes:
                 return
-            self._jobs.put(None)  # (wakes it: it ends once nothing is left)
-            t.join()
-
-    def _run(self) -> None:
-        self._work(block=True)
-        while True:  # (a wake-up from drain, or idle: finish what is left and end)
+            piece = slice(i * _PIECE, (i + 1) * _PIECE)
+            try:
+                np.copyto(dst[piece], src[piece])
+            except BaseException as e:
+                self._error = e
+            del dst, src
             with self._lock:
-                if self._jobs.empty():
-                    self._thread = None
-                    return
-            self._work(block=False)
+                self._left -= 1
+                if self._left == 0:
+                    self.done.set()
 
-    def _work(self, *, block: bool) -> None:
-        """Run jobs until none came for ``_LINGER`` seconds (or none is left),
-        or a wake-up from :meth:`drain`."""
-        while True:
-            try:
-                job = self._jobs.get(block, _LINGER)
-            except queue.Empty:
-                return
-            if job is None:
-                return
-            fn, args, done = job
-            del job
-            try:
-                fn(*args)
-            except Exception as e:
-                _log.warning("taking down shared-memory segments failed: %s", e)
-                done.set_exception(e)
-            else:
-                done.set_result(None)
-            del fn, args  # (the last hold on a mapping goes here, not on the next job)
-
-    def reset(self) -> None:
-        """In a forked child: the parent's thread is not there."""
-        self._jobs = queue.SimpleQueue()
-        self._lock = threading.RLock()
-        self._thread = None
+    def run(self) -> None:
+        """Share the copy with the copier; return once every piece is in."""
+        _COPIER.put(self.work)
+        self.work()
+        self.done.wait()
+        with self._lock:  # (a late copier takes nothing, and drops no view of the segment)
+            self._dst = self._src = None
+        if self._error is not None:
+            raise self._error
 
 
-_REAPER = _Reaper()
-os.register_at_fork(after_in_child=_REAPER.reset)
-atexit.register(_REAPER.drain)  # (a daemon thread: finish what was put before exiting)
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src`` into ``dst`` (byte arrays of one size) with the GIL let
+    go: shared with the copier thread if large and a core is idle."""
+    if src.nbytes >= _SHARED_COPY and spare_core():
+        _SharedCopy(dst, src).run()
+    else:
+        np.copyto(dst, src)
 
 
 def _retire(seg: _Segment, writer: SegmentWriter) -> None:
