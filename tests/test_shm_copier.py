@@ -137,3 +137,56 @@ def test_the_copier_has_ended_once_the_transport_cleans_up(spare):
     pool.close()
     w.cleanup()
     assert _copiers() == []
+
+
+class _InterruptedOnce(threading.Event):
+    """An event whose first wait is interrupted (KeyboardInterrupt)."""
+
+    hit = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.hit:
+            self.hit = True
+            raise KeyboardInterrupt
+        return super().wait(timeout)
+
+
+def test_an_interrupted_write_returns_only_once_the_copiers_piece_is_in(spare, link, monkeypatch):
+    # The segment is free again once the write returns: a piece still being
+    # copied into it would land in the next message.
+    pool, _ = link
+    copyto = np.copyto
+    holding, let_go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def copier_slow(dst: np.ndarray, src: np.ndarray) -> None:
+        if threading.current_thread().name == "rpcdist-shm-copier":
+            holding.set()
+            assert let_go.wait(60)
+            copyto(dst, src)
+            order.append("copier's piece in")
+        else:  # (the sender takes its pieces once the copier holds one)
+            assert holding.wait(60)
+            copyto(dst, src)
+
+    init = _shm._SharedCopy.__init__
+
+    def interrupted_once(self: _shm._SharedCopy, dst: np.ndarray, src: np.ndarray) -> None:
+        init(self, dst, src)
+        self.done = _InterruptedOnce()
+
+    monkeypatch.setattr(_shm.np, "copyto", copier_slow)
+    monkeypatch.setattr(_shm._SharedCopy, "__init__", interrupted_once)
+
+    def write() -> None:
+        try:
+            pool.write([memoryview(np.ones(16 * MB, np.uint8))])
+        except KeyboardInterrupt:
+            order.append("write interrupted")
+
+    t = threading.Thread(target=write)
+    t.start()
+    t.join(0.5)  # (a write that did not wait would be done by now)
+    let_go.set()
+    t.join(60)
+    assert order == ["copier's piece in", "write interrupted"]

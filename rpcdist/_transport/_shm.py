@@ -333,15 +333,16 @@ class _SharedCopy:
     """One large copy cut into :data:`_PIECE` pieces, which the thread that
     sends and the copier thread take in turn until none is left. The
     sender never waits for the copier to start (it takes every piece if it
-    must); it waits at most for the piece the copier is on."""
+    must); it waits at most for the piece the copier is on, and always for
+    that one (the segment may be reused once the sender returns)."""
 
-    __slots__ = ("_dst", "_error", "_left", "_lock", "_next", "_src", "done")
+    __slots__ = ("_dst", "_error", "_left", "_lock", "_next", "_pieces", "_src", "done")
 
     def __init__(self, dst: np.ndarray, src: np.ndarray) -> None:
         self._dst: np.ndarray | None = dst
         self._src: np.ndarray | None = src
         self._next = 0
-        self._left = -(-src.nbytes // _PIECE)
+        self._pieces = self._left = -(-src.nbytes // _PIECE)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -351,27 +352,43 @@ class _SharedCopy:
         while True:
             with self._lock:
                 dst, src, i = self._dst, self._src, self._next
+                if dst is None or src is None or i >= self._pieces:
+                    return
                 self._next += 1
-            if dst is None or src is None or i * _PIECE >= src.nbytes:
-                return
             piece = slice(i * _PIECE, (i + 1) * _PIECE)
             try:
                 np.copyto(dst[piece], src[piece])
             except BaseException as e:
                 self._error = e
             del dst, src
-            with self._lock:
-                self._left -= 1
-                if self._left == 0:
-                    self.done.set()
+            self._finished(1)
+
+    def _finished(self, pieces: int) -> None:
+        with self._lock:
+            self._left -= pieces
+            if self._left == 0:
+                self.done.set()
 
     def run(self) -> None:
-        """Share the copy with the copier; return once every piece is in."""
+        """Share the copy with the copier; return once every piece is in,
+        or raise once no piece is under way."""
         _COPIER.put(self.work)
-        self.work()
-        self.done.wait()
-        with self._lock:  # (a late copier takes nothing, and drops no view of the segment)
-            self._dst = self._src = None
+        try:
+            self.work()
+        finally:
+            with self._lock:  # (interrupted: nothing more is taken)
+                untaken, self._next = self._pieces - self._next, self._pieces
+            self._finished(untaken)
+            interrupted = None
+            while not self.done.is_set():
+                try:
+                    self.done.wait()
+                except BaseException as e:  # (e.g. KeyboardInterrupt: the piece ends first)
+                    interrupted = e
+            with self._lock:  # (a late copier takes nothing, and keeps no view of the segment)
+                self._dst = self._src = None
+            if interrupted is not None:
+                raise interrupted
         if self._error is not None:
             raise self._error
 
