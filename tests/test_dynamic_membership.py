@@ -24,6 +24,7 @@ import pytest
 
 from rpcdist import ConfigError
 from rpcdist._store import parse_init_method
+from rpcdist.launch._hosting import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -31,12 +32,6 @@ MEMBER = Path(__file__).resolve().parent / "dynamic_member.py"
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds to wait for one answer from a member.
 ANSWER = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Member:
@@ -114,7 +109,7 @@ class Group:
     """Members started with the launcher's environment of one job."""
 
     def __init__(self, token: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.token = token
         self.members: list[Member] = []
 
@@ -356,7 +351,7 @@ def test_collectives_refuse_a_dynamic_agent(monkeypatch: pytest.MonkeyPatch) -> 
 
     for var in ("RANK", "WORLD_SIZE", "RPCDIST_TOKEN"):
         monkeypatch.delenv(var, raising=False)
-    port = _free_port()
+    port = free_port()
     opts = rpcdist.RpcOptions(init_timeout=1.0)  # (its shutdown waits that long for a joiner)
     rpcdist.init_rpc("alone", rank=0, init_method=f"tcp://127.0.0.1:{port}", options=opts)
     try:

@@ -26,6 +26,7 @@ from rpcdist._store._rendezvous import (
     rendezvous_file,
 )
 from rpcdist._store._secret_file import read_secret, write_secret
+from rpcdist.launch._hosting import free_port
 from rpcdist.testing import local_agents
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,12 +36,6 @@ ENV4 = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_S
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), 20))  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize(

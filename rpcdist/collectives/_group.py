@@ -37,6 +37,7 @@ saves two thread hand-offs per op, most of a small op's time (see
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing.util
 import os
@@ -94,7 +95,7 @@ def _sending(notice: threading.Event) -> None:
         multiprocessing.util.Finalize(None, _deliver_notices, exitpriority=100)
 
 
-def _delivered(notice: threading.Event) -> None:
+def _delivered(notice: threading.Event, _task: object = None) -> None:
     _NOTICES.discard(notice)
     notice.set()
 
@@ -394,7 +395,7 @@ class ProcessGroup:
                 notice = threading.Event()
                 _sending(notice)
                 agent.spawn(self._notify(g, payload)).add_done_callback(
-                    lambda _, n=notice: _delivered(n)  # type: ignore[misc]
+                    functools.partial(_delivered, notice)
                 )
 
     async def _notify(self, dst: int, payload: list[Any]) -> None:

@@ -3,7 +3,6 @@ rank with a wrong token fails at once, and the ranks let in keep waiting."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import harness
@@ -18,6 +17,7 @@ from rpcdist._store._rendezvous import parse_init_method
 from rpcdist._store._secret_file import remove_secret, write_secret
 from rpcdist._transport._frames import REPLY
 from rpcdist._transport._tcp_dial import tcp_connect
+from rpcdist.launch._hosting import free_port
 from rpcdist.testing import local_agents
 
 
@@ -101,9 +101,7 @@ def _init_method(tmp_path, scheme: str) -> str:
     """A fresh rendezvous: a file under ``tmp_path``, or a free port on 127.0.0.1."""
     if scheme == "file":
         return f"file://{tmp_path}/rdv"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.mark.parametrize("scheme", ["file", "tcp"])

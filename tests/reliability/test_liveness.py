@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -25,6 +24,7 @@ import pytest
 import rpcdist
 from rpcdist._rpc._liveness import REMOTE_FACTOR
 from rpcdist._rpc._procview import STOPPED, process_state
+from rpcdist.launch._hosting import free_port
 from rpcdist.testing import local_agents
 
 #: The default detector: a stopped same-host peer is declared lost within
@@ -35,16 +35,10 @@ WINDOW = DEFAULTS.peer_timeout + 2 * DEFAULTS.heartbeat_interval
 MARGIN = 1.5
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_gil_hold_is_a_pause_and_a_sigstop_beside_it_is_a_loss():
-    res = harness.run_job(lw.gil_and_sigstop, 3, (_port(),), timeout=90, expect={0, 1})
+    res = harness.run_job(lw.gil_and_sigstop, 3, (free_port(),), timeout=90, expect={0, 1})
     assert not res.errors, res.errors
     v0, v1 = res.values[0], res.values[1]
     assert v0["w2"] == "WorkerLostError", v0
@@ -64,7 +58,7 @@ WAYS = ["shm", "ring-unix", "ring-tcp", "ring-rpc", "ring-grpc"]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("way", WAYS)
 def test_a_sigstopped_rank_fails_a_blocked_all_reduce_on_every_backend(way):
-    res = harness.run_job(lw.sigstop_collective, 3, (_port(), way), timeout=90, expect={0, 1})
+    res = harness.run_job(lw.sigstop_collective, 3, (free_port(), way), timeout=90, expect={0, 1})
     assert not res.errors, res.errors
     stopped = res.values[0]["stopped_at"]
     assert stopped is not None
@@ -88,7 +82,7 @@ def test_a_member_that_exits_after_a_loss_tells_the_others_its_cause(way):
     # sees rank 1 leave, which the notice must come before.
     windows = (20.0, WINDOW, WINDOW)
     res = harness.run_job(
-        lw.sigstop_collective, 3, (_port(), way, windows, 0.5), timeout=90, expect={0, 1}
+        lw.sigstop_collective, 3, (free_port(), way, windows, 0.5), timeout=90, expect={0, 1}
     )
     assert not res.errors, res.errors
     assert "lost rank 2" in res.values[1]["message"], res.values[1]
@@ -103,7 +97,7 @@ def test_a_member_that_exits_after_a_loss_tells_the_others_its_cause(way):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_shutdown_with_the_store_host_stopped_ends_promptly_naming_it_only():
-    res = harness.run_job(lw.store_host_stopped, 3, (_port(),), timeout=90, expect={1, 2})
+    res = harness.run_job(lw.store_host_stopped, 3, (free_port(),), timeout=90, expect={1, 2})
     assert not res.errors, res.errors
     for rank in (1, 2):
         v = res.values[rank]
