@@ -37,6 +37,8 @@ def die_on_one(rank, out_dir):
 
 
 def _park(rank, out_dir):
-    with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+    path = os.path.join(out_dir, f"pid{rank}")
+    with open(path + ".tmp", "w") as f:  # (renamed: killed mid-write, no empty pid file)
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
     threading.Event().wait()  # until spawn stops this process

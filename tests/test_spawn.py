@@ -33,14 +33,14 @@ def test_a_raising_rank_stops_the_others_and_is_raised(tmp_path):
     assert info.value.rank == 1
     assert "ValueError: rank one gives up" in info.value.remote_traceback
     assert "fail_on_one" in str(info.value)  # the child's frames are shown
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid[0-9]")]
     assert all(_gone(pid) for pid in pids)
 
 
 def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     with pytest.raises(rpcdist.ProcessFailedError, match="process 1 was killed by SIGKILL"):
         rpcdist.spawn(spawn_funcs.die_on_one, 2, args=(str(tmp_path),))
-    assert all(_gone(int(p.read_text())) for p in tmp_path.glob("pid*"))
+    assert all(_gone(int(p.read_text())) for p in tmp_path.glob("pid[0-9]"))
 
 
 @pytest.mark.parametrize("n", [0, -1, 1.5, True])

@@ -125,8 +125,10 @@ def main(argv: list[str]) -> int:
 
     def hook(point: str) -> None:
         if kill and int(kill[0]) == ft.step and kill[1] == point:
-            with open(os.path.join(out, f"kill{me}-{ft.step}"), "w") as f:
+            marker = os.path.join(out, f"kill{me}-{ft.step}")
+            with open(marker + ".tmp", "w") as f:  # (renamed: a reader never sees it empty)
                 f.write(str(os.getpid()))
+            os.replace(marker + ".tmp", marker)
             release = os.path.join(out, f"release{me}")
             end = time.monotonic() + 120  # killed from outside before this ends, or released
             while not os.path.exists(release) and time.monotonic() < end:
