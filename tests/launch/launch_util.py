@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +80,18 @@ def wait_for_file(path: Path, timeout: float = 30) -> Path:
         assert time.monotonic() < end, f"{path} never appeared"
         time.sleep(0.02)
     return path
+
+
+def wait_listening(port: int, timeout: float = 60) -> None:
+    """Wait until something accepts connections on 127.0.0.1:``port`` (a launcher's store)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < end, f"nothing listens on 127.0.0.1:{port}"
+            time.sleep(0.05)
 
 
 def read_pid(directory: Path, rank: int, timeout: float = 30) -> int:

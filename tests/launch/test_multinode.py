@@ -15,7 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_util import CHILD, SCRIPTS, TRAIN, alive, node_args, read_pid, read_starts, train_module
+from launch_util import (
+    CHILD,
+    SCRIPTS,
+    TRAIN,
+    alive,
+    node_args,
+    read_pid,
+    read_starts,
+    train_module,
+    wait_listening,
+)
 
 import rpcdist
 from rpcdist.launch import free_port
@@ -164,8 +174,12 @@ def test_with_certificates_in_the_environment_the_job_runs_over_tls_end_to_end(
         assert f"[rank {k}] TLS store=True link=True" in out, out
     # A launcher without the certificates cannot join: the store speaks only TLS.
     port2 = free_port()
-    args = ["--nproc-per-node", "1", *node_args(port2, "2", "--rdzv-timeout", "3")]
-    node0 = launchers.start("--node-rank", "0", *args, str(SCRIPTS / "tls_probe.py"), env=env)
-    rc, out = launchers.run("--node-rank", "1", *args, str(SCRIPTS / "tls_probe.py"))
+    # (Node 0 waits long for node 1; node 1, 3 s, meets its TLS store, not a closed port.)
+    probe = ["--nproc-per-node", "1", str(SCRIPTS / "tls_probe.py")]
+    args0 = [*node_args(port2, "2", "--rdzv-timeout", "60"), "--node-rank", "0"]
+    node0 = launchers.start(*args0, *probe, env=env)
+    wait_listening(port2)
+    args1 = [*node_args(port2, "2", "--rdzv-timeout", "3"), "--node-rank", "1"]
+    rc, out = launchers.run(*args1, *probe)
     assert rc != 0 and "this rank must have them too" in out, out
     node0.kill()
