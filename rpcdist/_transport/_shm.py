@@ -98,8 +98,8 @@ REAP_MIN = 2 << 20
 #: worker's other threads (its loop) run meanwhile.
 _UNLOCKED_COPY = 256 << 10
 #: Buffers this large are copied by two threads at once when a core is
-#: idle (NumPy's copy into a segment, 2 cores: 16 MB 11.5 -> 15.5 GB/s,
-#: 64 MB 9.2 -> 13.3; docs/benchmarks.md), in pieces this large.
+#: idle, in pieces this large (docs/benchmarks.md, "Figures behind the
+#: code's choices").
 _SHARED_COPY = 4 << 20
 _PIECE = 2 << 20
 
