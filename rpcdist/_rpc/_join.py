@@ -112,13 +112,20 @@ async def barrier(agent: AgentView, name: str) -> None:
 
 
 def host_id() -> str:
-    """This host's identity: hostname and kernel boot id (same id: same host)."""
+    """This host's identity: hostname, kernel boot id and the file system on
+    /dev/shm (same id: same host). Two containers with host networking
+    share the first two but each has its own /dev/shm: a shared-memory
+    segment one makes, the other cannot open, so they are two hosts here."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = str(os.stat("/dev/shm").st_dev)
+    except OSError:
+        shm = ""
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 def entry(agent: AgentView, published: dict[str, Any]) -> dict[str, Any]:
