@@ -118,7 +118,7 @@ class RpcOptions:
             encrypted stream). Default: ``RPCDIST_SHM_THRESHOLD`` (bytes,
             ``off`` or ``auto``), else ``"auto"``.
         local_sockets: On the TCP transport, reach workers on the same host
-            (same hostname, boot id and /dev/shm, learnt at rendezvous) through a Unix
+            (same hostname, boot id, /dev/shm and pid namespace, learnt at rendezvous) through a Unix
             socket in Linux's abstract namespace instead of loopback TCP: the
             same frames and job-token hello, with more bulk bandwidth and a
             cheaper send per message (docs/design.md). A peer whose

@@ -130,7 +130,7 @@ class Agent:
         #: (init_process_group). It shuts down when the last role is released.
         self.roles: set[str] = set()
         self.workers = WorkerTable()
-        #: Host identity (hostname, boot id, /dev/shm) of every worker, by rank.
+        #: Host identity (hostname, boot id, /dev/shm, pid namespace) of every worker, by rank.
         self.hosts: dict[int, str] = {}
         self._store: Any = None
         self._store_server: Any = None

@@ -112,20 +112,25 @@ async def barrier(agent: AgentView, name: str) -> None:
 
 
 def host_id() -> str:
-    """This host's identity: hostname, kernel boot id and the file system on
-    /dev/shm (same id: same host). Two containers with host networking
-    share the first two but each has its own /dev/shm: a shared-memory
-    segment one makes, the other cannot open, so they are two hosts here."""
+    """This host's identity: hostname, kernel boot id, the file system on
+    /dev/shm and the pid namespace (same id: same host). Two containers
+    with host networking share the first two, but a shared-memory segment
+    one makes the other cannot open unless /dev/shm is shared, and a pid
+    one names means another process, or none, to the other; the same-host
+    paths rely on both, so such workers are two hosts here."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    try:
-        shm = str(os.stat("/dev/shm").st_dev)
-    except OSError:
-        shm = ""
-    return f"{socket.gethostname()}/{boot}/{shm}"
+    ids = []
+    for path in ("/dev/shm", "/proc/self/ns/pid"):
+        try:
+            st = os.stat(path)
+            ids.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            ids.append("")
+    return "/".join([socket.gethostname(), boot, *ids])
 
 
 def entry(agent: AgentView, published: dict[str, Any]) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class Peer:
         rank: Its rank.
         label: How messages name it (``worker 'w1' at host:port``).
         info: What its transport published at rendezvous (address, ...).
-        same_host: Whether it runs on this host (same hostname, boot id and /dev/shm).
+        same_host: Whether it runs on this host (same hostname, boot id, /dev/shm and pid namespace).
     """
 
     rank: int

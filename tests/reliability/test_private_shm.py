@@ -1,9 +1,11 @@
-"""Two workers on one host (same hostname and boot id) whose /dev/shm are
-not the same file system, as two containers with host networking and their
-own /dev/shm each: a large array between them must not go through a
-shared-memory segment the other cannot open (the message was dropped and
-the call waited out its timeout). Rank 1 runs in a mount namespace with a
-fresh tmpfs on /dev/shm; skipped, saying why, where that cannot be made."""
+"""Two workers on one host (same hostname and boot id) as two containers
+with host networking run them: each with its own /dev/shm, or its own pid
+namespace. A large array between them must not go through a shared-memory
+segment the other cannot open (the message was dropped and the call waited
+out its timeout), and neither may judge the other's process by a pid of
+another namespace: they count as two hosts. Rank 1 runs in a mount
+namespace with a fresh tmpfs on /dev/shm, or in a pid namespace of its
+own; skipped, saying why, where that cannot be made."""
 
 from __future__ import annotations
 
@@ -35,37 +37,48 @@ if rank == 0:
     y = rpcdist.rpc_sync("w1", rf.echo, args=(x,))
     assert np.array_equal(x, y)
     print(f"echo ok in {time.monotonic() - t:.2f} s", flush=True)
+    from rpcdist._rpc._context import current_agent
+    hosts = current_agent().hosts
+    print("one host" if hosts[0] == hosts[1] else "two hosts", flush=True)
 rpcdist.shutdown()
 """
 
 
-def _private_shm_prefix() -> list[str]:
-    """The command prefix that runs a program with its own /dev/shm, or skip."""
+def _isolated(what: str) -> list[str]:
+    """The command prefix that runs a program with its own /dev/shm
+    (``"shm"``) or pid namespace (``"pid"``), or skip."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a private /dev/shm needs root")
+        pytest.skip("making namespaces needs root")
     if shutil.which("unshare") is None:
         pytest.skip("the unshare command is missing")
-    prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c"]
+    if what == "shm":
+        prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c"]
+        setup, probe_path = "mount -t tmpfs tmpfs /dev/shm", "/dev/shm"
+    else:
+        prefix = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c"]
+        setup, probe_path = "true", "/proc/self/ns/pid"
     probe = subprocess.run(
-        [*prefix, "mount -t tmpfs tmpfs /dev/shm && stat -c %d /dev/shm"],
+        [*prefix, f"{setup} && stat -L -c %d:%i {probe_path}"],
         capture_output=True,
         text=True,
         timeout=30,
     )
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount a private /dev/shm: {probe.stderr.strip()}")
-    assert int(probe.stdout) != os.stat("/dev/shm").st_dev  # (another file system)
-    return [*prefix, 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+        pytest.skip(f"cannot isolate {what}: {probe.stderr.strip()}")
+    st = os.stat(probe_path)
+    assert probe.stdout.strip() != f"{st.st_dev}:{st.st_ino}"  # (isolated indeed)
+    return [*prefix, f'{setup} && exec "$@"', "sh"]
 
 
-def test_a_large_array_reaches_a_worker_whose_dev_shm_is_not_ours():
-    private = _private_shm_prefix()
+@pytest.mark.parametrize("what", ["shm", "pid"])
+def test_a_worker_with_its_own_dev_shm_or_pids_is_another_host(what):
+    isolated = _isolated(what)
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
     cmd = [sys.executable, "-c", WORKER]
     procs = [
         subprocess.Popen(
-            [*(private if r == 1 else []), *cmd, str(r), init],
+            [*(isolated if r == 1 else []), *cmd, str(r), init],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -82,4 +95,4 @@ def test_a_large_array_reaches_a_worker_whose_dev_shm_is_not_ours():
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
-    assert "echo ok" in outs[0], outs
+    assert "echo ok" in outs[0] and "two hosts" in outs[0], outs
