@@ -32,6 +32,7 @@ from .._options import is_loopback
 from .._store import GrpcTls, open_store
 from .._store._common import REFUSED_KEY
 from .._store._private import open_private_store
+from .._transport._shm import SHM_DIR
 from . import _procview
 
 if TYPE_CHECKING:
@@ -119,18 +120,10 @@ def host_id() -> str:
     one names means another process, or none, to the other; the same-host
     paths rely on both, so such workers are two hosts here."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+        shm = str(os.stat(SHM_DIR).st_dev)  # (the file system mounted there)
     except OSError:
-        boot = ""
-    ids = []
-    for path in ("/dev/shm", "/proc/self/ns/pid"):
-        try:
-            st = os.stat(path)
-            ids.append(f"{st.st_dev}:{st.st_ino}")
-        except OSError:
-            ids.append("")
-    return "/".join([socket.gethostname(), boot, *ids])
+        shm = ""
+    return "/".join([socket.gethostname(), _procview.boot_id(), shm, _procview.namespace("pid")])
 
 
 def entry(agent: AgentView, published: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["GONE", "RUNNING", "STOPPED", "process_state", "seat"]
+__all__ = ["GONE", "RUNNING", "STOPPED", "boot_id", "namespace", "process_state", "seat"]
 
 #: The process has exited (or is a zombie).
 GONE = "gone"
@@ -35,7 +35,14 @@ def _read(path: str) -> str:
         return ""
 
 
-def _namespace(kind: str) -> str:
+def boot_id() -> str:
+    """The kernel's boot id (``""`` where it cannot be read)."""
+    return _read("/proc/sys/kernel/random/boot_id")
+
+
+def namespace(kind: str) -> str:
+    """This process's ``kind`` namespace (``"pid:[4026531836]"``; ``""``
+    where it cannot be read)."""
     try:
         return os.readlink(f"/proc/self/ns/{kind}")
     except OSError:
@@ -45,8 +52,8 @@ def _namespace(kind: str) -> str:
 def seat() -> str:
     """Where this process can be seen from: boot id, pid and network
     namespaces (``""`` without ``/proc``: no second opinion then)."""
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    pid_ns, net_ns = _namespace("pid"), _namespace("net")
+    boot = boot_id()
+    pid_ns, net_ns = namespace("pid"), namespace("net")
     if not (boot and pid_ns and net_ns):
         return ""
     return f"{boot}/{pid_ns}/{net_ns}"
